@@ -1,0 +1,157 @@
+"""Engine configuration: frozen dataclasses validated on construction.
+
+`EngineConfig.create(...)` is the one place that turns user arguments (the offline `LLM` kwargs and,
+later, CLI flags) into validated configs. Errors name the argument at fault and what would work.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_size(value: int | str) -> int:
+    """Parse a byte count: 4096, "4GiB", "512MiB", "2GB" (decimal), "1.5G" (binary)."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"cannot parse size {value!r}: use bytes or a unit like '4GiB', '512MiB'")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    power = "KMGT".index(unit) + 1 if unit else 0
+    base = 1000 if (unit and not binary and str(value).strip().upper().endswith("B")) else 1024
+    return int(number * base**power)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA GPU is visible; use device='cpu'")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, model_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """'auto' follows the checkpoint's dtype (bf16 for GGUF), fp32 becomes bf16 on GPUs as in vLLM."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        chosen = model_dtype or torch.bfloat16
+        if chosen == torch.float32 and device.type == "cuda":
+            chosen = torch.bfloat16
+        return chosen
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and how: the resolved checkpoint path plus the HF-style config dict."""
+
+    model: str                    # checkpoint dir or .gguf file, resolved
+    served_model_name: str
+    hf_config: dict[str, Any]     # config.json contents (synthesised for GGUF)
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+
+    @property
+    def architecture(self) -> str:
+        return (self.hf_config.get("architectures") or ["?"])[0]
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.hf_config["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.hf_config.get("num_key_value_heads") or self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.hf_config.get("head_dim") or self.hf_config["hidden_size"] // self.num_heads)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None   # bytes; CPU default is 4 GiB (as vLLM's CPU backend)
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a positive power of two (e.g. 16)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be a positive byte count")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel layout. Only the single-device layout runs in this release; the fields exist so the
+    other configs, the planner and the executors share one vocabulary."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than max_model_len="
+                f"{self.max_model_len}; enable chunked prefill or raise max_num_batched_tokens")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    parallel_config: ParallelConfig
+    scheduler_config: SchedulerConfig
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))

@@ -1,0 +1,72 @@
+"""EngineArgs: every user-facing knob with vLLM's name, turned into a validated EngineConfig."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from shardserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                               parse_size, resolve_device, resolve_dtype)
+from shardserve.models.loader import (DEFAULT_MODEL_NAME, checkpoint_dtype, load_hf_config,
+                                      resolve_model_path)
+from shardserve.models.registry import resolve_model_class
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | str | None = None
+    num_gpu_blocks_override: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+
+    def create_engine_config(self) -> EngineConfig:
+        path = resolve_model_path(self.model)
+        hf_config = load_hf_config(path)
+        resolve_model_class(hf_config)   # fail early, listing the supported architectures
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, checkpoint_dtype(hf_config), device)
+        max_model_len = self._max_model_len(hf_config)
+        name = self.served_model_name or (DEFAULT_MODEL_NAME if self.model is None
+                                          else os.path.basename(os.path.normpath(self.model)))
+        model_config = ModelConfig(model=path, served_model_name=name, hf_config=hf_config, dtype=dtype,
+                                   max_model_len=max_model_len, seed=self.seed, tokenizer=self.tokenizer,
+                                   skip_tokenizer_init=self.skip_tokenizer_init)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                  self.data_parallel_size, self.distributed_executor_backend)
+        if parallel.world_size > 1 or parallel.data_parallel_size > 1:
+            raise ValueError("tensor, pipeline and data parallelism are not available in this release; "
+                             "run with tensor_parallel_size=pipeline_parallel_size=data_parallel_size=1")
+        batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)
+        scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
+                                    max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)
+        kv_memory = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
+        cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                            gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory=kv_memory,
+                            num_gpu_blocks_override=self.num_gpu_blocks_override)
+        return EngineConfig(model_config, cache, parallel, scheduler, device)
+
+    def _max_model_len(self, hf_config: dict) -> int:
+        limit = int(hf_config.get("max_position_embeddings") or 2048)
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{limit}; use at most {limit}")
+        return self.max_model_len

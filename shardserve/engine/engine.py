@@ -1,0 +1,148 @@
+"""LLMEngine: the synchronous step loop that ties scheduler, executor and output processing.
+
+One `step()`: schedule (token budget, KV blocks) -> executor runs the model on every rank ->
+scheduler books the sampled tokens -> outputs are detokenized and returned.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from shardserve.config import EngineConfig
+from shardserve.engine.args import EngineArgs
+from shardserve.engine.detokenizer import IncrementalDetokenizer
+from shardserve.engine.output_processor import OutputProcessor, RequestState, SampleState
+from shardserve.engine.request import Request, RequestStatus
+from shardserve.engine.scheduler import Scheduler
+from shardserve.executor.uniproc import UniProcExecutor
+from shardserve.outputs import RequestOutput
+from shardserve.sampling_params import SamplingParams
+from shardserve.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger("shardserve")
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        self.config = config
+        mc = config.model_config
+        self.tokenizer = None if mc.skip_tokenizer_init else Tokenizer.from_path(mc.tokenizer or mc.model)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+        self.executor = UniProcExecutor(config, eos, show_progress)
+        num_blocks = self._init_kv_cache()
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "LLMEngine":
+        return cls(args.create_engine_config(), show_progress)
+
+    def _init_kv_cache(self) -> int:
+        bs = self.config.cache_config.block_size
+        max_len = self.config.model_config.max_model_len
+        num_blocks = self.executor.determine_num_blocks()
+        tokens = (num_blocks - 1) * bs   # block 0 is reserved
+        per_block = self.executor.kv_bytes_per_block()
+        if tokens < max_len:
+            need = (-(-max_len // bs) + 1) * per_block
+            raise ValueError(
+                f"the KV cache holds {max(tokens, 0)} tokens ({num_blocks * per_block / 2**30:.3f} GiB) but one "
+                f"request of max_model_len={max_len} tokens needs at least {need / 2**30:.3f} GiB "
+                f"({need} bytes): raise --kv-cache-memory (or --gpu-memory-utilization), or lower --max-model-len")
+        self.executor.initialize_kv_cache(num_blocks)
+        logger.info("KV cache size: %d tokens (%d blocks of %d, %.2f GiB)", tokens, num_blocks - 1, bs,
+                    num_blocks * per_block / 2**30)
+        logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_len, tokens / max_len)
+        return num_blocks
+
+    # ---- requests --------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this engine was built with skip_tokenizer_init")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        max_len = self.config.model_config.max_model_len
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(token_ids) > max_len:
+            raise ValueError(f"the prompt ({len(token_ids)} tokens) is longer than the maximum model length "
+                             f"of {max_len} tokens")
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        text, token_ids = self.tokenize_prompt(prompt)
+        self._validate_prompt(token_ids)
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+        children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
+        samples, engine_ids, requests = [], [], []
+        for i, child in enumerate(children):
+            if i > 0 and child.prompt_logprobs is not None:   # computed once, for the first sample
+                child = replace(child, prompt_logprobs=None)
+            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            detok = (IncrementalDetokenizer(self.tokenizer, token_ids, child)
+                     if self.tokenizer is not None and child.detokenize else None)
+            samples.append(SampleState(i, detok))
+            engine_ids.append(rid)
+            requests.append(Request(rid, token_ids, child, eos, arrival_time or time.monotonic()))
+        self.output_processor.add(RequestState(request_id, text, token_ids, samples), engine_ids)
+        for req in requests:
+            self.scheduler.add_request(req)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            engine_ids = self.output_processor.abort(request_id)
+            self.scheduler.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    # ---- the loop --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        result = self.executor.execute_model(sched)
+        updates = self.scheduler.update_from_output(sched, result)
+        outputs, stopped = self.output_processor.process(updates)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage(),
+                           kv.prefix_cache_queries, kv.prefix_cache_hits, self.scheduler.num_preemptions)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+

@@ -1,0 +1,29 @@
+"""The executor interface: how the engine reaches its workers, wherever they run."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call `method` on every worker; returns one result per worker, in rank order."""
+
+    def determine_num_blocks(self) -> int:
+        # Every rank must fit the pool, so the smallest answer wins.
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def kv_bytes_per_block(self) -> int:
+        return self.collective_rpc("kv_bytes_per_block")[0]
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", (sched,))[0]
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,56 @@
+"""The attention backend interface.
+
+A step's tokens arrive flattened: all decode tokens first (one per request), then the prefill
+chunks. `CommonAttentionMetadata` describes the batch once per step, in backend-neutral terms
+(block tables, sequence lengths, slot mapping); each backend turns it into whatever its kernels
+need with `build`, once per step, and every layer reuses that.
+
+KV cache layout, per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
+A token at position p of a request lives in slot block_table[p // block_size] * block_size +
+p % block_size. Block 0 is the null block: zero, never written, the target of padding.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    num_decodes: int                 # requests with exactly one new token, placed first
+    query_lens: list[int]            # per request, new tokens this step
+    context_lens: list[int]          # per request, tokens already in the KV cache
+    block_tables: torch.Tensor       # [num_reqs, max_blocks] int32, padded with 0 (null block)
+    slot_mapping: torch.Tensor       # [num_tokens] int64: where each new token's K/V goes
+    block_size: int
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [c + q for c, q in zip(self.context_lens, self.query_lens)]
+
+
+@dataclass
+class AttentionSpec:
+    """Static per-layer facts a backend may need."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata, device: torch.device) -> object:
+        """Per-step metadata shared by all layers."""
+
+    @abstractmethod
+    def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: object) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D] for the new tokens. Writes k, v into kv_cache at the slot
+        mapping, attends over each request's whole context, returns [T, Hq, D]."""

@@ -1,0 +1,136 @@
+"""Linear layers that know how they are sharded (Megatron style).
+
+Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies in only
+this rank's slice, so a checkpoint tensor is read once and no rank ever holds the full matrix.
+- ColumnParallelLinear: output features split across TP ranks; no communication.
+- RowParallelLinear: input features split; partial sums all-reduced; bias added once, after it.
+- MergedColumnParallelLinear: several column layers fused into one matmul (gate_up_proj).
+- QKVParallelLinear: q, k and v fused; KV heads are replicated when TP exceeds their count.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.distributed.comm import tensor_model_parallel_all_reduce
+from shardserve.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                   get_tensor_model_parallel_world_size)
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
+    return numerator // denominator
+
+
+def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
+    param.weight_loader = loader
+    return param
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = _set_loader(nn.Parameter(torch.empty(output_size, input_size), requires_grad=False),
+                                  self.weight_loader)
+        if bias:
+            self.bias = _set_loader(nn.Parameter(torch.empty(output_size), requires_grad=False),
+                                    self.weight_loader)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, loaded)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp = get_tensor_model_parallel_world_size()
+        super().__init__(input_size, _divide(output_size, tp, "output features"), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        default_weight_loader(param, loaded.narrow(0, self.tp_rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp = get_tensor_model_parallel_world_size()
+        super().__init__(_divide(input_size, tp, "input features"), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 2:
+            size = param.shape[1]
+            loaded = loaded.narrow(1, self.tp_rank * size, size)
+        default_weight_loader(param, loaded)   # the bias is replicated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        if self.bias is not None:
+            out = out + self.bias   # once, after the reduction
+        return out
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Column-parallel outputs of several logical matrices stacked: shard_id indexes them."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        per_rank = [s // self.tp_size for s in self.output_sizes]
+        offset = sum(per_rank[:shard_id])
+        size = per_rank[shard_id]
+        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        tp = get_tensor_model_parallel_world_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:   # fewer KV heads than ranks: each KV head is replicated on tp / num_kv_heads ranks
+            self.num_kv_heads = 1
+            self.kv_replicas = _divide(tp, num_kv_heads, "tensor_parallel_size / num_key_value_heads")
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out, bias)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        else:
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))

@@ -1,0 +1,95 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(...)` and `.chat(...)`."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from shardserve.engine.args import EngineArgs
+from shardserve.engine.engine import LLMEngine, PromptType
+from shardserve.outputs import RequestOutput
+from shardserve.sampling_params import SamplingParams
+from shardserve.tokenizer.tokenizer import Tokenizer
+
+Message = dict[str, Any]
+
+
+def _setup_logging() -> None:
+    log = logging.getLogger("shardserve")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    LLM(model=None) serves the embedded SmolLM2-135M-Instruct. Other keyword arguments are
+    EngineArgs fields (max_num_batched_tokens, kv_cache_memory, block_size, ...)."""
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
+                 device: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256, seed: int = 0,
+                 show_progress: bool = True, **kwargs: Any) -> None:
+        _setup_logging()
+        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
+                          max_num_seqs=max_num_seqs, seed=seed, **kwargs)
+        self.engine = LLMEngine.from_engine_args(args, show_progress=show_progress)
+        self.show_progress = show_progress
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        return self._run(list(prompts), list(params), use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(conv, add_generation_prompt, chat_template,
+                                                 **(chat_template_kwargs or {}))
+            # The template already wrote any BOS; do not let the tokenizer add another.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = engine.next_request_id()
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", unit="req",
+                   disable=not (use_tqdm and self.show_progress), leave=False)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[rid] for rid in ids]

@@ -1,0 +1,127 @@
+"""GGUF checkpoints: an HF-style config from the metadata, and weights dequantized one tensor at a
+time under their HF names (the `gguf` package reads the file through a memory map)."""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+          "qwen3": "Qwen3ForCausalLM"}
+_SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+@lru_cache(maxsize=4)
+def open_gguf(path: str):
+    """Parsing a GGUF header takes seconds for large vocabularies: config, tokenizer and weights
+    share one reader (the tensor data itself is a memory map)."""
+    import gguf
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:   # a truncated or foreign file
+        raise ValueError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def field_value(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_to_hf_config(reader) -> dict[str, Any]:
+    arch = field_value(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(_ARCHS))}")
+
+    def meta(key: str, default: Any = None) -> Any:
+        return field_value(reader, f"{arch}.{key}", default)
+
+    heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    cfg = {
+        "architectures": [_ARCHS[arch]],
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "head_dim": int(meta("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(meta("context_length", 4096)),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "torch_dtype": "bfloat16",
+        "gguf_architecture": arch,
+    }
+    window = meta("attention.sliding_window")
+    if window:
+        cfg["sliding_window"] = int(window)
+    return cfg
+
+
+def _reverse_llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves the rotary halves of q and k rows; undo it."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None   # e.g. rope_freqs: not a parameter
+
+
+def dequantize(tensor) -> torch.Tensor:
+    import gguf
+    kind = tensor.tensor_type.name
+    if kind not in _SUPPORTED_QUANTS:
+        raise ValueError(f"GGUF tensor {tensor.name} uses {kind}, which is not supported; "
+                         f"supported: {', '.join(sorted(_SUPPORTED_QUANTS))}")
+    if kind == "BF16":   # numpy has no bfloat16: reinterpret the raw 16-bit words
+        raw = np.ascontiguousarray(tensor.data).view(np.int16)
+        out = torch.from_numpy(raw.copy()).view(torch.bfloat16)
+    elif kind in ("F32", "F16"):
+        out = torch.from_numpy(np.array(tensor.data))
+    else:
+        out = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+    shape = [int(d) for d in reversed(tensor.shape)]   # GGUF lists dims innermost first
+    return out.reshape(shape)
+
+
+def iter_gguf_weights(reader, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    permute = hf_config.get("gguf_architecture") == "llama"
+    heads, kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        weight = dequantize(tensor)
+        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = _reverse_llama_permute(weight, heads)
+        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = _reverse_llama_permute(weight, kv_heads)
+        yield name, weight
+
+
+def count_gguf_tensors(reader) -> int:
+    return sum(1 for t in reader.tensors if hf_name(t.name) is not None)

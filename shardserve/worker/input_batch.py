@@ -1,0 +1,88 @@
+"""Per-request state kept by a worker between steps, and the flattening of one step's requests into
+model inputs (token ids, positions, slot mapping, block tables)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shardserve.engine.scheduler_output import SchedulerOutput
+from shardserve.layers.attention import CommonAttentionMetadata
+from shardserve.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput) -> None:
+    for req_id in sched.finished_req_ids:
+        states.pop(req_id, None)
+    for new in sched.scheduled_new_reqs:
+        states[new.req_id] = CachedRequestState(new.req_id, list(new.token_ids), new.num_prompt_tokens,
+                                                new.sampling_params, list(new.block_ids),
+                                                new.num_computed_tokens)
+    for cached in sched.scheduled_cached_reqs:
+        state = states[cached.req_id]
+        state.token_ids.extend(cached.new_token_ids)
+        state.block_ids.extend(cached.new_block_ids)
+        state.num_computed_tokens = cached.num_computed_tokens
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]               # decodes first, then prefill chunks
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: CommonAttentionMetadata
+    token_offsets: list[int]         # per request: index of its first token in the flat batch
+    sample_req_ids: list[str]        # requests whose chunk ends at their last token
+    sample_indices: torch.Tensor     # flat index of each one's last token
+
+
+def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput, block_size: int,
+                   device: torch.device) -> StepInputs:
+    scheduled = sched.num_scheduled_tokens
+    req_ids = sorted(scheduled, key=lambda r: scheduled[r] != 1)   # stable: decodes first
+    num_decodes = sum(1 for r in req_ids if scheduled[r] == 1)
+    total = sched.total_num_scheduled_tokens
+    input_ids = np.empty(total, dtype=np.int64)
+    positions = np.empty(total, dtype=np.int64)
+    slot_mapping = np.empty(total, dtype=np.int64)
+    max_blocks = max(len(states[r].block_ids) for r in req_ids)
+    block_tables = np.zeros((len(req_ids), max_blocks), dtype=np.int32)
+    query_lens, context_lens, offsets, sample_req_ids, sample_idx = [], [], [], [], []
+    start = 0
+    for i, req_id in enumerate(req_ids):
+        state = states[req_id]
+        n, ctx = scheduled[req_id], state.num_computed_tokens
+        blocks = np.asarray(state.block_ids, dtype=np.int64)
+        block_tables[i, :len(blocks)] = blocks
+        pos = np.arange(ctx, ctx + n)
+        input_ids[start:start + n] = state.token_ids[ctx:ctx + n]
+        positions[start:start + n] = pos
+        slot_mapping[start:start + n] = blocks[pos // block_size] * block_size + pos % block_size
+        query_lens.append(n)
+        context_lens.append(ctx)
+        offsets.append(start)
+        if ctx + n == len(state.token_ids):
+            sample_req_ids.append(req_id)
+            sample_idx.append(start + n - 1)
+        start += n
+    attn = CommonAttentionMetadata(
+        num_decodes=num_decodes, query_lens=query_lens, context_lens=context_lens,
+        block_tables=torch.from_numpy(block_tables).to(device),
+        slot_mapping=torch.from_numpy(slot_mapping).to(device), block_size=block_size)
+    return StepInputs(req_ids, torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
+                      attn, offsets, sample_req_ids, torch.tensor(sample_idx, dtype=torch.long, device=device))

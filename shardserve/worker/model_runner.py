@@ -1,0 +1,158 @@
+"""Runs the model on one device: load, size and allocate the KV pool, prepare inputs, run, sample."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shardserve.config import EngineConfig
+from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shardserve.layers.attention import AttentionContext, TorchAttentionBackend
+from shardserve.layers.sampler import Sampler, compute_logprobs
+from shardserve.models.loader import load_model
+from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
+from shardserve.worker.sampling_inputs import build_sampling_metadata
+
+logger = logging.getLogger(__name__)
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3   # vLLM's CPU backend default (VLLM_CPU_KVCACHE_SPACE=4)
+
+
+def _rows_to_lists(ids: torch.Tensor, lps: torch.Tensor, ranks: torch.Tensor, k: int):
+    """First column is the chosen token; keep it plus the request's own top-k."""
+    width = ids.shape[-1] if k == -1 else 1 + k
+    return ids[:width].tolist(), lps[:width].tolist(), ranks[:width].tolist()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
+                 show_progress: bool = True) -> None:
+        self.config = config
+        self.mc = config.model_config
+        self.device = config.device
+        self.block_size = config.cache_config.block_size
+        self.eos_token_ids = eos_token_ids
+        self.show_progress = show_progress
+        self.backend = TorchAttentionBackend()
+        self.sampler = Sampler()
+        self.states: dict[str, CachedRequestState] = {}
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def load_model(self) -> None:
+        self.model = load_model(self.mc.model, self.mc.hf_config, self.mc.dtype, self.device,
+                                show_progress=self.show_progress)
+
+    def kv_bytes_per_block(self) -> int:
+        layers = self.model.attention_layers()
+        spec = layers[0].spec
+        elem = torch.tensor([], dtype=self.mc.dtype).element_size()
+        return 2 * len(layers) * self.block_size * spec.num_kv_heads * spec.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        cc = self.config.cache_config
+        if cc.num_gpu_blocks_override:
+            return cc.num_gpu_blocks_override
+        if self.device.type == "cuda" and cc.kv_cache_memory is None:
+            budget = self._profile_cuda_kv_budget()
+        else:
+            budget = cc.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+        return budget // self.kv_bytes_per_block()
+
+    def _profile_cuda_kv_budget(self) -> int:
+        """Run the largest step the scheduler may issue, then give the KV pool what is left of
+        gpu_memory_utilization x total memory."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        sc = self.config.scheduler_config
+        n = sc.max_num_batched_tokens
+        blocks = -(-min(n, sc.max_model_len) // self.block_size)
+        self.initialize_kv_cache(blocks * max(1, -(-n // sc.max_model_len)) + 1)
+        self._dummy_run(n, sc.max_model_len, sc.max_num_seqs)
+        torch.cuda.synchronize(self.device)
+        self.kv_caches = []
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.empty(0)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)   # other processes, CUDA context
+        budget = int(total * self.config.cache_config.gpu_memory_utilization) - peak - max(others, 0)
+        torch.cuda.empty_cache()
+        if budget <= 0:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: weights and activations peak at {peak / 2**30:.1f} GiB "
+                f"of {total / 2**30:.1f} GiB x gpu_memory_utilization; raise --gpu-memory-utilization, lower "
+                "--max-num-batched-tokens, or shard the model")
+        return budget
+
+    def _dummy_run(self, num_tokens: int, max_model_len: int, max_num_seqs: int) -> None:
+        from shardserve.engine.scheduler_output import NewRequestData, SchedulerOutput
+        from shardserve.sampling_params import SamplingParams
+        sched = SchedulerOutput()
+        remaining, block = num_tokens, 1
+        while remaining > 0:
+            n = min(remaining, max_model_len)
+            nblocks = -(-n // self.block_size)
+            req_id = f"_profile_{len(sched.scheduled_new_reqs)}"
+            sched.scheduled_new_reqs.append(NewRequestData(req_id, [0] * n, n, SamplingParams(max_tokens=1),
+                                                           list(range(block, block + nblocks)), 0))
+            sched.num_scheduled_tokens[req_id] = n
+            block += nblocks
+            remaining -= n
+        sched.total_num_scheduled_tokens = num_tokens
+        self.execute_model(sched)
+        logits = torch.zeros(max_num_seqs, self.mc.vocab_size, device=self.device)   # sampler's largest batch
+        del logits
+        sched = SchedulerOutput(finished_req_ids=set(sched.num_scheduled_tokens))
+        update_states(self.states, sched)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []
+        for layer in self.model.attention_layers():
+            spec = layer.spec
+            cache = torch.empty(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+                                dtype=self.mc.dtype, device=self.device)
+            cache[:, 0].zero_()   # the null block: padding reads zeros from here
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ---- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        update_states(self.states, sched)
+        out = ModelRunnerOutput()
+        if sched.is_empty:
+            return out
+        inputs = prepare_inputs(self.states, sched, self.block_size, self.device)
+        ctx = AttentionContext(self.backend, self.backend.build(inputs.attn, self.device))
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        self._prompt_logprobs(inputs, hidden, out)
+        if not inputs.sample_req_ids:
+            return out
+        states = [self.states[r] for r in inputs.sample_req_ids]
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        md = build_sampling_metadata(states, self.mc.vocab_size, self.eos_token_ids, self.device)
+        sampled, lp_rows = self.sampler(logits, md)
+        sampled_list = sampled.tolist()
+        for row, (req_id, state) in enumerate(zip(inputs.sample_req_ids, states)):
+            out.sampled_token_ids[req_id] = sampled_list[row]
+            k = state.sampling_params.logprobs
+            if k is not None and lp_rows is not None:
+                out.logprobs[req_id] = _rows_to_lists(lp_rows[0][row], lp_rows[1][row], lp_rows[2][row], k)
+        return out
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Logprobs of each prompt token given the ones before it, for requests that asked."""
+        for req_id, offset, n, ctx in zip(inputs.req_ids, inputs.token_offsets, inputs.attn.query_lens,
+                                          inputs.attn.context_lens):
+            state = self.states[req_id]
+            k = state.sampling_params.prompt_logprobs
+            # Position p predicts prompt token p + 1; only prompt positions count.
+            last = min(ctx + n, state.num_prompt_tokens - 1)
+            if k is None or last <= ctx:
+                continue
+            rows = hidden[offset:offset + (last - ctx)]
+            logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+            targets = torch.tensor(state.token_ids[ctx + 1:last + 1], device=self.device)
+            ids, lps, ranks = compute_logprobs(logprobs, targets, k)
+            out.prompt_logprobs[req_id] = [_rows_to_lists(ids[i], lps[i], ranks[i], k) for i in range(len(targets))]

@@ -1,0 +1,60 @@
+"""Turn the sampled requests' SamplingParams into the batched tensors the Sampler consumes."""
+from __future__ import annotations
+
+import torch
+
+from shardserve.layers.sampler import SamplingMetadata
+from shardserve.worker.input_batch import CachedRequestState
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def request_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """A generator for one draw, keyed by (seed, output position): a seeded request's tokens do not
+    depend on its batch-mates, nor on whether it was preempted and recomputed."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * _SEED_MIX + position) % (2**63 - 1))
+    return gen
+
+
+def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int, eos_token_ids: frozenset[int],
+                            device: torch.device) -> SamplingMetadata:
+    params = [s.sampling_params for s in states]
+    n = len(params)
+
+    def column(values, dtype=torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    greedy = [p.greedy for p in params]
+    md = SamplingMetadata(temperature=column([p.temperature for p in params]),
+                          greedy=column(greedy, torch.bool), all_greedy=all(greedy))
+    sampling = [p for p in params if not p.greedy]
+    if any(p.top_p < 1.0 for p in sampling):
+        md.top_p = column([p.top_p for p in params])
+    if any(p.top_k > 0 for p in sampling):
+        md.top_k = column([p.top_k for p in params], torch.long)
+    if any(p.min_p > 0.0 for p in sampling):
+        md.min_p = column([p.min_p for p in params])
+    for row, (state, p) in enumerate(zip(states, params)):
+        if p.seed is not None and not p.greedy:
+            md.generators[row] = request_generator(p.seed, state.num_output_tokens, device)
+        if state.num_output_tokens < p.min_tokens:
+            blocked = sorted(set(p.stop_token_ids) | eos_token_ids)
+            if blocked:
+                md.blocked_tokens.append((row, blocked))
+    if any(p.uses_penalties for p in params):
+        counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
+        prompt_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
+        for row, state in enumerate(states):
+            out = torch.tensor(state.token_ids[state.num_prompt_tokens:], dtype=torch.long, device=device)
+            counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+            prompt = torch.tensor(state.token_ids[:state.num_prompt_tokens], dtype=torch.long, device=device)
+            prompt_mask[row, prompt] = True
+        md.output_token_counts, md.prompt_token_mask = counts, prompt_mask
+        md.presence_penalty = column([p.presence_penalty for p in params])
+        md.frequency_penalty = column([p.frequency_penalty for p in params])
+        md.repetition_penalty = column([p.repetition_penalty for p in params])
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    if wanted:
+        md.num_logprobs = -1 if -1 in wanted else max(wanted)
+    return md
