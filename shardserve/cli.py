@@ -1,0 +1,113 @@
+"""`shardserve` command line: chat and generate (serve, router, plan, doctor and bench join later)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from shardserve.engine.args import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, spelled as vLLM spells them."""
+    d = EngineArgs()
+    parser.add_argument("--model", default=None, help="HF checkpoint directory or .gguf file "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer path if not the model's own")
+    parser.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32 (default: %(default)s)")
+    parser.add_argument("--device", default=d.device, help="auto, cpu or cuda (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="default: %(default)s")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 2048)")
+    parser.add_argument("--block-size", type=int, default=d.block_size, help="KV block size in tokens (default: %(default)s)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse KV blocks of shared prefixes (default: on)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                        help="fraction of GPU memory to use (default: %(default)s)")
+    parser.add_argument("--kv-cache-memory", default=None, help="KV cache budget in bytes, e.g. 4GiB (CPU default: 4GiB)")
+    parser.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(model=ns.model, tokenizer=ns.tokenizer, dtype=ns.dtype, device=ns.device,
+                      max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
+                      max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
+                      enable_prefix_caching=ns.enable_prefix_caching,
+                      gpu_memory_utilization=ns.gpu_memory_utilization, kv_cache_memory=ns.kv_cache_memory,
+                      seed=ns.seed)
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=256)
+
+
+def _make_llm(ns: argparse.Namespace):
+    from shardserve.llm import LLM
+    args = engine_args_from(ns)
+    return LLM(**vars(args))
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from shardserve.sampling_params import SamplingParams
+    llm = _make_llm(ns)
+    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens)
+    messages = [{"role": "system", "content": ns.system}] if ns.system else []
+    if ns.message:
+        messages.append({"role": "user", "content": ns.message})
+        print(llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text)
+        return 0
+    print("Chatting with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line:
+            return 0
+        messages.append({"role": "user", "content": line})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        print(f"assistant> {reply}")
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from shardserve.sampling_params import SamplingParams
+    llm = _make_llm(ns)
+    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens)
+    for out in llm.generate(ns.prompts, params):
+        print(out.prompt + out.outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardserve", description="Serve large language models across accelerators.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    chat = sub.add_parser("chat", help="chat with a model in the terminal (default: the embedded SmolLM2)",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_args(chat)
+    _sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--message", default=None, help="ask one question, print the answer and exit")
+    chat.set_defaults(func=cmd_chat)
+    gen = sub.add_parser("generate", help="complete raw prompts (no chat template)")
+    add_engine_args(gen)
+    _sampling_args(gen)
+    gen.add_argument("prompts", nargs="+")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
