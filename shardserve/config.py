@@ -5,6 +5,8 @@ later, CLI flags) into validated configs. Errors name the argument at fault and 
 """
 from __future__ import annotations
 
+import os
+import platform
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +57,31 @@ def resolve_dtype(dtype: str | torch.dtype, model_dtype: torch.dtype | None, dev
     return _DTYPES[dtype]
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype matmuls run in. On a CPU without bf16/fp16 matrix instructions (AVX2-only x86),
+    PyTorch's half-precision GEMMs are ~15x slower than fp32 (and vLLM's give wrong answers), so
+    weights keep their half-precision values but are stored and multiplied in fp32; the KV cache
+    stays in the serving dtype. SHARDSERVE_CPU_NATIVE_HALF=1 forces native half-precision math."""
+    if device.type != "cpu" or dtype == torch.float32 or os.environ.get("SHARDSERVE_CPU_NATIVE_HALF") == "1":
+        return dtype
+    flags = _cpu_flags()
+    native = {"avx512_bf16", "amx_bf16"} if dtype == torch.bfloat16 else {"avx512_fp16", "amx_fp16"}
+    if flags & native or not flags and platform.machine() in ("arm64", "aarch64"):
+        return dtype
+    return torch.float32
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load and how: the resolved checkpoint path plus the HF-style config dict."""
@@ -67,6 +94,11 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
+    compute_dtype_override: torch.dtype | None = None   # see compute_dtype_for
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.compute_dtype_override or self.dtype
 
     @property
     def architecture(self) -> str:

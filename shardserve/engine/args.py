@@ -5,7 +5,7 @@ import os
 from dataclasses import dataclass
 
 from shardserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                               parse_size, resolve_device, resolve_dtype)
+                               compute_dtype_for, parse_size, resolve_device, resolve_dtype)
 from shardserve.models.loader import (DEFAULT_MODEL_NAME, checkpoint_dtype, load_hf_config,
                                       resolve_model_path)
 from shardserve.models.registry import resolve_model_class
@@ -45,7 +45,8 @@ class EngineArgs:
                                           else os.path.basename(os.path.normpath(self.model)))
         model_config = ModelConfig(model=path, served_model_name=name, hf_config=hf_config, dtype=dtype,
                                    max_model_len=max_model_len, seed=self.seed, tokenizer=self.tokenizer,
-                                   skip_tokenizer_init=self.skip_tokenizer_init)
+                                   skip_tokenizer_init=self.skip_tokenizer_init,
+                                   compute_dtype_override=compute_dtype_for(dtype, device))
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.data_parallel_size, self.distributed_executor_backend)
         if parallel.world_size > 1 or parallel.data_parallel_size > 1:

@@ -5,8 +5,8 @@ Invariants:
 - A block is in the free queue iff its ref_cnt is 0. Free blocks keep their hash (and so stay
   reusable as prefix hits) until they are popped for a new allocation: that is the LRU eviction.
 - A full block's hash chains its parent's hash with its token ids, so equal hashes mean equal
-  prefixes. The pool also stores each cached block's token ids and compares them on lookup, so a
-  hash collision can never hand a request someone else's KV.
+  prefixes. The pool also stores each cached block's token ids and parent hash and compares them on
+  lookup, so a hash collision can never hand a request someone else's KV.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ class KVCacheBlock:
     ref_cnt: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None   # kept to verify hash hits
+    parent_hash: int | None = None              # ... with the parent's hash (the block's place in the chain)
 
 
 class BlockPool:
@@ -79,25 +80,27 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = None
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVCacheBlock | None:
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...],
+               parent_hash: int | None = None) -> KVCacheBlock | None:
         block = self.cached.get(block_hash)
-        if block is None or block.token_ids != token_ids:
+        if block is None or block.token_ids != token_ids or block.parent_hash != parent_hash:
             return None
         return block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: int, token_ids: tuple[int, ...],
+                    parent_hash: int | None = None) -> None:
         if block.block_hash is not None:
             return
         if block_hash in self.cached:   # an identical block (or a collision) is already cached
             return
-        block.block_hash, block.token_ids = block_hash, token_ids
+        block.block_hash, block.token_ids, block.parent_hash = block_hash, token_ids, parent_hash
         self.cached[block_hash] = block
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-            block.block_hash = block.token_ids = None
+            block.block_hash = block.token_ids = block.parent_hash = None
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks[1:]:
@@ -141,7 +144,7 @@ class KVCacheManager:
         hits: list[KVCacheBlock] = []
         bs = self.block_size
         for i, h in enumerate(hashes):
-            block = self.pool.lookup(h, tuple(token_ids[i * bs:(i + 1) * bs]))
+            block = self.pool.lookup(h, tuple(token_ids[i * bs:(i + 1) * bs]), hashes[i - 1] if i else None)
             if block is None:
                 break
             hits.append(block)
@@ -180,9 +183,11 @@ class KVCacheManager:
         blocks = self.req_blocks[req_id]
         hashes = self._block_hashes(req_id, token_ids, num_tokens)
         bs = self.block_size
-        for i in range(len(hashes)):
+        # The memo may reach further (a lookup hashes the whole prompt); cache only what is filled.
+        for i in range(num_tokens // bs):
             if blocks[i].block_hash is None:
-                self.pool.cache_block(blocks[i], hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]))
+                self.pool.cache_block(blocks[i], hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]),
+                                      hashes[i - 1] if i else None)
 
     def free(self, req_id: str) -> None:
         blocks = self.req_blocks.pop(req_id, [])

@@ -76,6 +76,10 @@ class OutputProcessor:
             if up.prompt_logprobs:
                 if state.prompt_logprobs is None:
                     state.prompt_logprobs = [None]
+                # The rows end at the last computed prompt position. A preempted request recomputes
+                # its prompt and sends rows again: they replace, not follow, what we already hold.
+                end = min(req.num_computed_tokens, len(state.prompt_token_ids) - 1)
+                del state.prompt_logprobs[end - len(up.prompt_logprobs) + 1:]
                 state.prompt_logprobs.extend(self._logprob_dict(r) for r in up.prompt_logprobs)
             if up.new_token_ids:
                 self._add_tokens(state, sample, req, up, stopped)

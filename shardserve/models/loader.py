@@ -135,16 +135,18 @@ def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.dev
     cls = resolve_model_class(hf_config)
     with _default_dtype(dtype), torch.device(device):
         model = cls(hf_config)
-    # Rotary tables stay fp32 whatever the serving dtype.
     return model.eval()
 
 
 def load_model(path: str, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device,
-               show_progress: bool = True) -> nn.Module:
-    model = build_model(hf_config, dtype, device)
+               show_progress: bool = True, compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """Load weights rounded to `dtype`. With a wider `compute_dtype` (bf16 on CPUs without bf16
+    matrix units), parameters hold the bf16-rounded values in that wider type."""
+    model = build_model(hf_config, compute_dtype or dtype, device)
     weights, total = iter_weights(path, hf_config)
     bar = tqdm(weights, total=total, desc=f"Loading {os.path.basename(path.rstrip('/'))}", unit="tensor",
                disable=not show_progress, leave=False)
     with torch.no_grad():
-        model.load_weights((name, t.to(device)) for name, t in bar)
+        model.load_weights((name, t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype))
+                           for name, t in bar)
     return model

@@ -41,7 +41,7 @@ class ModelRunner:
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self) -> None:
         self.model = load_model(self.mc.model, self.mc.hf_config, self.mc.dtype, self.device,
-                                show_progress=self.show_progress)
+                                show_progress=self.show_progress, compute_dtype=self.mc.compute_dtype)
 
     def kv_bytes_per_block(self) -> int:
         layers = self.model.attention_layers()
@@ -110,8 +110,8 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.model.attention_layers():
             spec = layer.spec
-            cache = torch.empty(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
-                                dtype=self.mc.dtype, device=self.device)
+            shape = self.backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+            cache = torch.empty(shape, dtype=self.mc.dtype, device=self.device)
             cache[:, 0].zero_()   # the null block: padding reads zeros from here
             layer.kv_cache = cache
             self.kv_caches.append(cache)

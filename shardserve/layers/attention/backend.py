@@ -5,9 +5,9 @@ chunks. `CommonAttentionMetadata` describes the batch once per step, in backend-
 (block tables, sequence lengths, slot mapping); each backend turns it into whatever its kernels
 need with `build`, once per step, and every layer reuses that.
 
-KV cache layout, per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
-A token at position p of a request lives in slot block_table[p // block_size] * block_size +
-p % block_size. Block 0 is the null block: zero, never written, the target of padding.
+Each backend chooses its KV cache layout per layer (`kv_cache_shape`), K then V on dim 0. A token at
+position p of a request lives in slot block_table[p // block_size] * block_size + p % block_size.
+Block 0 is the null block: zero, never written, the target of padding.
 """
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ class AttentionSpec:
 
 class AttentionBackend(ABC):
     name: str
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's KV tensor; dim 0 is K/V and dim 1 the block index."""
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> object:

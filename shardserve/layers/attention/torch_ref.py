@@ -1,8 +1,8 @@
 """Paged attention in plain torch: correct on CPU and CUDA, and the oracle for faster kernels.
 
-Decodes are batched: every decode request's keys are gathered through its block table into one
-padded [B, max_len] tensor (padding points at the zero null block and is masked). Prefill chunks
-are handled one request at a time with torch's SDPA, reading any cached prefix from the pool.
+Decodes are batched: every decode request's blocks are gathered through its block table into one
+padded [B, max_blocks] batch (padding points at the zero null block and is masked). Prefill
+chunks are handled one request at a time with torch's SDPA, reading any cached prefix from the pool.
 """
 from __future__ import annotations
 
@@ -19,88 +19,105 @@ class _Prefill:
     token_start: int
     query_len: int
     context_len: int
-    kv_slots: torch.Tensor   # [context_len + query_len] slots of the whole sequence so far
+    block_ids: torch.Tensor   # blocks holding the whole sequence so far
 
 
 @dataclass
 class TorchAttentionMetadata:
-    slot_mapping: torch.Tensor
+    write_blocks: torch.Tensor             # [T] block of each new token
+    write_offsets: torch.Tensor            # [T] its offset inside the block
     num_decodes: int
-    decode_slots: torch.Tensor | None      # [B, max_len]
-    decode_valid: torch.Tensor | None      # [B, max_len] bool
-    decode_positions: torch.Tensor | None  # [B, max_len] key positions (for sliding windows)
+    decode_blocks: torch.Tensor | None     # [B * max_blocks] flattened block tables of the decodes
+    decode_valid: torch.Tensor | None      # [B, max_blocks * block_size] which key positions exist
     decode_query_pos: torch.Tensor | None  # [B]
     prefills: list[_Prefill]
 
 
-def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    blocks = torch.gather(block_tables.long(), 1, positions // block_size)
-    return blocks * block_size + positions % block_size
-
-
 class TorchAttentionBackend(AttentionBackend):
+    """KV layout [2, num_blocks, num_kv_heads, block_size, head_dim]: head-major inside a block, so
+    a block of one head is a contiguous [block_size, head_dim] matrix that matmuls read in place."""
+
     name = "torch"
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, num_kv_heads, block_size, head_dim)
 
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> TorchAttentionMetadata:
         bs = common.block_size
         d = common.num_decodes
         seq_lens = common.seq_lens
-        decode_slots = decode_valid = decode_pos = decode_qpos = None
+        decode_blocks = decode_valid = decode_qpos = None
         if d:
-            max_len = max(seq_lens[:d])
+            max_blocks = -(-max(seq_lens[:d]) // bs)
+            decode_blocks = common.block_tables[:d, :max_blocks].long().reshape(-1)
             lens = torch.tensor(seq_lens[:d], device=device)
-            pos = torch.arange(max_len, device=device).expand(d, max_len)
+            pos = torch.arange(max_blocks * bs, device=device).unsqueeze(0)
             decode_valid = pos < lens.unsqueeze(1)
-            decode_slots = _slots(common.block_tables[:d], pos, bs).masked_fill(~decode_valid, 0)
-            decode_pos, decode_qpos = pos, lens - 1
+            decode_qpos = lens - 1
         prefills = []
         start = d
         for i in range(d, len(seq_lens)):
-            pos = torch.arange(seq_lens[i], device=device).unsqueeze(0)
-            slots = _slots(common.block_tables[i:i + 1], pos, bs)[0]
-            prefills.append(_Prefill(start, common.query_lens[i], common.context_lens[i], slots))
+            nblocks = -(-seq_lens[i] // bs)
+            prefills.append(_Prefill(start, common.query_lens[i], common.context_lens[i],
+                                     common.block_tables[i, :nblocks].long()))
             start += common.query_lens[i]
-        return TorchAttentionMetadata(common.slot_mapping, d, decode_slots, decode_valid, decode_pos,
-                                      decode_qpos, prefills)
+        slots = common.slot_mapping
+        return TorchAttentionMetadata(slots // bs, slots % bs, d, decode_blocks, decode_valid, decode_qpos,
+                                      prefills)
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: TorchAttentionMetadata) -> torch.Tensor:
-        k_pool = kv_cache[0].view(-1, spec.num_kv_heads, spec.head_dim)
-        v_pool = kv_cache[1].view(-1, spec.num_kv_heads, spec.head_dim)
-        k_pool.index_copy_(0, md.slot_mapping, k)
-        v_pool.index_copy_(0, md.slot_mapping, v)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        # The pool may be narrower than the compute dtype (bf16 KV with fp32 math on some CPUs).
+        k_cache[md.write_blocks, :, md.write_offsets] = k.to(k_cache.dtype)
+        v_cache[md.write_blocks, :, md.write_offsets] = v.to(v_cache.dtype)
         out = torch.empty_like(q)
         if md.num_decodes:
-            out[:md.num_decodes] = self._decode(spec, q[:md.num_decodes], k_pool, v_pool, md)
+            out[:md.num_decodes] = self._decode(spec, q[:md.num_decodes], k_cache, v_cache, md)
         for p in md.prefills:
             rows = slice(p.token_start, p.token_start + p.query_len)
             if p.context_len == 0 and spec.sliding_window is None:
-                out[rows] = _sdpa(q[rows], k[rows], v[rows], spec, None)
-            else:
-                keys, values = k_pool[p.kv_slots], v_pool[p.kv_slots]
-                q_pos = torch.arange(p.context_len, p.context_len + p.query_len, device=q.device)
-                k_pos = torch.arange(len(p.kv_slots), device=q.device)
-                mask = _allowed(q_pos.unsqueeze(1), k_pos.unsqueeze(0), spec.sliding_window)
-                out[rows] = _sdpa(q[rows], keys, values, spec, mask)
+                out[rows] = _sdpa(q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
+                                  spec, None).transpose(0, 1)
+                continue
+            kv_len = p.context_len + p.query_len
+            keys = _sequence(k_cache, p.block_ids, kv_len).to(q.dtype)
+            values = _sequence(v_cache, p.block_ids, kv_len).to(q.dtype)
+            q_pos = torch.arange(p.context_len, kv_len, device=q.device)
+            k_pos = torch.arange(kv_len, device=q.device)
+            mask = _allowed(q_pos.unsqueeze(1), k_pos.unsqueeze(0), spec.sliding_window)
+            out[rows] = _sdpa(q[rows].transpose(0, 1), keys, values, spec, mask).transpose(0, 1)
         return out
 
     @staticmethod
-    def _decode(spec: AttentionSpec, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+    def _decode(spec: AttentionSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 md: TorchAttentionMetadata) -> torch.Tensor:
-        b = q.shape[0]
-        group = spec.num_heads // spec.num_kv_heads
-        keys = k_pool[md.decode_slots].float()      # [B, L, Hk, D]
-        values = v_pool[md.decode_slots].float()
-        qg = q.float().view(b, spec.num_kv_heads, group, spec.head_dim)
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * spec.scale
+        """Scores are computed block by block against the gathered blocks in place ([B, nblocks,
+        Hk, bs, D]); only the small score tensor is reshuffled, never the keys and values."""
+        b, hk, group, dim = q.shape[0], spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
+        keys = k_cache.index_select(0, md.decode_blocks)
+        values = v_cache.index_select(0, md.decode_blocks)
+        nblocks, bs = keys.shape[0] // b, keys.shape[2]
+        keys = keys.view(b, nblocks, hk, bs, dim).float()
+        values = values.view(b, nblocks, hk, bs, dim).float()
+        qg = q.float().view(b, 1, hk, group, dim) * spec.scale
+        scores = torch.matmul(qg, keys.transpose(-1, -2))                        # [B, n, Hk, G, bs]
+        scores = scores.permute(0, 2, 3, 1, 4).reshape(b, hk, group, nblocks * bs)
         allowed = md.decode_valid
         if spec.sliding_window is not None:
-            allowed = allowed & _allowed(md.decode_query_pos.unsqueeze(1), md.decode_positions,
-                                         spec.sliding_window)
+            k_pos = torch.arange(nblocks * bs, device=q.device).unsqueeze(0)
+            allowed = allowed & (k_pos > md.decode_query_pos.unsqueeze(1) - spec.sliding_window)
         scores.masked_fill_(~allowed[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        out = torch.einsum("bhgl,blhd->bhgd", probs, values)
-        return out.reshape(b, spec.num_heads, spec.head_dim).to(q.dtype)
+        probs = scores.softmax(dim=-1).view(b, hk, group, nblocks, bs).permute(0, 3, 1, 2, 4)
+        out = torch.matmul(probs, values).sum(dim=1)                             # [B, Hk, G, D]
+        return out.reshape(b, spec.num_heads, dim).to(q.dtype)
+
+
+def _sequence(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's keys (or values) as [Hk, length, D]."""
+    blocks = cache.index_select(0, block_ids)                # [n, Hk, bs, D]
+    n, hk, bs, dim = blocks.shape
+    return blocks.permute(1, 0, 2, 3).reshape(hk, n * bs, dim)[:, :length]
 
 
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -112,11 +129,9 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> to
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
           mask: torch.Tensor | None) -> torch.Tensor:
-    """q: [Tq, Hq, D], k/v: [Tk, Hk, D] -> [Tq, Hq, D]."""
+    """q: [Hq, Tq, D], k/v: [Hk, Tk, D] -> [Hq, Tq, D]."""
     group = spec.num_heads // spec.num_kv_heads
     if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, is_causal=mask is None, scale=spec.scale)
-    return out.transpose(0, 1)
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=spec.scale)
