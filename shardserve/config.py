@@ -36,10 +36,13 @@ def parse_size(value: int | str) -> int:
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but no CUDA GPU is visible; use device='cpu'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but no CUDA GPU is visible; use device='cpu'")
+        if dev.index is None:   # memory queries need an explicit index
+            dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
