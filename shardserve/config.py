@@ -147,13 +147,14 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout. Only the single-device layout runs in this release; the fields exist so the
-    other configs, the planner and the executors share one vocabulary."""
+    """Parallel layout of one engine (TP x PP ranks) and how many engine replicas (DP)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
+    distributed_executor_backend: str | None = None   # None: uni for one device, else mp
+    pp_layer_partition: tuple[int, ...] | None = None  # layers per pipeline stage
+    distributed_timeout_s: float = 120.0               # rendezvous and collectives
 
     @property
     def world_size(self) -> int:
@@ -163,6 +164,16 @@ class ParallelConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}: "
+                             "choose uni, mp or ray")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError("the uni executor runs one device; use mp (or ray) for "
+                             f"tensor_parallel_size x pipeline_parallel_size = {self.world_size}")
+
+    @property
+    def executor_backend(self) -> str:
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,51 @@
-"""Who am I in the parallel layout: tensor-parallel rank and size (pipeline and data parallel
-groups join here when multi-device execution lands). Layers ask this module, never torch.distributed
-directly, so a single-device run needs no process group at all."""
+"""Who am I in the parallel layout, and the process groups that go with it.
+
+Global rank layout inside one engine (one data-parallel replica): rank = pp_rank * tp_size + tp_rank,
+so a tensor-parallel group is a run of consecutive ranks (inside one node when TP <= GPUs per
+node) and pipeline stages stride across them (across nodes). Layers ask this module, never
+torch.distributed directly, so a single-device run needs no process group at all.
+"""
 from __future__ import annotations
 
+import datetime
+import os
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
 class GroupInfo:
-    rank: int = 0
+    rank: int = 0                  # rank inside the group
     world_size: int = 1
-    group: object | None = None   # a torch.distributed ProcessGroup when world_size > 1
+    ranks: tuple[int, ...] = (0,)  # global ranks of the group, in group order
+    group: object | None = None    # a torch.distributed ProcessGroup when world_size > 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
 
 
 _TP = GroupInfo()
+_PP = GroupInfo()
+_WORLD = GroupInfo()
+_PP_PARTITION: tuple[int, ...] | None = None   # layers per stage; None = as even as possible
 
 
 def get_tp_group() -> GroupInfo:
     return _TP
+
+
+def get_pp_group() -> GroupInfo:
+    return _PP
+
+
+def get_world_group() -> GroupInfo:
+    return _WORLD
 
 
 def get_tensor_model_parallel_rank() -> int:
@@ -26,3 +54,67 @@ def get_tensor_model_parallel_rank() -> int:
 
 def get_tensor_model_parallel_world_size() -> int:
     return _TP.world_size
+
+
+def set_pp_partition(partition: tuple[int, ...] | None) -> None:
+    global _PP_PARTITION
+    _PP_PARTITION = partition
+
+
+def pp_layer_partition(num_layers: int, pp_size: int, partition: tuple[int, ...] | None = None) -> list[int]:
+    """Layers per stage: the explicit partition, or an even split with the remainder going to the
+    earlier stages (the last stage also carries the LM head)."""
+    if partition is not None:
+        if len(partition) != pp_size or sum(partition) != num_layers or min(partition) < 1:
+            raise ValueError(f"pipeline partition {list(partition)} must have {pp_size} positive entries "
+                             f"summing to the model's {num_layers} layers")
+        return list(partition)
+    if num_layers < pp_size:
+        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    return [base + (1 if i < extra else 0) for i in range(pp_size)]
+
+
+def get_pp_layer_range(num_layers: int) -> tuple[int, int]:
+    """[start, end) of the layers this pipeline stage owns."""
+    sizes = pp_layer_partition(num_layers, _PP.world_size, _PP_PARTITION)
+    start = sum(sizes[:_PP.rank])
+    return start, start + sizes[_PP.rank]
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device,
+                     timeout_s: float = 120.0) -> None:
+    """Join the engine's process group and build the TP and PP groups. Every rank calls this."""
+    import torch.distributed as dist
+    global _TP, _PP, _WORLD
+    world = tp_size * pp_size
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world,
+                            timeout=timeout, **kwargs)
+    _WORLD = GroupInfo(rank, world, tuple(range(world)), dist.group.WORLD)
+    tp_rank, pp_rank = rank % tp_size, rank // tp_size
+    # new_group must be called by every rank for every group, in the same order.
+    for p in range(pp_size):
+        ranks = tuple(p * tp_size + t for t in range(tp_size))
+        group = dist.new_group(list(ranks), timeout=timeout) if tp_size > 1 else None
+        if p == pp_rank:
+            _TP = GroupInfo(tp_rank, tp_size, ranks, group)
+    for t in range(tp_size):
+        ranks = tuple(p * tp_size + t for p in range(pp_size))
+        group = dist.new_group(list(ranks), timeout=timeout) if pp_size > 1 else None
+        if t == tp_rank:
+            _PP = GroupInfo(pp_rank, pp_size, ranks, group)
+    os.environ.setdefault("SHARDSERVE_RANK", str(rank))
+
+
+def destroy_distributed() -> None:
+    import torch.distributed as dist
+    global _TP, _PP, _WORLD
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _TP, _PP, _WORLD = GroupInfo(), GroupInfo(), GroupInfo()

@@ -31,6 +31,8 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    pp_layer_partition: list[int] | None = None
+    distributed_timeout_s: float = 120.0
     seed: int = 0
     skip_tokenizer_init: bool = False
 
@@ -48,10 +50,12 @@ class EngineArgs:
                                    skip_tokenizer_init=self.skip_tokenizer_init,
                                    compute_dtype_override=compute_dtype_for(dtype, device))
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                  self.data_parallel_size, self.distributed_executor_backend)
-        if parallel.world_size > 1 or parallel.data_parallel_size > 1:
-            raise ValueError("tensor, pipeline and data parallelism are not available in this release; "
-                             "run with tensor_parallel_size=pipeline_parallel_size=data_parallel_size=1")
+                                  self.data_parallel_size, self.distributed_executor_backend,
+                                  tuple(self.pp_layer_partition) if self.pp_layer_partition else None,
+                                  self.distributed_timeout_s)
+        check_parallel_layout(hf_config, parallel)
+        if parallel.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not available yet; run one engine per replica")
         batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                                     max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)
@@ -71,3 +75,26 @@ class EngineArgs:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                              f"{limit}; use at most {limit}")
         return self.max_model_len
+
+
+def valid_tp_sizes(hf_config: dict) -> list[int]:
+    """TP sizes the model's shapes allow: they divide the attention heads and the MLP width, and
+    KV heads either split evenly or are replicated evenly."""
+    heads = int(hf_config["num_attention_heads"])
+    kv = int(hf_config.get("num_key_value_heads") or heads)
+    inter = int(hf_config["intermediate_size"])
+    return [t for t in range(1, heads + 1)
+            if heads % t == 0 and inter % t == 0 and (kv % t == 0 or t % kv == 0)]
+
+
+def check_parallel_layout(hf_config: dict, parallel: ParallelConfig) -> None:
+    from shardserve.distributed.parallel_state import pp_layer_partition
+    tp = parallel.tensor_parallel_size
+    valid = valid_tp_sizes(hf_config)
+    if tp not in valid:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide this model's {hf_config['num_attention_heads']} attention "
+            f"heads ({hf_config.get('num_key_value_heads')} KV heads, intermediate size "
+            f"{hf_config['intermediate_size']}); sizes that work: {', '.join(map(str, valid))}")
+    pp_layer_partition(int(hf_config["num_hidden_layers"]), parallel.pipeline_parallel_size,
+                       parallel.pp_layer_partition)

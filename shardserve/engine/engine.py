@@ -17,7 +17,7 @@ from shardserve.engine.detokenizer import IncrementalDetokenizer
 from shardserve.engine.output_processor import OutputProcessor, RequestState, SampleState
 from shardserve.engine.request import Request, RequestStatus
 from shardserve.engine.scheduler import Scheduler
-from shardserve.executor.uniproc import UniProcExecutor
+from shardserve.executor.base import make_executor
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
 from shardserve.tokenizer.tokenizer import Tokenizer
@@ -43,7 +43,7 @@ class LLMEngine:
         mc = config.model_config
         self.tokenizer = None if mc.skip_tokenizer_init else Tokenizer.from_path(mc.tokenizer or mc.model)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
-        self.executor = UniProcExecutor(config, eos, show_progress)
+        self.executor = make_executor(config, eos, show_progress)
         num_blocks = self._init_kv_cache()
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -27,3 +27,14 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         pass
+
+
+def make_executor(config, eos_token_ids: frozenset[int], show_progress: bool) -> Executor:
+    backend = config.parallel_config.executor_backend
+    if backend == "uni":
+        from shardserve.executor.uniproc import UniProcExecutor
+        return UniProcExecutor(config, eos_token_ids, show_progress)
+    if backend == "mp":
+        from shardserve.executor.multiproc import MultiprocExecutor
+        return MultiprocExecutor(config, eos_token_ids, show_progress)
+    raise ValueError(f"executor backend {backend!r} is not available")

@@ -6,11 +6,13 @@ Qwens). The model holds no communication code: sharding lives in the parallel la
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
+from shardserve.distributed.parallel_state import get_pp_group, get_pp_layer_range
 from shardserve.layers.activation import SiluAndMul
 from shardserve.layers.attention import Attention, AttentionContext, AttentionSpec
 from shardserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -109,16 +111,29 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack of one pipeline stage: embeddings on the first stage, the final norm on
+    the last, and only this stage's layers (others are placeholders so names keep their index)."""
+
     def __init__(self, cfg: dict[str, Any], arch: str) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, arch) for i in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        pp = get_pp_group()
+        self.is_first, self.is_last = pp.is_first, pp.is_last
+        self.start, self.end = get_pp_layer_range(cfg["num_hidden_layers"])
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"]) if self.is_first else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, arch) if self.start <= i < self.end else nn.Identity()
+                                    for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)) if self.is_last else None
 
-    def forward(self, input_ids, positions, ctx):
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids, positions, ctx, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Returns the final hidden states on the last stage, (hidden, residual) elsewhere."""
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
+        for layer in self.layers[self.start:self.end]:
             hidden, residual = layer(positions, hidden, residual, ctx)
+        if not self.is_last:
+            return hidden, residual if residual is not None else torch.zeros_like(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -126,6 +141,7 @@ class LlamaModel(nn.Module):
 # Checkpoint names that land in a fused parameter: (checkpoint part, fused name, shard id).
 _STACKED = [("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
             ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -135,41 +151,58 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg, arch)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
-        if self.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"]) if self.model.is_last else None
+        if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        return self.model(input_ids, positions, ctx, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.layers[self.model.start:self.model.end]]
+
+    def _targets(self, name: str) -> list[str]:
+        """The parameter names a checkpoint tensor feeds on this stage (none if another stage owns it)."""
+        m = _LAYER_INDEX.match(name)
+        if m and not self.model.start <= int(m.group(1)) < self.model.end:
+            return []
+        if name.startswith("model.embed_tokens."):
+            targets = [name] if self.model.embed_tokens is not None else []
+            if self.tie_word_embeddings and self.lm_head is not None and not targets:
+                targets.append("lm_head.weight")   # the last stage's own copy of tied embeddings
+            return targets
+        if name.startswith("lm_head."):
+            return [] if self.lm_head is None or self.tie_word_embeddings else [name]
+        if name.startswith("model.norm.") and self.model.norm is None:
+            return []
+        return [name]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Feed checkpoint tensors (HF names) to the parameters' weight loaders, one at a time."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
                 continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            shard_id = None
-            for part, fused, sid in _STACKED:
-                if f".{part}." in name:
-                    name, shard_id = name.replace(f".{part}.", f".{fused}."), sid
-                    break
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor.to(param.dtype), shard_id)
-            loaded.add(name)
+            for name in self._targets(ckpt_name):
+                shard_id = None
+                for part, fused, sid in _STACKED:
+                    if f".{part}." in name:
+                        name, shard_id = name.replace(f".{part}.", f".{fused}."), sid
+                        break
+                param = params.get(name)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter in "
+                                     f"{type(self).__name__}")
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, tensor.to(param.dtype), shard_id)
+                loaded.add(name)
         missing = {n for n in params if n not in loaded}
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.model.embed_tokens is not None:
             missing.discard("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:5]}")

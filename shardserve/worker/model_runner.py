@@ -6,6 +6,8 @@ import logging
 import torch
 
 from shardserve.config import EngineConfig
+from shardserve.distributed.comm import pp_recv_prev, pp_send_next
+from shardserve.distributed.parallel_state import get_pp_group, get_tp_group
 from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shardserve.layers.attention import AttentionContext, TorchAttentionBackend
 from shardserve.layers.sampler import Sampler, compute_logprobs
@@ -125,12 +127,22 @@ class ModelRunner:
             return out
         inputs = prepare_inputs(self.states, sched, self.block_size, self.device)
         ctx = AttentionContext(self.backend, self.backend.build(inputs.attn, self.device))
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        pp = get_pp_group()
+        intermediate = None
+        if not pp.is_first:   # activations from the previous stage: [tokens, hidden] twice
+            shape = (sched.total_num_scheduled_tokens, self.mc.hf_config["hidden_size"])
+            intermediate = tuple(pp_recv_prev([shape, shape], self.mc.compute_dtype, self.device))
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)
+        if not pp.is_last:
+            pp_send_next(list(hidden))
+            return out
         self._prompt_logprobs(inputs, hidden, out)
         if not inputs.sample_req_ids:
             return out
         states = [self.states[r] for r in inputs.sample_req_ids]
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])   # a TP collective
+        if get_tp_group().rank != 0:
+            return out   # only the driver samples; the scheduler sends every rank the tokens
         md = build_sampling_metadata(states, self.mc.vocab_size, self.eos_token_ids, self.device)
         sampled, lp_rows = self.sampler(logits, md)
         sampled_list = sampled.tolist()

@@ -1,21 +1,32 @@
-"""A worker owns one device: it sets the device up and serves the executor's RPCs by delegating
-to its ModelRunner. Every executor (in-process today, one process per device later) drives the
-same methods through `collective_rpc`."""
+"""A worker owns one device: it joins the process groups, sets the device up and serves the
+executor's RPCs by delegating to its ModelRunner. Every executor (in-process, one process per
+device, Ray actors) drives the same methods through `collective_rpc`."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from shardserve.config import EngineConfig
+from shardserve.distributed.parallel_state import destroy_distributed, init_distributed, set_pp_partition
 from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shardserve.worker.model_runner import ModelRunner
 
 
 class Worker:
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
-                 show_progress: bool = True) -> None:
-        self.config = config
+                 show_progress: bool = True, rank: int = 0, local_rank: int = 0,
+                 init_method: str | None = None) -> None:
+        pc = config.parallel_config
         if config.device.type == "cuda":
+            config = replace(config, device=torch.device("cuda", local_rank))
             torch.cuda.set_device(config.device)
+        self.config = config
+        self.rank = rank
+        if pc.world_size > 1:
+            set_pp_partition(pc.pp_layer_partition)
+            init_distributed(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
+                             config.device, pc.distributed_timeout_s)
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, eos_token_ids, show_progress)
 
@@ -33,3 +44,10 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """This rank's parameter shapes (tests check that sharded matrices really are 1/TP)."""
+        return {n: tuple(p.shape) for n, p in self.model_runner.model.named_parameters()}
+
+    def shutdown(self) -> None:
+        destroy_distributed()

@@ -100,6 +100,9 @@ class TorchAttentionBackend(AttentionBackend):
         nblocks, bs = keys.shape[0] // b, keys.shape[2]
         keys = keys.view(b, nblocks, hk, bs, dim).float()
         values = values.view(b, nblocks, hk, bs, dim).float()
+        # Slots past a sequence's end were never written (torch.empty): zero them, or a NaN there
+        # would survive its zero probability (0 * NaN = NaN). Masked scores need no such care.
+        values = values.masked_fill(~md.decode_valid.view(b, nblocks, 1, bs, 1), 0.0)
         qg = q.float().view(b, 1, hk, group, dim) * spec.scale
         scores = torch.matmul(qg, keys.transpose(-1, -2))                        # [B, n, Hk, G, bs]
         scores = scores.permute(0, 2, 3, 1, 4).reshape(b, hk, group, nblocks * bs)

@@ -1,0 +1,60 @@
+"""Entry point of a worker process: `python -m shardserve.executor.worker_proc HOST PORT RANK`.
+
+Connects back to the engine, receives its start-up arguments, builds a Worker and serves RPCs until
+told to stop or until the engine goes away."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Client
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the engine's process exits, even if this one is stuck in a collective."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _error(e: BaseException) -> tuple[str, str]:
+    return "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+
+
+def main() -> None:
+    host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the engine's to handle
+    conn = Client((host, port), authkey=bytes.fromhex(os.environ["SHARDSERVE_WORKER_AUTHKEY"]))
+    conn.send(rank)
+    config, rank, local_rank, init_method, eos_token_ids, show_progress, threads = conn.recv()
+    import torch
+    torch.set_num_threads(threads)
+    try:
+        from shardserve.worker.worker import Worker
+        worker = Worker(config, eos_token_ids, show_progress, rank=rank, local_rank=local_rank,
+                        init_method=init_method)
+        conn.send(("ok", None))
+    except BaseException as e:   # start-up failures (rendezvous timeouts included) reach the engine
+        conn.send(_error(e))
+        return
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except (EOFError, OSError):   # the engine is gone
+            break
+        if method == "shutdown":
+            break
+        try:
+            conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
+        except BaseException as e:
+            conn.send(_error(e))
+    worker.shutdown()
+
+
+if __name__ == "__main__":
+    main()
