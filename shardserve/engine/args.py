@@ -54,8 +54,6 @@ class EngineArgs:
                                   tuple(self.pp_layer_partition) if self.pp_layer_partition else None,
                                   self.distributed_timeout_s)
         check_parallel_layout(hf_config, parallel)
-        if parallel.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 is not available yet; run one engine per replica")
         batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                                     max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)

@@ -38,20 +38,28 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+    def __init__(self, config: EngineConfig, show_progress: bool = True, replica: int = 0,
+                 tokenizer: Tokenizer | None = None) -> None:
         self.config = config
         mc = config.model_config
-        self.tokenizer = None if mc.skip_tokenizer_init else Tokenizer.from_path(mc.tokenizer or mc.model)
+        if tokenizer is None and not mc.skip_tokenizer_init:
+            tokenizer = Tokenizer.from_path(mc.tokenizer or mc.model)
+        self.tokenizer = tokenizer
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
-        self.executor = make_executor(config, eos, show_progress)
+        self.executor = make_executor(config, eos, show_progress, replica)
         num_blocks = self._init_kv_cache()
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, show_progress: bool = True) -> "LLMEngine":
-        return cls(args.create_engine_config(), show_progress)
+    def from_engine_args(cls, args: EngineArgs, show_progress: bool = True):
+        """An LLMEngine, or a DataParallelEngine of replicas when data_parallel_size > 1."""
+        config = args.create_engine_config()
+        if config.parallel_config.data_parallel_size > 1:
+            from shardserve.engine.dp_engine import DataParallelEngine
+            return DataParallelEngine(config, show_progress)
+        return cls(config, show_progress)
 
     def _init_kv_cache(self) -> int:
         bs = self.config.cache_config.block_size
@@ -127,9 +135,18 @@ class LLMEngine:
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        result = self.executor.execute_model(sched)
-        updates = self.scheduler.update_from_output(sched, result)
+        self.submit_step()
+        return self.finish_step()
+
+    def submit_step(self) -> None:
+        """First half of a step: schedule and hand the batch to the workers."""
+        self._sched = self.scheduler.schedule()
+        self.executor.submit_execute(self._sched)
+
+    def finish_step(self) -> list[RequestOutput]:
+        """Second half: collect the sampled tokens and turn them into outputs."""
+        result = self.executor.collect_execute()
+        updates = self.scheduler.update_from_output(self._sched, result)
         outputs, stopped = self.output_processor.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

@@ -25,16 +25,26 @@ class Executor(ABC):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", (sched,))[0]
 
+    # Split form, so data-parallel replicas in other processes run their steps concurrently.
+    def submit_execute(self, sched: SchedulerOutput) -> None:
+        self._pending = self.execute_model(sched)
+
+    def collect_execute(self) -> ModelRunnerOutput:
+        return self._pending
+
     def shutdown(self) -> None:
         pass
 
 
-def make_executor(config, eos_token_ids: frozenset[int], show_progress: bool) -> Executor:
+def make_executor(config, eos_token_ids: frozenset[int], show_progress: bool, replica: int = 0) -> Executor:
+    """`replica` is the data-parallel index: replica r uses devices r * world_size onwards."""
     backend = config.parallel_config.executor_backend
+    if backend == "uni" and config.parallel_config.data_parallel_size > 1:
+        backend = "mp"   # replicas must run in their own processes to run at the same time
     if backend == "uni":
         from shardserve.executor.uniproc import UniProcExecutor
         return UniProcExecutor(config, eos_token_ids, show_progress)
     if backend == "mp":
         from shardserve.executor.multiproc import MultiprocExecutor
-        return MultiprocExecutor(config, eos_token_ids, show_progress)
+        return MultiprocExecutor(config, eos_token_ids, show_progress, replica=replica)
     raise ValueError(f"executor backend {backend!r} is not available")

@@ -36,12 +36,14 @@ def free_port() -> int:
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
-                 show_progress: bool = True, startup_timeout_s: float = 300.0) -> None:
+                 show_progress: bool = True, startup_timeout_s: float = 300.0, replica: int = 0) -> None:
         pc = config.parallel_config
         self.world_size = pc.world_size
+        first_device = replica * self.world_size
         self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        threads = max(1, (os.cpu_count() or 1) // self.world_size) if config.device.type == "cpu" else 1
+        procs_total = self.world_size * pc.data_parallel_size
+        threads = max(1, (os.cpu_count() or 1) // procs_total) if config.device.type == "cpu" else 1
         authkey = secrets.token_bytes(16)
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
@@ -58,8 +60,8 @@ class MultiprocExecutor(Executor):
                     by_rank[conn.recv()] = conn
                 self.conns = [by_rank[r] for r in range(self.world_size)]
                 for rank, conn in enumerate(self.conns):
-                    conn.send((config, rank, rank, init_method, eos_token_ids,
-                               show_progress and rank == self.output_rank, threads))
+                    conn.send((config, rank, first_device + rank, init_method, eos_token_ids,
+                               show_progress and rank == self.output_rank and replica == 0, threads))
                 self._gather(startup_timeout_s)
                 self.collective_rpc("load_model")
             except BaseException:
@@ -94,6 +96,16 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, sched):
         return self.collective_rpc("execute_model", (sched,))[self.output_rank]
+
+    def submit_execute(self, sched) -> None:
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send(("execute_model", (sched,), {}))
+            except (BrokenPipeError, OSError):
+                self._fail(rank)
+
+    def collect_execute(self):
+        return self._gather(None)[self.output_rank]
 
     def _gather(self, timeout_s: float | None) -> list[Any]:
         results: dict[int, Any] = {}

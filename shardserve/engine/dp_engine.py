@@ -1,0 +1,83 @@
+"""Data parallelism: independent engine replicas behind one front end.
+
+Each replica is a full LLMEngine (its own scheduler, KV pool and worker processes on its own
+devices). A new request goes to the least loaded replica (running + waiting requests, ties to the
+lowest index). A step submits every busy replica's batch first and only then collects, so replicas
+compute at the same time.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shardserve.config import EngineConfig
+from shardserve.engine.engine import EngineStats, LLMEngine, PromptType
+from shardserve.outputs import RequestOutput
+from shardserve.sampling_params import SamplingParams
+from shardserve.tokenizer.tokenizer import Tokenizer
+
+
+class DataParallelEngine:
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        mc = config.model_config
+        self.tokenizer = None if mc.skip_tokenizer_init else Tokenizer.from_path(mc.tokenizer or mc.model)
+        self.config = config
+        self.replicas: list[LLMEngine] = []
+        try:
+            for r in range(config.parallel_config.data_parallel_size):
+                seeded = replace(config, model_config=replace(mc, seed=mc.seed + r))
+                self.replicas.append(LLMEngine(seeded, show_progress and r == 0, replica=r,
+                                               tokenizer=self.tokenizer))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.owner: dict[str, LLMEngine] = {}
+        self._ids = 0
+
+    def next_request_id(self) -> str:
+        self._ids += 1
+        return str(self._ids - 1)
+
+    def load(self, engine: LLMEngine) -> int:
+        return len(engine.scheduler.running) + len(engine.scheduler.waiting)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> int:
+        """Returns the index of the replica that took the request."""
+        if request_id in self.owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        index = min(range(len(self.replicas)), key=lambda i: self.load(self.replicas[i]))
+        self.replicas[index].add_request(request_id, prompt, params, arrival_time)
+        self.owner[request_id] = self.replicas[index]
+        return index
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            engine = self.owner.pop(rid, None)
+            if engine is not None:
+                engine.abort_request(rid)
+
+    def step(self) -> list[RequestOutput]:
+        busy = [e for e in self.replicas if e.has_unfinished_requests()]
+        for engine in busy:
+            engine.submit_step()
+        outputs = []
+        for engine in busy:
+            for out in engine.finish_step():
+                outputs.append(out)
+                if out.finished:
+                    self.owner.pop(out.request_id, None)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return any(e.has_unfinished_requests() for e in self.replicas)
+
+    def stats(self) -> EngineStats:
+        parts = [e.stats() for e in self.replicas]
+        return EngineStats(sum(p.num_running for p in parts), sum(p.num_waiting for p in parts),
+                           sum(p.kv_cache_usage for p in parts) / len(parts),
+                           sum(p.prefix_cache_queries for p in parts), sum(p.prefix_cache_hits for p in parts),
+                           sum(p.num_preemptions for p in parts))
+
+    def shutdown(self) -> None:
+        for engine in self.replicas:
+            engine.shutdown()
