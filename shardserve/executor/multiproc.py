@@ -85,22 +85,21 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout_s: float | None = None) -> list[Any]:
-        if not self.conns:
-            raise RuntimeError("the engine's workers are stopped (after a failure or shutdown)")
-        for rank, conn in enumerate(self.conns):
-            try:
-                conn.send((method, args, kwargs or {}))
-            except (BrokenPipeError, OSError):
-                self._fail(rank)
+        self._send_all(method, args, kwargs or {})
         return self._gather(timeout_s)
 
     def execute_model(self, sched):
         return self.collective_rpc("execute_model", (sched,))[self.output_rank]
 
     def submit_execute(self, sched) -> None:
+        self._send_all("execute_model", (sched,), {})
+
+    def _send_all(self, method: str, args: tuple, kwargs: dict[str, Any]) -> None:
+        if not self.conns:
+            raise RuntimeError("the engine's workers are stopped (after a failure or shutdown)")
         for rank, conn in enumerate(self.conns):
             try:
-                conn.send(("execute_model", (sched,), {}))
+                conn.send((method, args, kwargs))
             except (BrokenPipeError, OSError):
                 self._fail(rank)
 

@@ -140,6 +140,35 @@ def test_chunked_prefill_matches_hf(tiny):
     # 40 prompt tokens in chunks of 16, 16, 8 (the last chunk samples token 1), then 7 decodes.
     assert scheduled == [16, 16, 8] + [1] * (MAX_TOKENS - 1)
     assert_matches_hf(out, tiny.hf, prompt)
+
+    # Without prompt log-probs the prefix cache takes part: a fresh prompt is looked up, then
+    # prefilled in chunks; the same prompt again starts from its cached blocks.
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=-1)
+    other = random_prompt(9, PROMPT_LEN)
+    scheduled.clear()
+    first = llm.generate([other], params)[0]
+    assert scheduled[:3] == [16, 16, 8] and first.num_cached_tokens == 0
+    second = llm.generate([other], params)[0]
+    assert second.num_cached_tokens == 32
+    ref = hf_logprobs(tiny.hf, other + first.outputs[0].token_ids)[PROMPT_LEN - 1:-1]
+    for res in (first, second):
+        assert res.outputs[0].token_ids == hf_greedy(tiny.hf, other, MAX_TOKENS)
+        diff = (logprob_matrix(res.outputs[0].logprobs) - ref).abs().max().item()
+        assert diff <= TOL, f"decode log-probs differ from HF by {diff:.2e}"
+    llm.engine.shutdown()
+
+
+def test_unwritten_kv_slots_are_never_read(tiny):
+    """The KV pool comes from torch.empty: a slot no token has written may hold any bits, NaN
+    included. Poison every slot but the null block's; chunked prefills and batched decodes of
+    different lengths must still match HF exactly (masked slots must not leak, not even as 0 * NaN)."""
+    llm = LLM(tiny.path, kv_cache_memory="16MiB", max_num_batched_tokens=16, show_progress=False)
+    for cache in llm.engine.executor.worker.model_runner.kv_caches:
+        cache[:, 1:] = float("nan")
+    prompts = [random_prompt(31, PROMPT_LEN), random_prompt(32, 23)]
+    outs = llm.generate(prompts, full_logprob_params())
+    for prompt, out in zip(prompts, outs):
+        assert_matches_hf(out, tiny.hf, prompt)
     llm.engine.shutdown()
 
 
