@@ -39,6 +39,9 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # The cache holds what attention multiplies: the compute dtype (fp32 where a CPU lacks
+        # bf16 units; converting every gathered block each step would cost more than it saves).
+        self.kv_cache_dtype = self.mc.compute_dtype
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -48,7 +51,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         layers = self.model.attention_layers()
         spec = layers[0].spec
-        elem = torch.tensor([], dtype=self.mc.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         return 2 * len(layers) * self.block_size * spec.num_kv_heads * spec.head_dim * elem
 
     def determine_num_blocks(self) -> int:
@@ -113,8 +116,8 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             spec = layer.spec
             shape = self.backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-            cache = torch.empty(shape, dtype=self.mc.dtype, device=self.device)
-            cache[:, 0].zero_()   # the null block: padding reads zeros from here
+            # Zeroed: padding reads the null block; other blocks are zeroed again when handed out.
+            cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
@@ -125,6 +128,7 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if sched.is_empty:
             return out
+        self._zero_fresh_blocks(sched)
         inputs = prepare_inputs(self.states, sched, self.block_size, self.device)
         ctx = AttentionContext(self.backend, self.backend.build(inputs.attn, self.device))
         pp = get_pp_group()
@@ -152,6 +156,14 @@ class ModelRunner:
             if k is not None and lp_rows is not None:
                 out.logprobs[req_id] = _rows_to_lists(lp_rows[0][row], lp_rows[1][row], lp_rows[2][row], k)
         return out
+
+    def _zero_fresh_blocks(self, sched: SchedulerOutput) -> None:
+        fresh = [b for r in sched.scheduled_new_reqs for b in r.block_ids[r.num_computed_tokens // self.block_size:]]
+        fresh += [b for r in sched.scheduled_cached_reqs for b in r.new_block_ids]
+        if fresh:
+            ids = torch.tensor(fresh, dtype=torch.long, device=self.device)
+            for cache in self.kv_caches:
+                self.backend.zero_blocks(cache, ids)
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Logprobs of each prompt token given the ones before it, for requests that asked."""

@@ -277,9 +277,10 @@ def test_gguf_dtype_auto_is_bf16_and_transformers_agrees(tmp_path):
     llm = LLM(path, kv_cache_memory="16MiB", show_progress=False)
     mc = llm.engine.config.model_config
     assert mc.dtype == torch.bfloat16
-    assert {c.dtype for c in llm.engine.executor.worker.model_runner.kv_caches} == {torch.bfloat16}
-    for p in llm.engine.executor.worker.model_runner.model.parameters():   # bf16 values, maybe held wider
-        assert p.dtype == getattr(mc, "compute_dtype", mc.dtype)
+    # bf16 values, held in the compute dtype (fp32 on CPUs without bf16 matrix units), KV likewise.
+    assert {c.dtype for c in llm.engine.executor.worker.model_runner.kv_caches} == {mc.compute_dtype}
+    for p in llm.engine.executor.worker.model_runner.model.parameters():
+        assert p.dtype == mc.compute_dtype
         assert torch.equal(p.to(torch.bfloat16).to(p.dtype), p)
 
     from transformers import AutoModelForCausalLM

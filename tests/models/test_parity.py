@@ -159,12 +159,14 @@ def test_chunked_prefill_matches_hf(tiny):
 
 
 def test_unwritten_kv_slots_are_never_read(tiny):
-    """The KV pool comes from torch.empty: a slot no token has written may hold any bits, NaN
-    included. Poison every slot but the null block's; chunked prefills and batched decodes of
-    different lengths must still match HF exactly (masked slots must not leak, not even as 0 * NaN)."""
+    """A reused block may hold anything a previous owner (or a broken model) left, NaN included.
+    Poison every slot but the null block's; chunked prefills and batched decodes of different
+    lengths must still match HF exactly (masked slots must not leak, not even as 0 * NaN)."""
     llm = LLM(tiny.path, kv_cache_memory="16MiB", max_num_batched_tokens=16, show_progress=False)
-    for cache in llm.engine.executor.worker.model_runner.kv_caches:
-        cache[:, 1:] = float("nan")
+    runner = llm.engine.executor.worker.model_runner
+    for cache in runner.kv_caches:
+        cache.fill_(float("nan"))
+        runner.backend.zero_blocks(cache, torch.tensor([0]))
     prompts = [random_prompt(31, PROMPT_LEN), random_prompt(32, 23)]
     outs = llm.generate(prompts, full_logprob_params())
     for prompt, out in zip(prompts, outs):
@@ -192,10 +194,10 @@ def test_bf16_checkpoint_loads_as_bf16(tmp_path):
     llm = LLM(path, dtype="auto", kv_cache_memory="16MiB", show_progress=False)
     mc = llm.engine.config.model_config
     assert mc.dtype == torch.bfloat16
-    assert {c.dtype for c in llm.engine.executor.worker.model_runner.kv_caches} == {torch.bfloat16}
-    # Weights hold bf16 values; on CPUs without bf16 matrix units they may be kept (and multiplied)
-    # in a wider compute dtype, but never with more precision than the checkpoint has.
-    compute = getattr(mc, "compute_dtype", mc.dtype)
+    # Weights hold bf16 values; on CPUs without bf16 matrix units they (and the KV cache) are kept
+    # and multiplied in a wider compute dtype, but never with more precision than the checkpoint has.
+    compute = mc.compute_dtype
+    assert {c.dtype for c in llm.engine.executor.worker.model_runner.kv_caches} == {compute}
     for p in llm.engine.executor.worker.model_runner.model.parameters():
         assert p.dtype == compute
         assert torch.equal(p.to(torch.bfloat16).to(p.dtype), p)

@@ -47,7 +47,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        """Shape of one layer's KV tensor; dim 0 is K/V and dim 1 the block index."""
+        """Shape of one layer's KV tensor; dim 0 is K/V, the rest is the backend's choice."""
+
+    @abstractmethod
+    def zero_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Clear blocks about to be handed to a request, so slots it has not written yet hold zeros
+        (a stale NaN would survive a zero attention weight: 0 * NaN = NaN)."""
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> object:

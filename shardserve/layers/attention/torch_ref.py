@@ -34,13 +34,17 @@ class TorchAttentionMetadata:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """KV layout [2, num_blocks, num_kv_heads, block_size, head_dim]: head-major inside a block, so
-    a block of one head is a contiguous [block_size, head_dim] matrix that matmuls read in place."""
+    """KV layout [2, num_kv_heads, num_blocks, block_size, head_dim]: heads outermost, so gathering
+    a request's blocks of one head yields its keys as one contiguous [seq, head_dim] matrix, and a
+    whole decode batch is a single batched matmul per layer."""
 
     name = "torch"
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (2, num_blocks, num_kv_heads, block_size, head_dim)
+        return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+    def zero_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+        kv_cache.index_fill_(2, block_ids, 0.0)
 
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> TorchAttentionMetadata:
         bs = common.block_size
@@ -68,9 +72,8 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: TorchAttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        # The pool may be narrower than the compute dtype (bf16 KV with fp32 math on some CPUs).
-        k_cache[md.write_blocks, :, md.write_offsets] = k.to(k_cache.dtype)
-        v_cache[md.write_blocks, :, md.write_offsets] = v.to(v_cache.dtype)
+        k_cache[:, md.write_blocks, md.write_offsets] = k.transpose(0, 1).to(k_cache.dtype)
+        v_cache[:, md.write_blocks, md.write_offsets] = v.transpose(0, 1).to(v_cache.dtype)
         out = torch.empty_like(q)
         if md.num_decodes:
             out[:md.num_decodes] = self._decode(spec, q[:md.num_decodes], k_cache, v_cache, md)
@@ -92,35 +95,29 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _decode(spec: AttentionSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 md: TorchAttentionMetadata) -> torch.Tensor:
-        """Scores are computed block by block against the gathered blocks in place ([B, nblocks,
-        Hk, bs, D]); only the small score tensor is reshuffled, never the keys and values."""
+        """All decodes in two batched matmuls: per KV head, each request's gathered keys are a
+        contiguous [max_len, D] matrix (padding reads the zero null block and is masked)."""
         b, hk, group, dim = q.shape[0], spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
-        keys = k_cache.index_select(0, md.decode_blocks)
-        values = v_cache.index_select(0, md.decode_blocks)
-        nblocks, bs = keys.shape[0] // b, keys.shape[2]
-        keys = keys.view(b, nblocks, hk, bs, dim).float()
-        values = values.view(b, nblocks, hk, bs, dim).float()
-        # Slots past a sequence's end were never written (torch.empty): zero them, or a NaN there
-        # would survive its zero probability (0 * NaN = NaN). Masked scores need no such care.
-        values = values.masked_fill(~md.decode_valid.view(b, nblocks, 1, bs, 1), 0.0)
-        qg = q.float().view(b, 1, hk, group, dim) * spec.scale
-        scores = torch.matmul(qg, keys.transpose(-1, -2))                        # [B, n, Hk, G, bs]
-        scores = scores.permute(0, 2, 3, 1, 4).reshape(b, hk, group, nblocks * bs)
+        length = md.decode_valid.shape[1]
+        keys = k_cache.index_select(1, md.decode_blocks).view(hk * b, length, dim)
+        values = v_cache.index_select(1, md.decode_blocks).view(hk * b, length, dim)
+        qh = (q.view(b, hk, group, dim).transpose(0, 1).reshape(hk * b, group, dim) * spec.scale).to(keys.dtype)
+        scores = torch.bmm(qh, keys.transpose(1, 2)).float().view(hk, b, group, length)
         allowed = md.decode_valid
         if spec.sliding_window is not None:
-            k_pos = torch.arange(nblocks * bs, device=q.device).unsqueeze(0)
+            k_pos = torch.arange(length, device=q.device).unsqueeze(0)
             allowed = allowed & (k_pos > md.decode_query_pos.unsqueeze(1) - spec.sliding_window)
-        scores.masked_fill_(~allowed[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).view(b, hk, group, nblocks, bs).permute(0, 3, 1, 2, 4)
-        out = torch.matmul(probs, values).sum(dim=1)                             # [B, Hk, G, D]
+        scores.masked_fill_(~allowed[None, :, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(values.dtype).view(hk * b, group, length)
+        out = torch.bmm(probs, values).view(hk, b, group, dim).transpose(0, 1)   # [B, Hk, G, D]
         return out.reshape(b, spec.num_heads, dim).to(q.dtype)
 
 
 def _sequence(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
     """One sequence's keys (or values) as [Hk, length, D]."""
-    blocks = cache.index_select(0, block_ids)                # [n, Hk, bs, D]
-    n, hk, bs, dim = blocks.shape
-    return blocks.permute(1, 0, 2, 3).reshape(hk, n * bs, dim)[:, :length]
+    blocks = cache.index_select(1, block_ids)                # [Hk, n, bs, D]
+    hk, n, bs, dim = blocks.shape
+    return blocks.view(hk, n * bs, dim)[:, :length]
 
 
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
