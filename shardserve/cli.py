@@ -1,4 +1,4 @@
-"""`shardserve` command line: chat and generate (serve, router, plan, doctor and bench join later)."""
+"""`shardserve` command line: chat, generate and worker (serve, router, plan, doctor and bench join later)."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +26,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="fraction of GPU memory to use (default: %(default)s)")
     parser.add_argument("--kv-cache-memory", default=None, help="KV cache budget in bytes, e.g. 4GiB (CPU default: 4GiB)")
     parser.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
+    add_parallel_args(parser)
+
+
+def add_parallel_args(parser: argparse.ArgumentParser, engine: bool = True) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks per layer (default: 1)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages (default: 1)")
+    if engine:
+        g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas (default: 1)")
+        g.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None,
+                       help="uni for one device, mp (default for more) or ray")
+        g.add_argument("--pp-layer-partition", default=None,
+                       help="layers per pipeline stage, comma-separated, e.g. 17,15 (default: even)")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes in a multi-node run (default: 1)")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's index; 0 runs the engine (default: 0)")
+    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (default: %(default)s)")
+    g.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0 (its workers "
+                   "listen on port + 1)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -34,7 +52,13 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
                       enable_prefix_caching=ns.enable_prefix_caching,
                       gpu_memory_utilization=ns.gpu_memory_utilization, kv_cache_memory=ns.kv_cache_memory,
-                      seed=ns.seed)
+                      seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size,
+                      pipeline_parallel_size=ns.pipeline_parallel_size, data_parallel_size=ns.data_parallel_size,
+                      distributed_executor_backend=ns.distributed_executor_backend,
+                      pp_layer_partition=[int(x) for x in ns.pp_layer_partition.split(",")]
+                      if ns.pp_layer_partition else None,
+                      nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
+                      master_port=ns.master_port)
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +106,16 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(ns: argparse.Namespace) -> int:
+    from shardserve.executor.headless import run_headless_node
+    from shardserve.llm import _setup_logging
+    _setup_logging()
+    if ns.master_port is None:
+        raise ValueError("--master-port is required: the port node 0 was started with")
+    return run_headless_node(ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port,
+                             ns.tensor_parallel_size * ns.pipeline_parallel_size)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardserve", description="Serve large language models across accelerators.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(gen)
     gen.add_argument("prompts", nargs="+")
     gen.set_defaults(func=cmd_generate)
+    worker = sub.add_parser("worker", help="run a headless node (node_rank > 0) of a multi-node engine",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_parallel_args(worker, engine=False)
+    worker.set_defaults(func=cmd_worker)
     return parser
 
 

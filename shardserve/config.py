@@ -155,6 +155,15 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None   # None: uni for one device, else mp
     pp_layer_partition: tuple[int, ...] | None = None  # layers per pipeline stage
     distributed_timeout_s: float = 120.0               # rendezvous and collectives
+    # Multi-node without Ray (torchrun's names): node 0 runs the engine, the others headless workers.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None   # torch.distributed rendezvous; workers dial the engine at port + 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
     @property
     def world_size(self) -> int:
@@ -167,6 +176,13 @@ class ParallelConfig:
         if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}: "
                              "choose uni, mp or ray")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks cannot be "
+                             f"spread evenly over nnodes={self.nnodes}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("a multi-node run needs master_port (and master_addr) like torchrun")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError("the uni executor runs one device; use mp (or ray) for "
                              f"tensor_parallel_size x pipeline_parallel_size = {self.world_size}")

@@ -94,8 +94,12 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, de
     world = tp_size * pp_size
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world,
-                            timeout=timeout, **kwargs)
+    try:
+        dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world,
+                                timeout=timeout, **kwargs)
+    except Exception as e:   # name who could not reach whom, never a bare hang or stack trace
+        raise RuntimeError(f"rank {rank} of {world} could not join the process group at {init_method} "
+                           f"within {timeout_s:.0f} s: {e}") from e
     _WORLD = GroupInfo(rank, world, tuple(range(world)), dist.group.WORLD)
     tp_rank, pp_rank = rank % tp_size, rank // tp_size
     # new_group must be called by every rank for every group, in the same order.

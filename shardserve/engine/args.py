@@ -33,6 +33,10 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     pp_layer_partition: list[int] | None = None
     distributed_timeout_s: float = 120.0
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     seed: int = 0
     skip_tokenizer_init: bool = False
 
@@ -52,7 +56,8 @@ class EngineArgs:
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.data_parallel_size, self.distributed_executor_backend,
                                   tuple(self.pp_layer_partition) if self.pp_layer_partition else None,
-                                  self.distributed_timeout_s)
+                                  self.distributed_timeout_s, self.nnodes, self.node_rank, self.master_addr,
+                                  self.master_port)
         check_parallel_layout(hf_config, parallel)
         batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,

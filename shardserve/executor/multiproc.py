@@ -28,6 +28,18 @@ class WorkerDiedError(RuntimeError):
     pass
 
 
+def cluster_key() -> bytes:
+    """The key every node's workers prove when they dial the engine (set SHARDSERVE_CLUSTER_KEY to
+    the same secret on all nodes; the default only keeps strangers' typos out)."""
+    return os.environ.get("SHARDSERVE_CLUSTER_KEY", "shardserve-cluster").encode()
+
+
+def spawn_worker(host: str, port: int, rank: int, authkey: bytes, threads: int) -> subprocess.Popen:
+    env = dict(os.environ, SHARDSERVE_WORKER_AUTHKEY=authkey.hex(), OMP_NUM_THREADS=str(threads))
+    return subprocess.Popen([sys.executable, "-m", "shardserve.executor.worker_proc", host, str(port), str(rank)],
+                            env=env)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -36,31 +48,37 @@ def free_port() -> int:
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
-                 show_progress: bool = True, startup_timeout_s: float = 300.0, replica: int = 0) -> None:
+                 show_progress: bool = True, replica: int = 0) -> None:
         pc = config.parallel_config
+        startup_timeout_s = pc.distributed_timeout_s
         self.world_size = pc.world_size
         first_device = replica * self.world_size
         self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        procs_total = self.world_size * pc.data_parallel_size
+        if pc.nnodes > 1 and pc.data_parallel_size > 1:
+            raise ValueError("data parallelism across nodes is not supported; use tensor/pipeline parallelism")
+        per_node = pc.ranks_per_node
+        if pc.nnodes > 1:   # remote ranks dial in to the engine at master_port + 1
+            init_method = f"tcp://{pc.master_addr}:{pc.master_port}"
+            address, authkey = ("0.0.0.0", pc.master_port + 1), cluster_key()
+        else:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            address, authkey = ("127.0.0.1", 0), secrets.token_bytes(16)
+        procs_total = per_node * pc.data_parallel_size
         threads = max(1, (os.cpu_count() or 1) // procs_total) if config.device.type == "cpu" else 1
-        authkey = secrets.token_bytes(16)
-        self.procs: list[subprocess.Popen] = []
+        self.procs: dict[int, subprocess.Popen] = {}   # local ranks only
         self.conns: list[Connection] = []
-        env = dict(os.environ, SHARDSERVE_WORKER_AUTHKEY=authkey.hex(), OMP_NUM_THREADS=str(threads))
-        with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
-            host, port = listener.address
-            for rank in range(self.world_size):
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "shardserve.executor.worker_proc", host, str(port), str(rank)], env=env))
+        with Listener(address, authkey=authkey) as listener:
+            port = listener.address[1]
+            for rank in range(per_node):
+                self.procs[rank] = spawn_worker("127.0.0.1", port, rank, authkey, threads)
             try:
-                by_rank = {}
-                for _ in range(self.world_size):
-                    conn = self._accept(listener, startup_timeout_s)
+                by_rank: dict[int, Connection] = {}
+                while len(by_rank) < self.world_size:
+                    conn = self._accept(listener, startup_timeout_s, pc, sorted(by_rank))
                     by_rank[conn.recv()] = conn
                 self.conns = [by_rank[r] for r in range(self.world_size)]
                 for rank, conn in enumerate(self.conns):
-                    conn.send((config, rank, first_device + rank, init_method, eos_token_ids,
+                    conn.send((config, rank, first_device + rank % per_node, init_method, eos_token_ids,
                                show_progress and rank == self.output_rank and replica == 0, threads))
                 self._gather(startup_timeout_s)
                 self.collective_rpc("load_model")
@@ -68,8 +86,8 @@ class MultiprocExecutor(Executor):
                 self.shutdown()
                 raise
 
-    def _accept(self, listener: Listener, timeout_s: float) -> Connection:
-        """accept() that gives up if a worker dies before connecting or the deadline passes."""
+    def _accept(self, listener: Listener, timeout_s: float, pc, connected: list[int]) -> Connection:
+        """accept() that gives up if a local worker dies first or the deadline passes."""
         sock = listener._listener._socket
         deadline = time.monotonic() + timeout_s
         sock.settimeout(_POLL_S)
@@ -77,11 +95,16 @@ class MultiprocExecutor(Executor):
             try:
                 return listener.accept()
             except (socket.timeout, TimeoutError):
-                for rank, proc in enumerate(self.procs):
+                for rank, proc in self.procs.items():
                     if proc.poll() is not None:
                         self._fail(rank)
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"worker processes did not connect within {timeout_s:.0f} s")
+                    missing = sorted(set(range(self.world_size)) - set(connected))
+                    raise TimeoutError(
+                        f"worker ranks {missing} did not connect to the engine at {listener.address[0]}:"
+                        f"{listener.address[1]} within {timeout_s:.0f} s" + (
+                            f"; start the other nodes with `shardserve worker --nnodes {pc.nnodes} --node-rank N "
+                            f"--master-addr {pc.master_addr} --master-port {pc.master_port}`" if pc.nnodes > 1 else ""))
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout_s: float | None = None) -> list[Any]:
@@ -123,7 +146,7 @@ class MultiprocExecutor(Executor):
                 results[rank] = value
                 del pending[rank]
             for rank in pending:
-                if self.procs[rank].poll() is not None:
+                if rank in self.procs and self.procs[rank].poll() is not None:
                     self._fail(rank)
             if deadline is not None and time.monotonic() > deadline:
                 self.shutdown()
@@ -131,11 +154,11 @@ class MultiprocExecutor(Executor):
         return [results[r] for r in range(len(self.conns))]
 
     def _fail(self, rank: int) -> None:
-        proc = self.procs[rank]
-        code = proc.poll()
+        proc = self.procs.get(rank)
+        code = proc.poll() if proc else None
         self.shutdown()
-        raise WorkerDiedError(f"worker rank {rank} (pid {proc.pid}) died"
-                              + (f" with exit code {code}" if code is not None else ""))
+        where = f"(pid {proc.pid})" if proc else "(on another node)"
+        raise WorkerDiedError(f"worker rank {rank} {where} died" + (f" with exit code {code}" if code is not None else ""))
 
     def shutdown(self) -> None:
         for conn in self.conns:
@@ -144,7 +167,7 @@ class MultiprocExecutor(Executor):
             except (BrokenPipeError, OSError):
                 pass
         deadline = time.monotonic() + 5.0
-        for proc in self.procs:
+        for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -8,6 +8,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 import traceback
 from multiprocessing.connection import Client
 
@@ -21,6 +22,19 @@ def _die_with_parent() -> None:
         pass
 
 
+def _connect(host: str, port: int, authkey: bytes, rank: int, timeout_s: float = 300.0):
+    """Dial the engine, retrying while it starts (a headless node may come up first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Client((host, port), authkey=authkey)
+        except (ConnectionRefusedError, OSError) as e:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"worker rank {rank}: no engine answered at {host}:{port} within "
+                                 f"{timeout_s:.0f} s ({e})")
+            time.sleep(0.5)
+
+
 def _error(e: BaseException) -> tuple[str, str]:
     return "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
 
@@ -29,7 +43,7 @@ def main() -> None:
     host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the engine's to handle
-    conn = Client((host, port), authkey=bytes.fromhex(os.environ["SHARDSERVE_WORKER_AUTHKEY"]))
+    conn = _connect(host, port, bytes.fromhex(os.environ["SHARDSERVE_WORKER_AUTHKEY"]), rank)
     conn.send(rank)
     config, rank, local_rank, init_method, eos_token_ids, show_progress, threads = conn.recv()
     import torch
