@@ -183,6 +183,8 @@ class ParallelConfig:
                              f"spread evenly over nnodes={self.nnodes}")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("a multi-node run needs master_port (and master_addr) like torchrun")
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise ValueError("with Ray, nodes come from the Ray cluster: drop --nnodes/--node-rank")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError("the uni executor runs one device; use mp (or ray) for "
                              f"tensor_parallel_size x pipeline_parallel_size = {self.world_size}")

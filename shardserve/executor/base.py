@@ -47,4 +47,7 @@ def make_executor(config, eos_token_ids: frozenset[int], show_progress: bool, re
     if backend == "mp":
         from shardserve.executor.multiproc import MultiprocExecutor
         return MultiprocExecutor(config, eos_token_ids, show_progress, replica=replica)
+    if backend == "ray":
+        from shardserve.executor.ray import RayExecutor
+        return RayExecutor(config, eos_token_ids, show_progress, replica=replica)
     raise ValueError(f"executor backend {backend!r} is not available")

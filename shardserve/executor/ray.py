@@ -1,0 +1,117 @@
+"""Workers as Ray actors, placed with a placement group on an existing Ray cluster (as vLLM does).
+
+`ray.init(address="auto")` joins the cluster this process runs in (or RAY_ADDRESS); one bundle per
+rank ({"GPU": 1} on GPUs, {"CPU": 1} otherwise) is reserved, ranks are ordered by node so that a
+tensor-parallel group stays inside one node, and torch.distributed meets at rank 0's node. An actor
+that dies turns the next call into a WorkerDiedError naming its rank.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from shardserve.config import EngineConfig
+from shardserve.executor.base import Executor
+from shardserve.executor.multiproc import WorkerDiedError
+
+
+class _RayWorker:
+    """The actor body: builds a Worker once told its rank, then runs whatever the engine asks."""
+
+    def __init__(self) -> None:
+        self.worker = None
+
+    def node_ip(self) -> str:
+        import ray
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        from shardserve.executor.multiproc import free_port
+        return free_port()
+
+    def start(self, config: EngineConfig, rank: int, local_rank: int, init_method: str,
+              eos_token_ids: frozenset[int], show_progress: bool, threads: int) -> None:
+        import torch
+
+        from shardserve.worker.worker import Worker
+        torch.set_num_threads(threads)
+        self.worker = Worker(config, eos_token_ids, show_progress, rank=rank, local_rank=local_rank,
+                             init_method=init_method)
+
+    def call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
+                 show_progress: bool = True, replica: int = 0) -> None:
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError as e:
+            raise ImportError("distributed_executor_backend='ray' needs Ray: pip install ray") from e
+        self._ray = ray
+        pc = config.parallel_config
+        self.world_size = pc.world_size
+        self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        if not ray.is_initialized():
+            ray.init(address="auto", log_to_driver=False)
+        gpu = config.device.type == "cuda"
+        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        self.pg = placement_group([bundle] * self.world_size, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=pc.distributed_timeout_s)
+        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(_RayWorker)
+        actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=i)).remote() for i in range(self.world_size)]
+        # Order ranks by node (stable), so TP groups of consecutive ranks share a node.
+        ips = ray.get([a.node_ip.remote() for a in actors])
+        order = sorted(range(self.world_size), key=lambda i: ips[i])
+        self.actors = [actors[i] for i in order]
+        ips = [ips[i] for i in order]
+        port = ray.get(self.actors[0].free_port.remote())
+        init_method = f"tcp://{ips[0]}:{port}"
+        local_rank = [sum(1 for j in range(r) if ips[j] == ips[r]) for r in range(self.world_size)]
+        try:
+            self._get([a.start.remote(config, r, local_rank[r] if gpu else 0, init_method, eos_token_ids,
+                                      show_progress and r == self.output_rank, 1)
+                       for r, a in enumerate(self.actors)], pc.distributed_timeout_s)
+            self.collective_rpc("load_model")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _get(self, refs: list, timeout_s: float | None = None) -> list[Any]:
+        ray = self._ray
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.RayActorError as e:
+            dead = next((r for r, ref in enumerate(refs) if _failed(ray, ref)), None)
+            self.shutdown()
+            raise WorkerDiedError(f"worker rank {dead} (Ray actor) died: {e}") from e
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        if not self.actors:
+            raise RuntimeError("the engine's workers are stopped (after a failure or shutdown)")
+        return self._get([a.call.remote(method, args, kwargs or {}) for a in self.actors])
+
+    def execute_model(self, sched):
+        return self.collective_rpc("execute_model", (sched,))[self.output_rank]
+
+    def shutdown(self) -> None:
+        ray = self._ray
+        for actor in getattr(self, "actors", []):
+            ray.kill(actor)
+        self.actors = []
+        if getattr(self, "pg", None) is not None:
+            ray.util.remove_placement_group(self.pg)
+            self.pg = None
+
+
+def _failed(ray, ref) -> bool:
+    try:
+        ray.get(ref, timeout=0)
+        return False
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:
+        return False
