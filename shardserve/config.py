@@ -98,6 +98,7 @@ class ModelConfig:
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     compute_dtype_override: torch.dtype | None = None   # see compute_dtype_for
+    load_format: str = "auto"                          # "dummy": random weights, real shapes
 
     @property
     def compute_dtype(self) -> torch.dtype:

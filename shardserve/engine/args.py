@@ -39,8 +39,11 @@ class EngineArgs:
     master_port: int | None = None
     seed: int = 0
     skip_tokenizer_init: bool = False
+    load_format: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r}: choose auto or dummy")
         path = resolve_model_path(self.model)
         hf_config = load_hf_config(path)
         resolve_model_class(hf_config)   # fail early, listing the supported architectures
@@ -52,7 +55,8 @@ class EngineArgs:
         model_config = ModelConfig(model=path, served_model_name=name, hf_config=hf_config, dtype=dtype,
                                    max_model_len=max_model_len, seed=self.seed, tokenizer=self.tokenizer,
                                    skip_tokenizer_init=self.skip_tokenizer_init,
-                                   compute_dtype_override=compute_dtype_for(dtype, device))
+                                   compute_dtype_override=compute_dtype_for(dtype, device),
+                                   load_format=self.load_format)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.data_parallel_size, self.distributed_executor_backend,
                                   tuple(self.pp_layer_partition) if self.pp_layer_partition else None,

@@ -138,11 +138,27 @@ def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.dev
     return model.eval()
 
 
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights with real shapes (vLLM's load_format="dummy"): matrices ~ N(0, std), norm
+    scales 1, biases 0. For benchmarks of models whose checkpoints are not at hand."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, std, generator=gen)
+            else:
+                p.fill_(1.0 if "norm" in name else 0.0)
+
+
 def load_model(path: str, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device,
-               show_progress: bool = True, compute_dtype: torch.dtype | None = None) -> nn.Module:
+               show_progress: bool = True, compute_dtype: torch.dtype | None = None,
+               load_format: str = "auto") -> nn.Module:
     """Load weights rounded to `dtype`. With a wider `compute_dtype` (bf16 on CPUs without bf16
     matrix units), parameters hold the bf16-rounded values in that wider type."""
     model = build_model(hf_config, compute_dtype or dtype, device)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+        return model
     weights, total = iter_weights(path, hf_config)
     bar = tqdm(weights, total=total, desc=f"Loading {os.path.basename(path.rstrip('/'))}", unit="tensor",
                disable=not show_progress, leave=False)

@@ -46,7 +46,8 @@ class ModelRunner:
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self) -> None:
         self.model = load_model(self.mc.model, self.mc.hf_config, self.mc.dtype, self.device,
-                                show_progress=self.show_progress, compute_dtype=self.mc.compute_dtype)
+                                show_progress=self.show_progress, compute_dtype=self.mc.compute_dtype,
+                                load_format=self.mc.load_format)
 
     def kv_bytes_per_block(self) -> int:
         layers = self.model.attention_layers()

@@ -1,0 +1,136 @@
+"""Single-stream decode ms/token on GPUs beside the roofline (weight bytes per GPU / HBM bandwidth
+measured in the same run), for random-weight models with real shapes.
+
+    python3 benchmarks/decode_gpu.py --shape llama-3-8b --tp 1 2 --shape2 llama-3-70b:2 --json out.json
+
+Also measures the NCCL all-reduce latency of a decode-sized message between the GPUs, and what
+the per-token all-reduces (2 per layer) cost at that latency.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+SHAPES = {
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256),
+    "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, vocab_size=128256),
+}
+
+
+def config_dir(shape: str) -> str:
+    cfg = dict(SHAPES[shape], architectures=["LlamaForCausalLM"], max_position_embeddings=8192,
+               rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16")
+    path = tempfile.mkdtemp(prefix=f"{shape}-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def weight_bytes(shape: str) -> int:
+    s = SHAPES[shape]
+    h, i, n, heads, kv, v = (s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"],
+                             s["num_attention_heads"], s["num_key_value_heads"], s["vocab_size"])
+    hd = h // heads
+    per_layer = h * (heads + 2 * kv) * hd + heads * hd * h + 3 * h * i + 2 * h
+    return 2 * (n * per_layer + 2 * v * h + h)
+
+
+def hbm_bandwidth() -> float:
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t)   # bytes read + written per second
+
+
+def decode_ms_per_token(shape: str, tp: int, tokens: int = 64) -> float:
+    from shardserve import LLM, SamplingParams
+    llm = LLM(config_dir(shape), load_format="dummy", dtype="bfloat16", device="cuda", skip_tokenizer_init=True,
+              max_model_len=2048, tensor_parallel_size=tp, gpu_memory_utilization=0.9, show_progress=False)
+    prompt = list(range(1000, 1128))
+    timings = {}
+    for n in (1, tokens + 1):
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        t = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        timings[n] = time.perf_counter() - t
+    llm.engine.shutdown()
+    return 1000 * (timings[tokens + 1] - timings[1]) / tokens
+
+
+def _allreduce_worker(rank: int, world: int, port: int, q) -> None:
+    import torch.distributed as dist
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")   # 8 KiB: one token's hidden state (4096 x bf16)
+    for _ in range(20):
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(200):
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    if rank == 0:
+        q.put((time.perf_counter() - t) / 200 * 1e6)
+    dist.destroy_process_group()
+
+
+def allreduce_latency_us(world: int) -> float:
+    import multiprocessing as mp
+    from shardserve.executor.multiproc import free_port
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    value = q.get(timeout=120)
+    for p in procs:
+        p.join()
+    return value
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", nargs="+", default=["llama-3-8b:1", "llama-3-8b:2", "llama-3-70b:2"],
+                   help="shape:tp pairs")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    bw = hbm_bandwidth()
+    result = {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+              "hbm_copy_TBps": bw / 1e12, "runs": []}
+    if torch.cuda.device_count() >= 2:
+        result["allreduce_8KiB_us"] = allreduce_latency_us(2)
+    for run in args.runs:
+        shape, tp = run.split(":")[0], int(run.split(":")[1])
+        if tp > torch.cuda.device_count():
+            continue
+        ms = decode_ms_per_token(shape, tp)
+        roofline = weight_bytes(shape) / tp / bw * 1000
+        entry = {"shape": shape, "tp": tp, "decode_ms_per_token": ms, "roofline_ms": roofline,
+                 "ratio_to_roofline": ms / roofline}
+        if tp > 1 and "allreduce_8KiB_us" in result:
+            n = 2 * SHAPES[shape]["num_hidden_layers"]
+            entry["allreduce_ms_per_token"] = n * result["allreduce_8KiB_us"] / 1000
+        result["runs"].append(entry)
+        print(json.dumps(entry), flush=True)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
