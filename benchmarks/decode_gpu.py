@@ -56,6 +56,14 @@ def hbm_bandwidth() -> float:
 
 
 def decode_ms_per_token(shape: str, tp: int, tokens: int = 64) -> float:
+    """Run in a fresh process so that no earlier engine's memory is still held on the GPUs."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(_decode_ms_per_token, (shape, tp, tokens))
+
+
+def _decode_ms_per_token(shape: str, tp: int, tokens: int) -> float:
     from shardserve import LLM, SamplingParams
     llm = LLM(config_dir(shape), load_format="dummy", dtype="bfloat16", device="cuda", skip_tokenizer_init=True,
               max_model_len=2048, tensor_parallel_size=tp, gpu_memory_utilization=0.9, show_progress=False)

@@ -86,9 +86,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         if budget <= 0:
             raise RuntimeError(
-                f"no GPU memory left for the KV cache: weights and activations peak at {peak / 2**30:.1f} GiB "
-                f"of {total / 2**30:.1f} GiB x gpu_memory_utilization; raise --gpu-memory-utilization, lower "
-                "--max-num-batched-tokens, or shard the model")
+                f"no GPU memory left for the KV cache on {self.device}: weights and activations peak at "
+                f"{peak / 2**30:.1f} GiB and other processes hold {max(others, 0) / 2**30:.1f} GiB, of "
+                f"{total / 2**30:.1f} GiB x gpu_memory_utilization={self.config.cache_config.gpu_memory_utilization}; "
+                "raise --gpu-memory-utilization, lower --max-num-batched-tokens, free the GPU, or shard the model")
         return budget
 
     def _dummy_run(self, num_tokens: int, max_model_len: int, max_num_seqs: int) -> None:
