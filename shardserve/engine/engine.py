@@ -6,6 +6,7 @@ scheduler books the sampled tokens -> outputs are detokenized and returned.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -17,6 +18,7 @@ from shardserve.engine.detokenizer import IncrementalDetokenizer
 from shardserve.engine.output_processor import OutputProcessor, RequestState, SampleState
 from shardserve.engine.request import Request, RequestStatus
 from shardserve.engine.scheduler import Scheduler
+from shardserve.engine.scheduler_output import SchedulerOutput
 from shardserve.executor.base import make_executor
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
@@ -48,9 +50,23 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.executor = make_executor(config, eos, show_progress, replica)
         num_blocks = self._init_kv_cache()
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        # With pipeline stages, one scheduler per stage ("virtual engines", each over its own slice
+        # of the KV pool) keeps that many batches in flight, so the stages work at the same time.
+        pp = config.parallel_config.pipeline_parallel_size
+        per_ve = num_blocks // pp
+        if pp > 1 and (per_ve - 1) * config.cache_config.block_size < config.model_config.max_model_len:
+            logger.warning("KV cache too small to split over %d pipeline micro-batches; stages will take turns", pp)
+            pp, per_ve = 1, num_blocks
+        self.schedulers = [Scheduler(config.scheduler_config, config.cache_config, per_ve, block_offset=v * per_ve)
+                           for v in range(pp)]
+        self.in_flight: deque[tuple[Scheduler, SchedulerOutput]] = deque()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first (and, without pipeline parallelism, only) scheduler."""
+        return self.schedulers[0]
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, show_progress: bool = True):
@@ -122,13 +138,15 @@ class LLMEngine:
             engine_ids.append(rid)
             requests.append(Request(rid, token_ids, child, eos, arrival_time or time.monotonic()))
         self.output_processor.add(RequestState(request_id, text, token_ids, samples), engine_ids)
+        scheduler = min(self.schedulers, key=lambda sc: len(sc.running) + len(sc.waiting))
         for req in requests:
-            self.scheduler.add_request(req)
+            scheduler.add_request(req)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             engine_ids = self.output_processor.abort(request_id)
-            self.scheduler.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
+            for scheduler in self.schedulers:
+                scheduler.finish_requests(engine_ids, RequestStatus.FINISHED_ABORTED)
 
     def next_request_id(self) -> str:
         return str(next(self._ids))
@@ -139,26 +157,35 @@ class LLMEngine:
         return self.finish_step()
 
     def submit_step(self) -> None:
-        """First half of a step: schedule and hand the batch to the workers."""
-        self._sched = self.scheduler.schedule()
-        self.executor.submit_execute(self._sched)
+        """Schedule and hand a batch to the workers for every scheduler without one in flight."""
+        busy = {id(sc) for sc, _ in self.in_flight}
+        for scheduler in self.schedulers:
+            if id(scheduler) not in busy and scheduler.has_unfinished_requests():
+                sched = scheduler.schedule()
+                self.executor.submit_execute(sched)
+                self.in_flight.append((scheduler, sched))
 
     def finish_step(self) -> list[RequestOutput]:
-        """Second half: collect the sampled tokens and turn them into outputs."""
+        """Collect the oldest batch in flight and turn its tokens into outputs."""
+        if not self.in_flight:
+            return []
+        scheduler, sched = self.in_flight.popleft()
         result = self.executor.collect_execute()
-        updates = self.scheduler.update_from_output(self._sched, result)
+        updates = scheduler.update_from_output(sched, result)
         outputs, stopped = self.output_processor.process(updates)
         if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self.in_flight) or any(sc.has_unfinished_requests() for sc in self.schedulers)
 
     def stats(self) -> EngineStats:
-        kv = self.scheduler.kv
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage(),
-                           kv.prefix_cache_queries, kv.prefix_cache_hits, self.scheduler.num_preemptions)
+        kvs = [sc.kv for sc in self.schedulers]
+        return EngineStats(sum(len(sc.running) for sc in self.schedulers),
+                           sum(len(sc.waiting) for sc in self.schedulers),
+                           sum(kv.usage() for kv in kvs) / len(kvs), sum(kv.prefix_cache_queries for kv in kvs),
+                           sum(kv.prefix_cache_hits for kv in kvs), sum(sc.num_preemptions for sc in self.schedulers))
 
     def shutdown(self) -> None:
         self.executor.shutdown()

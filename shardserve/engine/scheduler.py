@@ -32,8 +32,10 @@ class RequestUpdate:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 kv_manager: KVCacheManager | None = None) -> None:
+                 kv_manager: KVCacheManager | None = None, block_offset: int = 0) -> None:
         self.config = scheduler_config
+        # Pipeline-parallel engines run several schedulers over disjoint slices of one KV pool.
+        self.block_offset = block_offset
         self.max_model_len = scheduler_config.max_model_len
         self.kv = kv_manager or KVCacheManager(num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
@@ -119,7 +121,7 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             out.scheduled_new_reqs.append(NewRequestData(
                 req.request_id, req.all_token_ids, req.num_prompt_tokens, req.sampling_params,
-                self.kv.block_ids(req.request_id), num_hit))
+                self._block_ids(req.request_id), num_hit))
             req.num_synced_tokens = req.num_tokens
             req.num_synced_blocks = len(self.kv.req_blocks[req.request_id])
             out.num_scheduled_tokens[req.request_id] = num_new
@@ -129,7 +131,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
-        block_ids = self.kv.block_ids(req.request_id)
+        block_ids = self._block_ids(req.request_id)
         # Workers hold the tokens and block ids they were sent; send only what is new.
         out.scheduled_cached_reqs.append(CachedRequestData(
             req.request_id, req.all_token_ids[req.num_synced_tokens:],
@@ -137,6 +139,9 @@ class Scheduler:
         req.num_synced_tokens = req.num_tokens
         req.num_synced_blocks = len(block_ids)
         out.num_scheduled_tokens[req.request_id] = num_new
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        return [b + self.block_offset for b in self.kv.block_ids(req_id)]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req.request_id)

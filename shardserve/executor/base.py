@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import Any
 
 from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -25,12 +26,15 @@ class Executor(ABC):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", (sched,))[0]
 
-    # Split form, so data-parallel replicas in other processes run their steps concurrently.
+    # Split form: several batches may be in flight (pipeline stages, data-parallel replicas);
+    # results come back in submission order. In-process executors simply run at submit time.
     def submit_execute(self, sched: SchedulerOutput) -> None:
-        self._pending = self.execute_model(sched)
+        if not hasattr(self, "_pending"):
+            self._pending: deque[ModelRunnerOutput] = deque()
+        self._pending.append(self.execute_model(sched))
 
     def collect_execute(self) -> ModelRunnerOutput:
-        return self._pending
+        return self._pending.popleft()
 
     def shutdown(self) -> None:
         pass

@@ -7,6 +7,7 @@ that dies turns the next call into a WorkerDiedError naming its rank.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from shardserve.config import EngineConfig
@@ -51,6 +52,7 @@ class RayExecutor(Executor):
         except ImportError as e:
             raise ImportError("distributed_executor_backend='ray' needs Ray: pip install ray") from e
         self._ray = ray
+        self._in_flight: deque[list] = deque()
         pc = config.parallel_config
         self.world_size = pc.world_size
         self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
@@ -96,6 +98,13 @@ class RayExecutor(Executor):
 
     def execute_model(self, sched):
         return self.collective_rpc("execute_model", (sched,))[self.output_rank]
+
+    def submit_execute(self, sched) -> None:
+        # Each actor runs its calls in order, so batches queue up behind one another.
+        self._in_flight.append([a.call.remote("execute_model", (sched,), {}) for a in self.actors])
+
+    def collect_execute(self):
+        return self._get(self._in_flight.popleft())[self.output_rank]
 
     def shutdown(self) -> None:
         ray = self._ray

@@ -26,7 +26,7 @@ def _alive(pid: int) -> bool:
 def test_killed_worker_names_its_rank_and_leaves_nothing(tmp_path):
     path = make_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
     llm = LLM(path, kv_cache_memory="16MiB", show_progress=False, tensor_parallel_size=2)
-    pids = [p.pid for p in llm.engine.executor.procs]
+    pids = [p.pid for p in llm.engine.executor.procs.values()]
     victim = pids[1]
     threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
     start = time.monotonic()

@@ -84,3 +84,28 @@ def test_bad_layouts_are_clear_errors(tiny):
         LLM(tiny, kv_cache_memory="16MiB", show_progress=False, pipeline_parallel_size=5)
     with pytest.raises(ValueError, match="partition"):
         LLM(tiny, kv_cache_memory="16MiB", show_progress=False, pipeline_parallel_size=2, pp_layer_partition=[2, 1])
+
+
+def test_pipeline_keeps_one_batch_in_flight_per_stage(tiny, reference):
+    """With PP=2 the engine runs two schedulers over disjoint halves of the KV pool and submits
+    the second batch before the first comes back, so both stages work at once."""
+    llm = LLM(tiny, kv_cache_memory="16MiB", show_progress=False, pipeline_parallel_size=2)
+    engine = llm.engine
+    try:
+        assert len(engine.schedulers) == 2
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", p, GREEDY)
+        assert all(sc.has_unfinished_requests() for sc in engine.schedulers)   # least-loaded placement
+        engine.submit_step()
+        assert len(engine.in_flight) == 2
+        blocks = [{b for r in sched.scheduled_new_reqs for b in r.block_ids} for _, sched in engine.in_flight]
+        assert not blocks[0] & blocks[1]                                        # disjoint KV slices
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.finish_step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            engine.submit_step()
+        assert [done[f"r{i}"] for i in range(len(PROMPTS))] == reference
+    finally:
+        engine.shutdown()
