@@ -3,6 +3,7 @@ executor's RPCs by delegating to its ModelRunner. Every executor (in-process, on
 device, Ray actors) drives the same methods through `collective_rpc`."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -48,6 +49,10 @@ class Worker:
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """This rank's parameter shapes (tests check that sharded matrices really are 1/TP)."""
         return {n: tuple(p.shape) for n, p in self.model_runner.model.named_parameters()}
+
+    def environment(self, names: list[str]) -> dict[str, str | None]:
+        """What this worker's process sees for the given variables (e.g. NCCL_* on every node)."""
+        return {n: os.environ.get(n) for n in names}
 
     def shutdown(self) -> None:
         destroy_distributed()

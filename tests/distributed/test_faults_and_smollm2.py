@@ -73,3 +73,38 @@ def test_smollm2_tp2_is_a_clear_error():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide .*9 attention heads.*"
                                          r"sizes that work: 1, 3"):
         LLM(kv_cache_memory="256MiB", show_progress=False, tensor_parallel_size=2)
+
+
+def test_nccl_settings_reach_every_worker(tmp_path, monkeypatch):
+    settings = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_HCA": "mlx5_0", "NCCL_IB_GID_INDEX": "3",
+                "NCCL_NET_GDR_LEVEL": "PHB", "NCCL_DEBUG": "INFO"}
+    for k, v in settings.items():
+        monkeypatch.setenv(k, v)
+    path = make_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
+    llm = LLM(path, kv_cache_memory="16MiB", show_progress=False, tensor_parallel_size=2)
+    try:
+        assert llm.engine.executor.collective_rpc("environment", (list(settings),)) == [settings, settings]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_interrupted_engine_leaves_no_workers(tmp_path):
+    """Ctrl-C in a user's script: the script dies, and its worker processes die with it."""
+    import subprocess
+    import sys
+    path = make_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
+    script = (
+        "from shardserve import LLM, SamplingParams\n"
+        f"llm = LLM({path!r}, kv_cache_memory='16MiB', show_progress=False, tensor_parallel_size=2)\n"
+        "print(' '.join(str(p.pid) for p in llm.engine.executor.procs.values()), flush=True)\n"
+        "llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=10**6, ignore_eos=True), use_tqdm=False)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "workers outlived the interrupted engine"

@@ -42,3 +42,12 @@ def test_nccl_tp2_and_pp2_match_tp1(checkpoint):
             theirs = b.token_ids[j]
             assert theirs in lp and lp[a.token_ids[j]].logprob - lp[theirs].logprob <= TIE_TOL, (
                 f"prompt {i}: TP=2 token {j} is not a near-tie under TP=1")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_nccl_tp2_x_pp2_matches_tp2(checkpoint):
+    """A TP=2 x PP=2 grid does the same arithmetic as TP=2 alone (pipelining moves no sums), so its
+    greedy tokens are identical to TP=2's."""
+    tp2 = _run(checkpoint, tensor_parallel_size=2)
+    grid = _run(checkpoint, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert [o.token_ids for o in grid] == [o.token_ids for o in tp2]
