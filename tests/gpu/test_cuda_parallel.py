@@ -18,9 +18,11 @@ def _run(path: str, **kwargs):
     from shardserve import LLM, SamplingParams
     llm = LLM(path, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, max_model_len=2048,
               gpu_memory_utilization=0.6, show_progress=False, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=20)
     try:
-        return [o.outputs[0] for o in llm.generate(_prompts(), SamplingParams(
-            temperature=0, max_tokens=32, ignore_eos=True, logprobs=20), use_tqdm=False)]
+        # One request at a time: every layout then sees the same batch shapes (bf16 GEMMs round
+        # differently at other batch sizes, which would blur what is being compared).
+        return [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in _prompts()]
     finally:
         llm.engine.shutdown()
         del llm
