@@ -72,10 +72,10 @@ def _cpu_flags() -> set[str]:
 
 
 def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype matmuls run in. On a CPU without bf16/fp16 matrix instructions (AVX2-only x86),
-    PyTorch's half-precision GEMMs are ~15x slower than fp32 (and vLLM's give wrong answers), so
-    weights keep their half-precision values but are stored and multiplied in fp32; the KV cache
-    stays in the serving dtype. SHARDSERVE_CPU_NATIVE_HALF=1 forces native half-precision math."""
+    """The dtype weights, activations and the KV cache are held in. On a CPU without bf16/fp16
+    matrix instructions (AVX2-only x86), PyTorch's half-precision GEMMs are several times slower than
+    fp32 (and vLLM's give wrong answers), so weights keep their half-precision values but are stored
+    and multiplied in fp32. SHARDSERVE_CPU_NATIVE_HALF=1 forces native half-precision math."""
     if device.type != "cpu" or dtype == torch.float32 or os.environ.get("SHARDSERVE_CPU_NATIVE_HALF") == "1":
         return dtype
     flags = _cpu_flags()

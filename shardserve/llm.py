@@ -86,10 +86,15 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", unit="req",
                    disable=not (use_tqdm and self.show_progress), leave=False)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:   # leave no half-run requests behind for the next call
+            engine.abort_request([rid for rid in ids if rid not in finished])
+            raise
+        finally:
+            bar.close()
         return [finished[rid] for rid in ids]

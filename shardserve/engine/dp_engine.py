@@ -38,7 +38,8 @@ class DataParallelEngine:
         return str(self._ids - 1)
 
     def load(self, engine: LLMEngine) -> int:
-        return len(engine.scheduler.running) + len(engine.scheduler.waiting)
+        stats = engine.stats()
+        return stats.num_running + stats.num_waiting
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> int:

@@ -49,7 +49,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.executor = make_executor(config, eos, show_progress, replica)
-        num_blocks = self._init_kv_cache()
+        try:
+            num_blocks = self._init_kv_cache()
+        except BaseException:   # do not leave worker processes (and their GPU memory) behind
+            self.executor.shutdown()
+            raise
         # With pipeline stages, one scheduler per stage ("virtual engines", each over its own slice
         # of the KV pool) keeps that many batches in flight, so the stages work at the same time.
         pp = config.parallel_config.pipeline_parallel_size
@@ -123,24 +127,35 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
         samples, engine_ids, requests = [], [], []
         for i, child in enumerate(children):
             if i > 0 and child.prompt_logprobs is not None:   # computed once, for the first sample
                 child = replace(child, prompt_logprobs=None)
-            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            # n > 1: internal ids with a separator clients cannot send in JSON strings unnoticed.
+            rid = request_id if params.n == 1 else f"{request_id}\x1f{i}"
             detok = (IncrementalDetokenizer(self.tokenizer, token_ids, child)
                      if self.tokenizer is not None and child.detokenize else None)
             samples.append(SampleState(i, detok))
             engine_ids.append(rid)
             requests.append(Request(rid, token_ids, child, eos, arrival_time or time.monotonic()))
+        if request_id in self.output_processor.requests or any(self._id_in_use(r) for r in engine_ids):
+            raise ValueError(f"request id {request_id!r} is already in use")
         self.output_processor.add(RequestState(request_id, text, token_ids, samples), engine_ids)
         scheduler = min(self.schedulers, key=lambda sc: len(sc.running) + len(sc.waiting))
         for req in requests:
             scheduler.add_request(req)
+
+    def _id_in_use(self, engine_id: str) -> bool:
+        # Includes ids finished but not yet reported to the workers, whose state is shared by all
+        # schedulers: reusing one too early would let a stale "finished" drop the new request's state.
+        return any(engine_id in sc.requests or engine_id in sc.finished_req_ids for sc in self.schedulers) or any(
+            engine_id in sched.finished_req_ids for _, sched in self.in_flight)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:

@@ -106,14 +106,19 @@ class OutputProcessor:
             sample.logprobs.append(self._logprob_dict(up.logprobs))
             sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + up.logprobs[1][0]
         stop_str = None
-        if sample.detokenizer is not None and req.sampling_params.detokenize:
-            stop_str = sample.detokenizer.add_tokens(up.new_token_ids, req.num_output_tokens)
-        if up.finished:
+        sp = req.sampling_params
+        if sample.detokenizer is not None and sp.detokenize:
+            text_ids = up.new_token_ids
+            if up.finished and req.status.value == "stop" and not sp.include_stop_str_in_output:
+                text_ids = text_ids[:-1]   # an EOS or stop token ends the text without appearing in it
+            stop_str = sample.detokenizer.add_tokens(text_ids, req.num_output_tokens)
+        if stop_str is not None:   # a stop string wins over a length limit reached on the same token
+            sample.finish_reason, sample.stop_reason = "stop", stop_str
+            if not up.finished:
+                stopped.append(req.request_id)
+        elif up.finished:
             sample.finish_reason = req.status.value
             sample.stop_reason = req.stop_reason
-        elif stop_str is not None:
-            sample.finish_reason, sample.stop_reason = "stop", stop_str
-            stopped.append(req.request_id)
 
     def _make_output(self, state: RequestState) -> RequestOutput:
         completions = []

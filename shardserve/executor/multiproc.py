@@ -29,9 +29,13 @@ class WorkerDiedError(RuntimeError):
 
 
 def cluster_key() -> bytes:
-    """The key every node's workers prove when they dial the engine (set SHARDSERVE_CLUSTER_KEY to
-    the same secret on all nodes; the default only keeps strangers' typos out)."""
-    return os.environ.get("SHARDSERVE_CLUSTER_KEY", "shardserve-cluster").encode()
+    """The secret every node's workers prove when they dial the engine: SHARDSERVE_CLUSTER_KEY, set
+    to the same value on all nodes. Required: the engine unpickles what authenticated peers send."""
+    key = os.environ.get("SHARDSERVE_CLUSTER_KEY")
+    if not key:
+        raise ValueError("a multi-node run needs SHARDSERVE_CLUSTER_KEY set to the same secret on every node "
+                         "(e.g. export SHARDSERVE_CLUSTER_KEY=$(openssl rand -hex 16))")
+    return key.encode()
 
 
 def spawn_worker(host: str, port: int, rank: int, authkey: bytes, threads: int) -> subprocess.Popen:
@@ -59,7 +63,7 @@ class MultiprocExecutor(Executor):
         per_node = pc.ranks_per_node
         if pc.nnodes > 1:   # remote ranks dial in to the engine at master_port + 1
             init_method = f"tcp://{pc.master_addr}:{pc.master_port}"
-            address, authkey = ("0.0.0.0", pc.master_port + 1), cluster_key()
+            address, authkey = (pc.master_addr, pc.master_port + 1), cluster_key()
         else:
             init_method = f"tcp://127.0.0.1:{free_port()}"
             address, authkey = ("127.0.0.1", 0), secrets.token_bytes(16)
@@ -75,7 +79,11 @@ class MultiprocExecutor(Executor):
                 by_rank: dict[int, Connection] = {}
                 while len(by_rank) < self.world_size:
                     conn = self._accept(listener, startup_timeout_s, pc, sorted(by_rank))
-                    by_rank[conn.recv()] = conn
+                    rank = conn.recv()
+                    if not isinstance(rank, int) or not 0 <= rank < self.world_size or rank in by_rank:
+                        conn.close()   # not one of ours, or a rank already taken
+                        continue
+                    by_rank[rank] = conn
                 self.conns = [by_rank[r] for r in range(self.world_size)]
                 for rank, conn in enumerate(self.conns):
                     conn.send((config, rank, first_device + rank % per_node, init_method, eos_token_ids,

@@ -47,8 +47,6 @@ class RayExecutor(Executor):
                  show_progress: bool = True, replica: int = 0) -> None:
         try:
             import ray
-            from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         except ImportError as e:
             raise ImportError("distributed_executor_backend='ray' needs Ray: pip install ray") from e
         self._ray = ray
@@ -60,6 +58,18 @@ class RayExecutor(Executor):
             ray.init(address="auto", log_to_driver=False)
         gpu = config.device.type == "cuda"
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        self.pg, self.actors = None, []
+        try:
+            self._start(config, eos_token_ids, show_progress, gpu, bundle)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig, eos_token_ids, show_progress: bool, gpu: bool, bundle: dict) -> None:
+        ray = self._ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        pc = config.parallel_config
         self.pg = placement_group([bundle] * self.world_size, strategy="PACK")
         ray.get(self.pg.ready(), timeout=pc.distributed_timeout_s)
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(_RayWorker)
@@ -72,15 +82,10 @@ class RayExecutor(Executor):
         ips = [ips[i] for i in order]
         port = ray.get(self.actors[0].free_port.remote())
         init_method = f"tcp://{ips[0]}:{port}"
-        local_rank = [sum(1 for j in range(r) if ips[j] == ips[r]) for r in range(self.world_size)]
-        try:
-            self._get([a.start.remote(config, r, local_rank[r] if gpu else 0, init_method, eos_token_ids,
-                                      show_progress and r == self.output_rank, 1)
-                       for r, a in enumerate(self.actors)], pc.distributed_timeout_s)
-            self.collective_rpc("load_model")
-        except BaseException:
-            self.shutdown()
-            raise
+        # Ray gives each actor exactly one GPU through CUDA_VISIBLE_DEVICES: it is always cuda:0.
+        self._get([a.start.remote(config, r, 0, init_method, eos_token_ids, show_progress and r == self.output_rank, 1)
+                   for r, a in enumerate(self.actors)], pc.distributed_timeout_s)
+        self.collective_rpc("load_model")
 
     def _get(self, refs: list, timeout_s: float | None = None) -> list[Any]:
         ray = self._ray

@@ -34,10 +34,12 @@ def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> tor
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
-                 rope_scaling: dict[str, Any] | None = None) -> None:
+                 rope_scaling: dict[str, Any] | None = None, freq_factors: list[float] | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         inv_freq = _inv_freq(head_dim, base, rope_scaling)
+        if freq_factors is not None:   # GGUF's rope_freqs tensor: divisors per frequency
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)   # [max_pos, head_dim / 2]

@@ -70,6 +70,10 @@ def gguf_to_hf_config(reader) -> dict[str, Any]:
         "torch_dtype": "bfloat16",
         "gguf_architecture": arch,
     }
+    # Llama 3.1-style rope scaling is stored by llama.cpp as per-frequency divisors.
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        cfg["rope_freq_factors"] = [float(x) for x in np.asarray(freqs.data, dtype=np.float32).reshape(-1)]
     window = meta("attention.sliding_window")
     if window:
         cfg["sliding_window"] = int(window)

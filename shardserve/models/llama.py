@@ -59,7 +59,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.get("rms_norm_eps", 1e-6))
             self.k_norm = RMSNorm(self.head_dim, cfg.get("rms_norm_eps", 1e-6))
         theta, scaling = rope_settings(cfg)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.get("max_position_embeddings", 8192), theta, scaling)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.get("max_position_embeddings", 8192), theta, scaling,
+                                          cfg.get("rope_freq_factors"))
         self.attn = Attention(AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
                                             self.head_dim ** -0.5, sliding_window_for_layer(cfg, layer)))
 

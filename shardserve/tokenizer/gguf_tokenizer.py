@@ -39,6 +39,9 @@ def tokenizer_from_gguf(reader, path: str) -> tuple[Tokenizer, dict]:
         "bos_token": tokens[bos_id] if bos_id is not None else None,
         "eos_token": tokens[eos_id] if eos_id is not None else None,
         "chat_template": field_value(reader, "tokenizer.chat_template"),
+        # End-of-turn / end-of-message tokens end generation too (Llama 3 instruct).
+        "extra_eos_ids": [int(i) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+                          if (i := field_value(reader, key)) is not None],
     }
     if kind != "gpt2":
         from transformers import AutoTokenizer   # slow path for sentencepiece-style vocabularies

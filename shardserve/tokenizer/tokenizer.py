@@ -53,7 +53,7 @@ class Tokenizer:
         from shardserve.models.gguf_loader import open_gguf
         from shardserve.tokenizer.gguf_tokenizer import tokenizer_from_gguf
         backend, info = tokenizer_from_gguf(open_gguf(path), path)
-        return cls(backend, info["bos_token"], info["eos_token"], info["chat_template"])
+        return cls(backend, info["bos_token"], info["eos_token"], info["chat_template"], info["extra_eos_ids"])
 
     @classmethod
     def from_hf_dir(cls, path: str) -> "Tokenizer":

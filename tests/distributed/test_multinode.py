@@ -15,6 +15,11 @@ PROMPTS = [[5, 17, 99, 3, 250, 7, 8, 9, 10, 11, 200, 100, 42] * 3, list(range(1,
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
+@pytest.fixture(autouse=True)
+def cluster_key(monkeypatch):
+    monkeypatch.setenv("SHARDSERVE_CLUSTER_KEY", "test-secret")
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_mn")), "llama")
@@ -47,8 +52,15 @@ def test_two_nodes_on_loopback_match_single_device(tiny):
 def test_missing_node_is_a_timeout_naming_ranks_and_address(tiny):
     port = free_port()
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=rf"worker ranks \[1\] did not connect to the engine at 0.0.0.0:{port + 1}"
+    with pytest.raises(TimeoutError, match=rf"worker ranks \[1\] did not connect to the engine at 127.0.0.1:{port + 1}"
                                            r".*shardserve worker --nnodes 2"):
         LLM(tiny, kv_cache_memory="16MiB", show_progress=False, tensor_parallel_size=2, nnodes=2, node_rank=0,
             master_addr="127.0.0.1", master_port=port, distributed_timeout_s=3)
     assert time.monotonic() - start < 30
+
+
+def test_multi_node_needs_a_cluster_key(tiny, monkeypatch):
+    monkeypatch.delenv("SHARDSERVE_CLUSTER_KEY")
+    with pytest.raises(ValueError, match="SHARDSERVE_CLUSTER_KEY"):
+        LLM(tiny, kv_cache_memory="16MiB", show_progress=False, tensor_parallel_size=2, nnodes=2, node_rank=0,
+            master_addr="127.0.0.1", master_port=free_port())

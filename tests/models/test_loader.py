@@ -165,8 +165,9 @@ def roundtrip(w: np.ndarray, qtype_name: str) -> np.ndarray:
     return gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(w.shape)
 
 
-def write_gguf(ckpt_dir: str, out_path: str, qtype_name: str) -> None:
-    """Convert a tiny HF llama checkpoint the way convert_hf_to_gguf.py does."""
+def write_gguf(ckpt_dir: str, out_path: str, qtype_name: str, rope_freqs: np.ndarray | None = None) -> None:
+    """Convert a tiny HF llama checkpoint the way convert_hf_to_gguf.py does (Llama 3.1 rope
+    scaling goes into a rope_freqs tensor of per-frequency divisors, as llama.cpp stores it)."""
     import gguf
     with open(os.path.join(ckpt_dir, "config.json")) as f:
         cfg = json.load(f)
@@ -215,6 +216,8 @@ def write_gguf(ckpt_dir: str, out_path: str, qtype_name: str) -> None:
         else:
             qtype = gguf.GGMLQuantizationType[qtype_name]
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -485,3 +488,21 @@ def test_dequantize_unsupported_type(tmp_path):
     with pytest.raises(ValueError) as e:
         gguf_loader.dequantize(t)
     assert "Q2_K" in str(e.value) and "blk.0.attn_q.weight" in str(e.value) and "Q4_K" in str(e.value)
+
+
+def test_gguf_rope_freqs_reproduce_llama3_scaling(tmp_path):
+    """A Llama-3.1-style GGUF: the rope_freqs divisors must give HF's llama3-scaled logits."""
+    from shardserve.layers.rotary import _inv_freq
+    ckpt_dir = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama3")
+    with open(os.path.join(ckpt_dir, "config.json")) as f:
+        cfg = json.load(f)
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    theta = cfg["rope_parameters"]["rope_theta"]
+    factors = (_inv_freq(head_dim, theta, None) / _inv_freq(head_dim, theta, cfg["rope_parameters"])).numpy()
+    assert factors.max() > 1.5   # the scaling really changes some frequencies
+    path = str(tmp_path / "tiny-llama3.gguf")
+    write_gguf(ckpt_dir, path, "F32", rope_freqs=factors)
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False)
+    prompt = random_prompt(7, 90)   # positions beyond original_max_position_embeddings=64
+    diff = (prompt_logprobs(llm, prompt) - hf_logprobs(load_hf_model(ckpt_dir), prompt)[:len(prompt) - 1]).abs().max()
+    assert diff <= 1e-4

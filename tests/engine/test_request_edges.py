@@ -1,0 +1,54 @@
+"""Edge cases at the engine's door: stop-token text, bad stop ids, request-id reuse, n > 1 ids."""
+from __future__ import annotations
+
+import pytest
+
+from shardserve import LLM, SamplingParams
+from tests.tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_edges")), "llama")
+    engine = LLM(path, kv_cache_memory="16MiB", show_progress=False)
+    yield engine
+    engine.engine.shutdown()
+
+
+def test_stop_token_ends_text_without_appearing_in_it(llm):
+    prompt = [5, 17, 99, 3, 250]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    tokens = free.outputs[0].token_ids
+    stop = tokens[2]
+    first = tokens.index(stop)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    assert out.token_ids == tokens[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == tok.decode(tokens[:first])
+    kept = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[stop],
+                                                 include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == tok.decode(tokens[:first + 1])
+
+
+def test_stop_token_outside_vocabulary_is_rejected_and_engine_survives(llm):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[1, 2, 3]], SamplingParams(min_tokens=1, max_tokens=3, stop_token_ids=[10**7]), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_request_ids_cannot_collide(llm):
+    engine = llm.engine
+    engine.add_request("x", [1, 2, 3], SamplingParams(n=2, max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2))
+    engine.add_request("0_x", [4, 5, 6], SamplingParams(max_tokens=2))   # the old child-id spelling is free
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert len(done["x"].outputs) == 2 and len(done["0_x"].outputs) == 1
+    assert engine.stats().kv_cache_usage == 0.0
