@@ -119,6 +119,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_hashes: dict[str, list[int]] = {}
+        self.req_num_cached: dict[str, int] = {}   # leading blocks already offered to the cache
         self.prefix_cache_queries = 0   # tokens looked up
         self.prefix_cache_hits = 0      # tokens found
 
@@ -183,16 +184,20 @@ class KVCacheManager:
         blocks = self.req_blocks[req_id]
         hashes = self._block_hashes(req_id, token_ids, num_tokens)
         bs = self.block_size
-        # The memo may reach further (a lookup hashes the whole prompt); cache only what is filled.
-        for i in range(num_tokens // bs):
+        # The memo may reach further (a lookup hashes the whole prompt); cache only what is filled,
+        # and start after the blocks already handled on earlier steps.
+        start = self.req_num_cached.get(req_id, 0)
+        for i in range(start, num_tokens // bs):
             if blocks[i].block_hash is None:
                 self.pool.cache_block(blocks[i], hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]),
                                       hashes[i - 1] if i else None)
+        self.req_num_cached[req_id] = max(start, num_tokens // bs)
 
     def free(self, req_id: str) -> None:
         blocks = self.req_blocks.pop(req_id, [])
         self.pool.free(list(reversed(blocks)))
         self.req_hashes.pop(req_id, None)
+        self.req_num_cached.pop(req_id, None)
 
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, ())]

@@ -44,6 +44,7 @@ class Request:
     num_synced_blocks: int = 0           # ... and how many of our block ids
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -59,7 +60,11 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt + outputs, kept as one list so each step costs O(new tokens), not O(context).
+        Callers must not modify it."""
+        if len(self._all_token_ids) != self.num_tokens:   # first use, or outputs set directly
+            self._all_token_ids = self.prompt_token_ids + self.output_token_ids
+        return self._all_token_ids
 
     def max_total_tokens(self, max_model_len: int) -> int:
         mt = self.sampling_params.max_tokens
@@ -67,6 +72,8 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        if len(self._all_token_ids) == self.num_tokens - 1:
+            self._all_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
 

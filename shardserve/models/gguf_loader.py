@@ -112,12 +112,12 @@ def dequantize(tensor) -> torch.Tensor:
     return out.reshape(shape)
 
 
-def iter_gguf_weights(reader, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(reader, hf_config: dict[str, Any], wanted=lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
     permute = hf_config.get("gguf_architecture") == "llama"
     heads, kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
-        if name is None:
+        if name is None or not wanted(name):   # skipped before dequantizing
             continue
         weight = dequantize(tensor)
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -182,6 +182,10 @@ class LlamaForCausalLM(nn.Module):
             return []
         return [name]
 
+    def wants_weight(self, ckpt_name: str) -> bool:
+        """Does this pipeline stage need the checkpoint tensor at all? (Lets the loader skip it unread.)"""
+        return "rotary_emb.inv_freq" not in ckpt_name and bool(self._targets(ckpt_name))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Feed checkpoint tensors (HF names) to the parameters' weight loaders, one at a time."""
         params = dict(self.named_parameters(remove_duplicate=False))

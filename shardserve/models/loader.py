@@ -85,7 +85,7 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[str], wanted) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
     for file in files:
         try:
@@ -94,6 +94,8 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read weight file {file}: {e}") from e
         with handle:
             for name in handle.keys():
+                if not wanted(name):   # another pipeline stage's tensor: never read
+                    continue
                 try:
                     yield name, handle.get_tensor(name)
                 except Exception as e:
@@ -112,13 +114,15 @@ def _count_safetensors(files: list[str]) -> int:
     return total
 
 
-def iter_weights(path: str, hf_config: dict[str, Any]) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
-    """(stream of (HF name, tensor), number of tensors) for a checkpoint directory or GGUF file."""
+def iter_weights(path: str, hf_config: dict[str, Any],
+                 wanted=lambda name: True) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    """(stream of (HF name, tensor), number of tensors) for a checkpoint directory or GGUF file;
+    tensors for which `wanted(name)` is false are skipped before they are read."""
     if is_gguf(path):
         reader = gguf_loader.open_gguf(path)
-        return gguf_loader.iter_gguf_weights(reader, hf_config), gguf_loader.count_gguf_tensors(reader)
+        return gguf_loader.iter_gguf_weights(reader, hf_config, wanted), gguf_loader.count_gguf_tensors(reader)
     files = safetensors_files(path)
-    return _iter_safetensors(files), _count_safetensors(files)
+    return _iter_safetensors(files, wanted), _count_safetensors(files)
 
 
 @contextmanager
@@ -159,10 +163,11 @@ def load_model(path: str, hf_config: dict[str, Any], dtype: torch.dtype, device:
     if load_format == "dummy":
         init_dummy_weights(model)
         return model
-    weights, total = iter_weights(path, hf_config)
+    # Tensors stay on the CPU until each parameter's weight_loader has cut out this rank's shard,
+    # so no device ever holds a full matrix it does not own.
+    weights, total = iter_weights(path, hf_config, getattr(model, "wants_weight", lambda name: True))
     bar = tqdm(weights, total=total, desc=f"Loading {os.path.basename(path.rstrip('/'))}", unit="tensor",
                disable=not show_progress, leave=False)
     with torch.no_grad():
-        model.load_weights((name, t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype))
-                           for name, t in bar)
+        model.load_weights((name, t.to(dtype=dtype) if t.is_floating_point() else t) for name, t in bar)
     return model
