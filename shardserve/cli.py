@@ -26,6 +26,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="fraction of GPU memory to use (default: %(default)s)")
     parser.add_argument("--kv-cache-memory", default=None, help="KV cache budget in bytes, e.g. 4GiB (CPU default: 4GiB)")
     parser.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
+    parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                        help="largest logprobs a request may ask for; -1: no limit (default: %(default)s)")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights with the checkpoint's shapes (benchmarks)")
     add_parallel_args(parser)
 
 
@@ -52,7 +56,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
                       enable_prefix_caching=ns.enable_prefix_caching,
                       gpu_memory_utilization=ns.gpu_memory_utilization, kv_cache_memory=ns.kv_cache_memory,
-                      seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size,
+                      seed=ns.seed, max_logprobs=ns.max_logprobs, load_format=ns.load_format,
+                      tensor_parallel_size=ns.tensor_parallel_size,
                       pipeline_parallel_size=ns.pipeline_parallel_size, data_parallel_size=ns.data_parallel_size,
                       distributed_executor_backend=ns.distributed_executor_backend,
                       pp_layer_partition=[int(x) for x in ns.pp_layer_partition.split(",")]
@@ -119,8 +124,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardserve", description="Serve large language models across accelerators.")
     sub = parser.add_subparsers(dest="command", required=True)
-    chat = sub.add_parser("chat", help="chat with a model in the terminal (default: the embedded SmolLM2)",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    chat = sub.add_parser("chat", help="chat with a model in the terminal (default: the embedded SmolLM2)")
     add_engine_args(chat)
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
@@ -131,8 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(gen)
     gen.add_argument("prompts", nargs="+")
     gen.set_defaults(func=cmd_generate)
-    worker = sub.add_parser("worker", help="run a headless node (node_rank > 0) of a multi-node engine",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    worker = sub.add_parser("worker", help="run a headless node (node_rank > 0) of a multi-node engine")
     add_parallel_args(worker, engine=False)
     worker.set_defaults(func=cmd_worker)
     return parser

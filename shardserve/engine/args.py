@@ -40,6 +40,7 @@ class EngineArgs:
     seed: int = 0
     skip_tokenizer_init: bool = False
     load_format: str = "auto"
+    max_logprobs: int = 20
 
     def create_engine_config(self) -> EngineConfig:
         if self.load_format not in ("auto", "dummy"):
@@ -56,7 +57,7 @@ class EngineArgs:
                                    max_model_len=max_model_len, seed=self.seed, tokenizer=self.tokenizer,
                                    skip_tokenizer_init=self.skip_tokenizer_init,
                                    compute_dtype_override=compute_dtype_for(dtype, device),
-                                   load_format=self.load_format)
+                                   load_format=self.load_format, max_logprobs=self.max_logprobs)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.data_parallel_size, self.distributed_executor_backend,
                                   tuple(self.pp_layer_partition) if self.pp_layer_partition else None,

@@ -127,6 +127,12 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
+        limit = self.config.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and limit != -1 and (k == -1 or k > limit):
+                raise ValueError(f"{name}={k} exceeds this engine's max_logprobs={limit} "
+                                 "(start it with a larger max_logprobs, or -1 for no limit)")
         vocab = self.config.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:

@@ -52,3 +52,12 @@ def test_request_ids_cannot_collide(llm):
                 done[out.request_id] = out
     assert len(done["x"].outputs) == 2 and len(done["0_x"].outputs) == 1
     assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_logprobs_are_capped_by_max_logprobs(llm):
+    with pytest.raises(ValueError, match="logprobs=21 exceeds this engine's max_logprobs=20"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=21), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs=-1 exceeds"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, prompt_logprobs=-1), use_tqdm=False)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=20), use_tqdm=False)[0].outputs[0]
+    assert all(20 <= len(row) <= 21 for row in out.logprobs)

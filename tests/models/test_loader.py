@@ -43,7 +43,7 @@ def random_prompt(seed: int, length: int) -> list[int]:
 # ---- errors ------------------------------------------------------------------------------------
 
 def test_prompt_longer_than_max_model_len(ckpt):
-    llm = LLM(ckpt, max_model_len=64, kv_cache_memory="16MiB", show_progress=False)
+    llm = LLM(ckpt, max_model_len=64, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     with pytest.raises(ValueError) as e:
         llm.generate([random_prompt(0, 65)], SamplingParams(max_tokens=1))
     assert "65" in str(e.value) and "64" in str(e.value)
@@ -61,7 +61,7 @@ def test_unsupported_architecture(broken_ckpt):
     with open(config_file, "w") as f:
         json.dump(config, f)
     with pytest.raises(ValueError) as e:
-        LLM(broken_ckpt, kv_cache_memory="16MiB", show_progress=False)
+        LLM(broken_ckpt, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     msg = str(e.value)
     assert "GPT2LMHeadModel" in msg
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
@@ -73,7 +73,7 @@ def test_missing_weight_shard(broken_ckpt):
         shard = sorted(set(json.load(f)["weight_map"].values()))[1]
     os.remove(os.path.join(broken_ckpt, shard))
     with pytest.raises((FileNotFoundError, ValueError)) as e:
-        LLM(broken_ckpt, kv_cache_memory="16MiB", show_progress=False)
+        LLM(broken_ckpt, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     assert shard in str(e.value)
 
 
@@ -84,13 +84,13 @@ def test_corrupt_safetensors(broken_ckpt, keep):
     with open(shard, "r+b") as f:
         f.truncate(max(1, int(size * keep)))
     with pytest.raises(ValueError) as e:
-        LLM(broken_ckpt, kv_cache_memory="16MiB", show_progress=False)
+        LLM(broken_ckpt, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     assert os.path.basename(shard) in str(e.value)
 
 
 def test_kv_budget_too_small_says_how_much_is_needed(ckpt):
     with pytest.raises(ValueError) as e:
-        LLM(ckpt, kv_cache_memory="64KiB", show_progress=False)
+        LLM(ckpt, kv_cache_memory="64KiB", show_progress=False, max_logprobs=-1)
     msg = str(e.value)
     assert "1024" in msg   # the max_model_len that does not fit
     m = re.search(r"\((\d+) bytes\)", msg)
@@ -100,20 +100,20 @@ def test_kv_budget_too_small_says_how_much_is_needed(ckpt):
     per_block = 2 * 2 * 16 * 2 * 24 * 4
     assert 64 * per_block <= need <= 65 * per_block
     # ... and that much is indeed enough.
-    llm = LLM(ckpt, kv_cache_memory=need, show_progress=False)
+    llm = LLM(ckpt, kv_cache_memory=need, show_progress=False, max_logprobs=-1)
     out = llm.generate([random_prompt(1, 1000)], SamplingParams(temperature=0, max_tokens=24))[0]
     assert len(out.outputs[0].token_ids) == 24
 
 
 def test_max_model_len_above_max_position_embeddings(ckpt):
     with pytest.raises(ValueError) as e:
-        LLM(ckpt, max_model_len=4096, kv_cache_memory="16MiB", show_progress=False)
+        LLM(ckpt, max_model_len=4096, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     assert "4096" in str(e.value) and "1024" in str(e.value) and "max_position_embeddings" in str(e.value)
 
 
 def test_missing_model_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
-        LLM(str(tmp_path / "nope"), show_progress=False)
+        LLM(str(tmp_path / "nope"), show_progress=False, max_logprobs=-1)
 
 
 # ---- GGUF files written like llama.cpp's converter ----------------------------------------------
@@ -250,7 +250,7 @@ def test_gguf_logits_match_hf(tmp_path, arch, qtype, loose_tol):
     ckpt_dir = make_tiny_checkpoint(str(tmp_path / "ckpt"), arch)
     path = str(tmp_path / f"tiny-{qtype}.gguf")
     write_gguf(ckpt_dir, path, qtype)
-    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False)
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     hf_config = llm.engine.config.model_config.hf_config
     assert hf_config["tie_word_embeddings"] == (arch == "smollm2")
     assert hf_config["num_key_value_heads"] < hf_config["num_attention_heads"]
@@ -277,7 +277,7 @@ def test_gguf_dtype_auto_is_bf16_and_transformers_agrees(tmp_path):
     ckpt_dir = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama")
     path = str(tmp_path / "tiny-F32.gguf")
     write_gguf(ckpt_dir, path, "F32")
-    llm = LLM(path, kv_cache_memory="16MiB", show_progress=False)
+    llm = LLM(path, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     mc = llm.engine.config.model_config
     assert mc.dtype == torch.bfloat16
     # bf16 values, held in the compute dtype (fp32 on CPUs without bf16 matrix units), KV likewise.
@@ -298,7 +298,7 @@ def test_gguf_tokenizer_and_chat_template(tmp_path):
     ckpt_dir = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama")
     path = str(tmp_path / "tiny.gguf")
     write_gguf(ckpt_dir, path, "F32")
-    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False)
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     tok = llm.get_tokenizer()
     tokens, _ = gguf_vocab()
     ids = {t: i for i, t in enumerate(tokens)}
@@ -330,7 +330,7 @@ def test_gguf_unsupported_architecture(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ValueError) as e:
-        LLM(path, show_progress=False)
+        LLM(path, show_progress=False, max_logprobs=-1)
     assert "gpt2" in str(e.value) and "llama" in str(e.value) and "qwen2" in str(e.value)
 
 
@@ -341,7 +341,7 @@ def test_gguf_truncated_file(tmp_path):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     with pytest.raises(ValueError) as e:
-        LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False)
+        LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     assert "cut.gguf" in str(e.value)
 
 
@@ -502,7 +502,7 @@ def test_gguf_rope_freqs_reproduce_llama3_scaling(tmp_path):
     assert factors.max() > 1.5   # the scaling really changes some frequencies
     path = str(tmp_path / "tiny-llama3.gguf")
     write_gguf(ckpt_dir, path, "F32", rope_freqs=factors)
-    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False)
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     prompt = random_prompt(7, 90)   # positions beyond original_max_position_embeddings=64
     diff = (prompt_logprobs(llm, prompt) - hf_logprobs(load_hf_model(ckpt_dir), prompt)[:len(prompt) - 1]).abs().max()
     assert diff <= 1e-4

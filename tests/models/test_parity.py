@@ -91,7 +91,7 @@ def tiny(request, tmp_path_factory):
     arch, overrides = VARIANTS[request.param]
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp(request.param)), arch, **overrides)
     hf = load_hf_model(path)
-    llm = LLM(path, kv_cache_memory="16MiB", show_progress=False)
+    llm = LLM(path, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     yield SimpleNamespace(name=request.param, path=path, hf=hf, llm=llm)
     llm.engine.shutdown()
 
@@ -125,7 +125,7 @@ def test_short_prompt_matches_hf(tiny):
 
 
 def test_chunked_prefill_matches_hf(tiny):
-    llm = LLM(tiny.path, kv_cache_memory="16MiB", max_num_batched_tokens=16, show_progress=False)
+    llm = LLM(tiny.path, kv_cache_memory="16MiB", max_num_batched_tokens=16, show_progress=False, max_logprobs=-1)
     scheduled: list[int] = []
     schedule = llm.engine.scheduler.schedule
 
@@ -162,7 +162,7 @@ def test_unwritten_kv_slots_are_never_read(tiny):
     """A reused block may hold anything a previous owner (or a broken model) left, NaN included.
     Poison every slot but the null block's; chunked prefills and batched decodes of different
     lengths must still match HF exactly (masked slots must not leak, not even as 0 * NaN)."""
-    llm = LLM(tiny.path, kv_cache_memory="16MiB", max_num_batched_tokens=16, show_progress=False)
+    llm = LLM(tiny.path, kv_cache_memory="16MiB", max_num_batched_tokens=16, show_progress=False, max_logprobs=-1)
     runner = llm.engine.executor.worker.model_runner
     for cache in runner.kv_caches:
         cache.fill_(float("nan"))
@@ -191,7 +191,7 @@ def test_sliding_window_changes_hf_logits(tmp_path):
 
 def test_bf16_checkpoint_loads_as_bf16(tmp_path):
     path = make_tiny_checkpoint(str(tmp_path / "bf16"), "llama", dtype=torch.bfloat16)
-    llm = LLM(path, dtype="auto", kv_cache_memory="16MiB", show_progress=False)
+    llm = LLM(path, dtype="auto", kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     mc = llm.engine.config.model_config
     assert mc.dtype == torch.bfloat16
     # Weights hold bf16 values; on CPUs without bf16 matrix units they (and the KV cache) are kept
@@ -233,7 +233,7 @@ def test_batch_invariance(batch_ckpt):
     """A request's greedy tokens do not depend on what else is in the batch (decodes of different
     lengths padded together, prefill chunks beside decodes; with and without a sliding window)."""
     llama = batch_ckpt
-    llm = LLM(llama.path, kv_cache_memory="16MiB", enable_prefix_caching=False, show_progress=False)
+    llm = LLM(llama.path, kv_cache_memory="16MiB", enable_prefix_caching=False, show_progress=False, max_logprobs=-1)
     target = random_prompt(7, 37)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
     alone = llm.generate([target], params)[0]
@@ -258,7 +258,7 @@ def test_batch_invariance(batch_ckpt):
 
 
 def test_prefix_cache_hits_give_identical_tokens(llama):
-    llm = LLM(llama.path, kv_cache_memory="16MiB", show_progress=False)
+    llm = LLM(llama.path, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     prompt = random_prompt(21, 70)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     first = llm.generate([prompt], params)[0]
@@ -286,9 +286,9 @@ def test_prefix_cache_hits_give_identical_tokens(llama):
 def test_preemption_and_resume_give_same_tokens(llama):
     # 81 blocks (80 usable, 1280 tokens): each request alone fits, 8 of them growing to
     # ~200 tokens (13 blocks each) do not.
-    probe = LLM(llama.path, kv_cache_memory="16MiB", show_progress=False)
+    probe = LLM(llama.path, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     per_block = probe.engine.executor.kv_bytes_per_block()
-    llm = LLM(llama.path, kv_cache_memory=81 * per_block, max_model_len=256, show_progress=False)
+    llm = LLM(llama.path, kv_cache_memory=81 * per_block, max_model_len=256, show_progress=False, max_logprobs=-1)
     rng = random.Random(5)
     prompts = [random_prompt(200 + i, rng.randrange(60, 100)) for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=110, ignore_eos=True, logprobs=2, prompt_logprobs=2)
