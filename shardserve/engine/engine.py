@@ -6,9 +6,9 @@ scheduler books the sampled tokens -> outputs are detokenized and returned.
 from __future__ import annotations
 
 import itertools
-from collections import deque
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 

@@ -10,7 +10,7 @@ from shardserve.distributed.comm import pp_recv_prev, pp_send_next
 from shardserve.distributed.parallel_state import get_pp_group, get_tp_group
 from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shardserve.layers.attention import AttentionContext, TorchAttentionBackend
-from shardserve.layers.sampler import Sampler, compute_logprobs
+from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
 from shardserve.models.loader import load_model
 from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
 from shardserve.worker.sampling_inputs import build_sampling_metadata
@@ -108,8 +108,19 @@ class ModelRunner:
             remaining -= n
         sched.total_num_scheduled_tokens = num_tokens
         self.execute_model(sched)
-        logits = torch.zeros(max_num_seqs, self.mc.vocab_size, device=self.device)   # sampler's largest batch
-        del logits
+        # The sampler's largest batch, with every option that allocates: sort for top-k/top-p,
+        # penalty tensors and logprobs.
+        n, vocab = max_num_seqs, self.mc.vocab_size
+        logits = torch.randn(n, vocab, device=self.device)
+        column = torch.ones(n, device=self.device)
+        md = SamplingMetadata(temperature=column, greedy=torch.zeros(n, dtype=torch.bool, device=self.device),
+                              all_greedy=False, top_p=column * 0.9, top_k=column.long() * 50, min_p=column * 0.01,
+                              presence_penalty=column, frequency_penalty=column, repetition_penalty=column * 1.1,
+                              output_token_counts=torch.zeros(n, vocab, device=self.device),
+                              prompt_token_mask=torch.zeros(n, vocab, dtype=torch.bool, device=self.device),
+                              num_logprobs=self.mc.max_logprobs if self.mc.max_logprobs >= 0 else vocab)
+        self.sampler(logits, md)
+        del logits, md
         sched = SchedulerOutput(finished_req_ids=set(sched.num_scheduled_tokens))
         update_states(self.states, sched)
 
