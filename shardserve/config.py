@@ -137,8 +137,11 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None   # bytes; CPU default is 4 GiB (as vLLM's CPU backend)
     num_gpu_blocks_override: int | None = None
+    prefix_caching_hash_algo: str = "sha256"   # or "builtin": faster, not proof against crafted collisions
 
     def __post_init__(self) -> None:
+        if self.prefix_caching_hash_algo not in ("sha256", "builtin"):
+            raise ValueError(f"prefix_caching_hash_algo={self.prefix_caching_hash_algo!r}: choose sha256 or builtin")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a positive power of two (e.g. 16)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -27,6 +27,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | str | None = None
     num_gpu_blocks_override: int | None = None
+    prefix_caching_hash_algo: str = "sha256"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -70,7 +71,8 @@ class EngineArgs:
         kv_memory = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                             gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory=kv_memory,
-                            num_gpu_blocks_override=self.num_gpu_blocks_override)
+                            num_gpu_blocks_override=self.num_gpu_blocks_override,
+                            prefix_caching_hash_algo=self.prefix_caching_hash_algo)
         return EngineConfig(model_config, cache, parallel, scheduler, device)
 
     def _max_model_len(self, hf_config: dict) -> int:

@@ -47,8 +47,8 @@ class LLMEngine:
         if tokenizer is None and not mc.skip_tokenizer_init:
             tokenizer = Tokenizer.from_path(mc.tokenizer or mc.model)
         self.tokenizer = tokenizer
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
-        self.executor = make_executor(config, eos, show_progress, replica)
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else _config_eos_ids(mc.hf_config)
+        self.executor = make_executor(config, self.eos_token_ids, show_progress, replica)
         try:
             num_blocks = self._init_kv_cache()
         except BaseException:   # do not leave worker processes (and their GPU memory) behind
@@ -137,7 +137,7 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+        eos = self.eos_token_ids
         children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
         samples, engine_ids, requests = [], [], []
         for i, child in enumerate(children):
@@ -211,3 +211,9 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
+
+
+def _config_eos_ids(hf_config: dict[str, Any]) -> frozenset[int]:
+    """EOS ids from config.json when no tokenizer is loaded (skip_tokenizer_init)."""
+    eos = hf_config.get("eos_token_id")
+    return frozenset(eos if isinstance(eos, list) else ([eos] if eos is not None else []))

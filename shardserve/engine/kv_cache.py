@@ -10,6 +10,8 @@ Invariants:
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -17,9 +19,18 @@ from typing import Callable, Sequence
 BlockHashFn = Callable[[int | None, tuple[int, ...]], int]
 
 
-def chained_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    # Python's hash of a tuple of ints is deterministic across processes (no string salting).
+def builtin_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    # Fast, and deterministic across processes for ints (no string salting), but not collision-proof.
     return hash((parent_hash, token_ids))
+
+
+def sha256_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """A 128-bit prefix of SHA-256: nobody can craft two prefixes that share KV."""
+    data = (parent_hash or 0).to_bytes(16, "little", signed=False) + array("q", token_ids).tobytes()
+    return int.from_bytes(hashlib.sha256(data).digest()[:16], "little")
+
+
+HASH_ALGOS: dict[str, BlockHashFn] = {"sha256": sha256_block_hash, "builtin": builtin_block_hash}
 
 
 @dataclass
@@ -112,7 +123,7 @@ class KVCacheManager:
     """Per-request block lists on top of a BlockPool, plus prefix-cache hit accounting."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: BlockHashFn = chained_block_hash) -> None:
+                 hash_fn: BlockHashFn = sha256_block_hash) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from shardserve.config import CacheConfig, SchedulerConfig
-from shardserve.engine.kv_cache import KVCacheManager
+from shardserve.engine.kv_cache import HASH_ALGOS, KVCacheManager
 from shardserve.engine.request import Request, RequestStatus
 from shardserve.engine.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                                 SchedulerOutput)
@@ -38,7 +38,8 @@ class Scheduler:
         self.block_offset = block_offset
         self.max_model_len = scheduler_config.max_model_len
         self.kv = kv_manager or KVCacheManager(num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+                                               cache_config.enable_prefix_caching,
+                                               HASH_ALGOS[cache_config.prefix_caching_hash_algo])
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

@@ -61,3 +61,27 @@ def test_logprobs_are_capped_by_max_logprobs(llm):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, prompt_logprobs=-1), use_tqdm=False)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=20), use_tqdm=False)[0].outputs[0]
     assert all(20 <= len(row) <= 21 for row in out.logprobs)
+
+
+def test_prefix_cache_hash_is_sha256_by_default_and_chained():
+    from shardserve.config import CacheConfig, SchedulerConfig
+    from shardserve.engine.kv_cache import builtin_block_hash, sha256_block_hash
+    from shardserve.engine.scheduler import Scheduler
+    assert Scheduler(SchedulerConfig(), CacheConfig(), 8).kv.hash_fn is sha256_block_hash
+    assert Scheduler(SchedulerConfig(), CacheConfig(prefix_caching_hash_algo="builtin"), 8).kv.hash_fn \
+        is builtin_block_hash
+    a = sha256_block_hash(None, (1, 2, 3))
+    assert a == sha256_block_hash(None, (1, 2, 3)) and 0 <= a < 2**128
+    assert sha256_block_hash(a, (4, 5)) != sha256_block_hash(None, (4, 5))   # the parent is part of it
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
+        CacheConfig(prefix_caching_hash_algo="md5")
+
+
+def test_without_tokenizer_eos_comes_from_the_config(tmp_path):
+    path = make_tiny_checkpoint(str(tmp_path / "noeos"), "llama")
+    engine = LLM(path, kv_cache_memory="16MiB", show_progress=False, skip_tokenizer_init=True).engine
+    try:
+        from tests.tiny_models import EOS_ID
+        assert engine.eos_token_ids == frozenset({EOS_ID})
+    finally:
+        engine.shutdown()
