@@ -5,7 +5,7 @@ user scripts need no `if __name__ == "__main__"` guard) and connect back to the 
 authenticated local socket. The engine sends each RPC to every worker and waits for all answers.
 A worker that dies is noticed within a poll interval: the call fails with an error naming its rank,
 the other workers are stopped, and nothing is left running. Workers also die with the engine's
-process (parent-death signal), so Ctrl-C or a crash leaves no orphans.
+process (each watches its parent), so Ctrl-C or a crash leaves no orphans.
 """
 from __future__ import annotations
 

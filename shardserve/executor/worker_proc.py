@@ -4,22 +4,28 @@ Connects back to the engine, receives its start-up arguments, builds a Worker an
 told to stop or until the engine goes away."""
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Client
 
 
 def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the engine's process exits, even if this one is stuck in a collective."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    """Exit at once when the engine's process goes away, even if this one is stuck in a collective.
+
+    A watchdog thread rather than PR_SET_PDEATHSIG: that signal fires when the *thread* that
+    started us exits, which would kill the workers of an engine built in a worker thread."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def _connect(host: str, port: int, authkey: bytes, rank: int, timeout_s: float = 300.0):

@@ -108,3 +108,20 @@ def test_interrupted_engine_leaves_no_workers(tmp_path):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids), "workers outlived the interrupted engine"
+
+
+def test_engine_built_in_a_thread_keeps_its_workers(tmp_path):
+    """Servers build engines off the main thread; the workers must outlive that thread."""
+    path = make_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("llm", LLM(path, kv_cache_memory="16MiB",
+                                                                   show_progress=False, tensor_parallel_size=2)))
+    t.start()
+    t.join()
+    llm = box["llm"]
+    try:
+        time.sleep(1.5)
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.engine.shutdown()
