@@ -23,14 +23,37 @@ class _Prefill:
 
 
 @dataclass
+class _DecodeGroup:
+    """Decodes of similar length, padded to the group's longest (padding costs a gather)."""
+
+    rows: torch.Tensor | None  # which decode rows; None = all of them, in order
+    blocks: torch.Tensor       # [B * max_blocks] flattened block tables
+    valid: torch.Tensor        # [B, max_blocks * block_size] which key positions exist
+    query_pos: torch.Tensor    # [B]
+
+
+@dataclass
 class TorchAttentionMetadata:
     write_blocks: torch.Tensor             # [T] block of each new token
     write_offsets: torch.Tensor            # [T] its offset inside the block
     num_decodes: int
-    decode_blocks: torch.Tensor | None     # [B * max_blocks] flattened block tables of the decodes
-    decode_valid: torch.Tensor | None      # [B, max_blocks * block_size] which key positions exist
-    decode_query_pos: torch.Tensor | None  # [B]
+    decode_groups: list[_DecodeGroup]
     prefills: list[_Prefill]
+
+
+_GROUP_MIN = 16   # below this many decodes one padded batch is cheapest
+
+
+def _decode_group(common: CommonAttentionMetadata, rows: list[int], device: torch.device,
+                  all_rows: bool) -> _DecodeGroup:
+    bs = common.block_size
+    lens_list = [common.seq_lens[r] for r in rows]
+    max_blocks = -(-max(lens_list) // bs)
+    index = torch.tensor(rows, device=device)
+    blocks = common.block_tables[:, :max_blocks].index_select(0, index).long().reshape(-1)
+    lens = torch.tensor(lens_list, device=device)
+    valid = torch.arange(max_blocks * bs, device=device).unsqueeze(0) < lens.unsqueeze(1)
+    return _DecodeGroup(None if all_rows else index, blocks, valid, lens - 1)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -50,14 +73,13 @@ class TorchAttentionBackend(AttentionBackend):
         bs = common.block_size
         d = common.num_decodes
         seq_lens = common.seq_lens
-        decode_blocks = decode_valid = decode_qpos = None
-        if d:
-            max_blocks = -(-max(seq_lens[:d]) // bs)
-            decode_blocks = common.block_tables[:d, :max_blocks].long().reshape(-1)
-            lens = torch.tensor(seq_lens[:d], device=device)
-            pos = torch.arange(max_blocks * bs, device=device).unsqueeze(0)
-            decode_valid = pos < lens.unsqueeze(1)
-            decode_qpos = lens - 1
+        groups = []
+        if 0 < d < _GROUP_MIN:
+            groups.append(_decode_group(common, list(range(d)), device, all_rows=True))
+        elif d:   # four length buckets: far less padding to gather when lengths differ
+            order = sorted(range(d), key=lambda r: seq_lens[r])
+            size = -(-d // 4)
+            groups = [_decode_group(common, order[i:i + size], device, all_rows=False) for i in range(0, d, size)]
         prefills = []
         start = d
         for i in range(d, len(seq_lens)):
@@ -66,8 +88,7 @@ class TorchAttentionBackend(AttentionBackend):
                                      common.block_tables[i, :nblocks].long()))
             start += common.query_lens[i]
         slots = common.slot_mapping
-        return TorchAttentionMetadata(slots // bs, slots % bs, d, decode_blocks, decode_valid, decode_qpos,
-                                      prefills)
+        return TorchAttentionMetadata(slots // bs, slots % bs, d, groups, prefills)
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: TorchAttentionMetadata) -> torch.Tensor:
@@ -75,8 +96,11 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache[:, md.write_blocks, md.write_offsets] = k.transpose(0, 1).to(k_cache.dtype)
         v_cache[:, md.write_blocks, md.write_offsets] = v.transpose(0, 1).to(v_cache.dtype)
         out = torch.empty_like(q)
-        if md.num_decodes:
-            out[:md.num_decodes] = self._decode(spec, q[:md.num_decodes], k_cache, v_cache, md)
+        for group in md.decode_groups:
+            if group.rows is None:
+                out[:md.num_decodes] = self._decode(spec, q[:md.num_decodes], k_cache, v_cache, group)
+            else:
+                out[group.rows] = self._decode(spec, q[group.rows], k_cache, v_cache, group)
         for p in md.prefills:
             rows = slice(p.token_start, p.token_start + p.query_len)
             if p.context_len == 0 and spec.sliding_window is None:
@@ -94,19 +118,19 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _decode(spec: AttentionSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                md: TorchAttentionMetadata) -> torch.Tensor:
-        """All decodes in two batched matmuls: per KV head, each request's gathered keys are a
+                md: _DecodeGroup) -> torch.Tensor:
+        """A group of decodes in two batched matmuls: per KV head, each request's gathered keys are a
         contiguous [max_len, D] matrix (padding reads the zero null block and is masked)."""
         b, hk, group, dim = q.shape[0], spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
-        length = md.decode_valid.shape[1]
-        keys = k_cache.index_select(1, md.decode_blocks).view(hk * b, length, dim)
-        values = v_cache.index_select(1, md.decode_blocks).view(hk * b, length, dim)
+        length = md.valid.shape[1]
+        keys = k_cache.index_select(1, md.blocks).view(hk * b, length, dim)
+        values = v_cache.index_select(1, md.blocks).view(hk * b, length, dim)
         qh = (q.view(b, hk, group, dim).transpose(0, 1).reshape(hk * b, group, dim) * spec.scale).to(keys.dtype)
         scores = torch.bmm(qh, keys.transpose(1, 2)).float().view(hk, b, group, length)
-        allowed = md.decode_valid
+        allowed = md.valid
         if spec.sliding_window is not None:
             k_pos = torch.arange(length, device=q.device).unsqueeze(0)
-            allowed = allowed & (k_pos > md.decode_query_pos.unsqueeze(1) - spec.sliding_window)
+            allowed = allowed & (k_pos > md.query_pos.unsqueeze(1) - spec.sliding_window)
         scores.masked_fill_(~allowed[None, :, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(values.dtype).view(hk * b, group, length)
         out = torch.bmm(probs, values).view(hk, b, group, dim).transpose(0, 1)   # [B, Hk, G, D]
