@@ -1,0 +1,150 @@
+"""Tiny GGUF files written the way llama.cpp's converter writes them (q/k row permutation, F32 /
+F16 / Q8_0 tensors, a byte-level BPE tokenizer and chat template in the metadata), plus the HF and
+engine log-prob helpers the GGUF tests compare with."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import re
+
+import numpy as np
+import torch
+
+from shardserve.llm import LLM
+from shardserve.sampling_params import SamplingParams
+from tests.tiny_models import CHATML, SPECIALS, load_hf_model
+
+VOCAB = 320
+
+
+def random_prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(length)]
+
+# ---- GGUF files written like llama.cpp's converter ----------------------------------------------
+
+# Byte tokens 0..255 and specials 256..258 as in tests/tiny_models.py, then three merged tokens,
+# then [PAD] fillers up to the model's vocabulary size, as llama.cpp pads vocabularies.
+MERGES = ["Ġ t", "h e", "Ġt he"]
+MERGED = ["Ġt", "he", "Ġthe"]
+
+_GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+
+
+def gguf_vocab() -> tuple[list[str], list[int]]:
+    import gguf
+    from tokenizers.pre_tokenizers import ByteLevel
+    tokens = sorted(ByteLevel.alphabet()) + SPECIALS + MERGED
+    types = [gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * 3
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), VOCAB)]
+    types += [gguf.TokenType.UNUSED] * (VOCAB - len(types))
+    return tokens, [int(t) for t in types]
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(ckpt_dir, "*.safetensors"))):
+        state.update(load_file(f))
+    return state
+
+
+def roundtrip(w: np.ndarray, qtype_name: str) -> np.ndarray:
+    """What a reader gets back for a weight stored as qtype_name (2-D weights only; norms stay F32)."""
+    import gguf
+    if qtype_name == "F32" or w.ndim == 1:
+        return w
+    if qtype_name == "F16":
+        return w.astype(np.float16).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    return gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(w.shape)
+
+
+def write_gguf(ckpt_dir: str, out_path: str, qtype_name: str, rope_freqs: np.ndarray | None = None) -> None:
+    """Convert a tiny HF llama checkpoint the way convert_hf_to_gguf.py does (Llama 3.1 rope
+    scaling goes into a rope_freqs tensor of per-frequency divisors, as llama.cpp stores it)."""
+    import gguf
+    with open(os.path.join(ckpt_dir, "config.json")) as f:
+        cfg = json.load(f)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(out_path, "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype_name])
+    tokens, types = gguf_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+    for name, tensor in load_state_dict(ckpt_dir).items():
+        if name in _GGUF_GLOBAL:
+            gname = _GGUF_GLOBAL[name]
+        else:
+            m = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", name)
+            assert m, name
+            gname = f"blk.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.weight"
+        data = tensor.float().numpy()
+        if gname.endswith("attn_q.weight"):
+            data = llama_cpp_permute(data, heads)
+        elif gname.endswith("attn_k.weight"):
+            data = llama_cpp_permute(data, kv_heads)
+        if data.ndim == 1 or qtype_name == "F32":
+            w.add_tensor(gname, data.astype(np.float32))
+        elif qtype_name == "F16":
+            w.add_tensor(gname, data.astype(np.float16))
+        else:
+            qtype = gguf.GGMLQuantizationType[qtype_name]
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def hf_logprobs(hf, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([token_ids])).logits[0].float().log_softmax(dim=-1)
+
+
+def hf_with_roundtripped_weights(ckpt_dir: str, qtype_name: str):
+    """The HF model with each weight replaced by what the GGUF file stores for it."""
+    hf = load_hf_model(ckpt_dir)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.from_numpy(roundtrip(p.detach().numpy().copy(), qtype_name)))
+    return hf
+
+
+def prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=-1))[0]
+    return torch.tensor([[row[t].logprob for t in range(VOCAB)] for row in out.prompt_logprobs[1:]])
