@@ -42,17 +42,21 @@ def weight_bytes(shape: str) -> int:
     return 2 * (n * per_layer + 2 * v * h + h)
 
 
+def cuda_seconds_per_call(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters
+
+
 def hbm_bandwidth() -> float:
     x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (time.perf_counter() - t)   # bytes read + written per second
+    return 2 * x.numel() / cuda_seconds_per_call(lambda: y.copy_(x), 3, 10)   # bytes read + written per s
 
 
 def decode_ms_per_token(shape: str, tp: int, tokens: int = 64) -> float:
@@ -83,15 +87,9 @@ def _allreduce_worker(rank: int, world: int, port: int, q) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")   # 8 KiB: one token's hidden state (4096 x bf16)
-    for _ in range(20):
-        dist.all_reduce(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(200):
-        dist.all_reduce(x)
-    torch.cuda.synchronize()
+    seconds = cuda_seconds_per_call(lambda: dist.all_reduce(x), 20, 200)
     if rank == 0:
-        q.put((time.perf_counter() - t) / 200 * 1e6)
+        q.put(seconds * 1e6)
     dist.destroy_process_group()
 
 

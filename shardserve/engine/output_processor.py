@@ -83,6 +83,8 @@ class OutputProcessor:
                 state.prompt_logprobs.extend(self._logprob_dict(r) for r in up.prompt_logprobs)
             if up.new_token_ids:
                 self._add_tokens(state, sample, req, up, stopped)
+                if sample.finish_reason is not None:
+                    del self.sample_of[req.request_id]
                 state.num_cached_tokens = max(req.num_cached_tokens, 0)
                 state.metrics.setdefault("first_token_time", now)
                 if req.first_scheduled_time is not None:
@@ -94,8 +96,6 @@ class OutputProcessor:
             if state.finished:
                 state.metrics["finished_time"] = now
                 self.requests.pop(state.request_id, None)
-        for rid in [rid for rid, (st, s) in self.sample_of.items() if s.finish_reason is not None]:
-            self.sample_of.pop(rid)
         return outputs, stopped
 
     def _add_tokens(self, state: RequestState, sample: SampleState, req: Request, up: RequestUpdate,
