@@ -73,3 +73,17 @@ def make_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, dtype: t
 def load_hf_model(path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def assert_serves_bf16_values(llm) -> None:
+    """A bf16 model holds bf16 values, never more precision than the checkpoint has. On CPUs without
+    bf16 matrix units it computes in fp32: the native kernels keep the matrices and the KV cache in
+    bf16 and widen them in registers; without those kernels everything is held in fp32."""
+    from shardserve.layers import cpu_ops
+    mc = llm.engine.config.model_config
+    runner = llm.engine.executor.worker.model_runner
+    native = mc.compute_dtype == torch.float32 and cpu_ops.available()
+    assert {c.dtype for c in runner.kv_caches} == {torch.bfloat16 if native else mc.compute_dtype}
+    for p in runner.model.parameters():
+        assert p.dtype == (torch.bfloat16 if native and p.dim() == 2 else mc.compute_dtype)
+        assert torch.equal(p.to(torch.bfloat16).to(p.dtype), p)

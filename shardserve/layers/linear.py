@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.comm import tensor_model_parallel_all_reduce
+from shardserve.layers import cpu_ops
 from shardserve.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                    get_tensor_model_parallel_world_size)
 
@@ -35,7 +36,17 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except that bf16-stored weights meeting fp32 activations on the CPU go through the
+    native kernel (see cpu_ops.use_bf16_weights)."""
+    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu":
+        return cpu_ops.linear_bf16w(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class LinearBase(nn.Module):
+    supports_bf16_weights = True   # may be stored as bf16 under fp32 compute: cpu_ops.use_bf16_weights
+
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.tp_rank = get_tensor_model_parallel_rank()
@@ -50,7 +61,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded)
@@ -82,7 +93,7 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded)   # the bias is replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         if self.bias is not None:

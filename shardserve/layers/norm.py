@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardserve.layers import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -19,6 +21,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if x.is_contiguous() and cpu_ops.handles(x, self.weight):
+            if residual is None:
+                return cpu_ops.rms_norm(x, self.weight, self.eps)
+            if residual.is_contiguous() and cpu_ops.handles(residual):
+                residual = residual.clone() if residual is x else residual
+                return cpu_ops.rms_norm(x, self.weight, self.eps, residual), residual   # residual += x in place
         if residual is None:
             return self._norm(x)
         x = x + residual

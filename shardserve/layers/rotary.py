@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardserve.layers import cpu_ops
+
 
 def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     # float32 throughout, as HF computes it, so bf16 results match the reference bit for bit.
@@ -46,7 +48,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. Returns rotated (q, k) in their dtype."""
+        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. Returns rotated (q, k) in their dtype; on the
+        CPU with the native kernels, q and k are rotated in place (they are views of a fresh qkv)."""
+        if cpu_ops.handles(q, k, self.cos) and q.stride(-1) == k.stride(-1) == 1 and q.stride(1) == k.stride(1) == q.shape[-1]:
+            cpu_ops.rotary_neox_(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -10,9 +10,12 @@ from torch import nn
 from shardserve.distributed.comm import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from shardserve.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                    get_tensor_model_parallel_world_size)
+from shardserve.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
+    supports_bf16_weights = True   # see cpu_ops.use_bf16_weights
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.tp_rank = get_tensor_model_parallel_rank()
@@ -31,17 +34,22 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(out)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        # bf16-stored rows (cpu_ops.use_bf16_weights) are widened back to the fp32 the model computes in.
+        out = F.embedding(ids, self.weight)
+        return out.float() if getattr(self.weight, "stored_bf16_for_fp32", False) else out
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings]

@@ -9,7 +9,9 @@ from shardserve.config import EngineConfig
 from shardserve.distributed.comm import pp_recv_prev, pp_send_next
 from shardserve.distributed.parallel_state import get_pp_group, get_tp_group
 from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shardserve.layers import cpu_ops
 from shardserve.layers.attention import AttentionContext, TorchAttentionBackend
+from shardserve.layers.attention.cpu_native import CpuNativeAttentionBackend
 from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
 from shardserve.models.loader import load_model
 from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
@@ -48,6 +50,19 @@ class ModelRunner:
         self.model = load_model(self.mc.model, self.mc.hf_config, self.mc.dtype, self.device,
                                 show_progress=self.show_progress, compute_dtype=self.mc.compute_dtype,
                                 load_format=self.mc.load_format)
+        if self.device.type == "cpu":
+            self._use_native_cpu_kernels()
+
+    def _use_native_cpu_kernels(self) -> None:
+        """bf16 served on a CPU without bf16 units computes in fp32 (config.compute_dtype_for); the
+        native kernels let weights and KV stay bf16 in memory, halving the bytes each step reads."""
+        bf16_in_fp32 = self.mc.dtype == torch.bfloat16 and self.mc.compute_dtype == torch.float32
+        if bf16_in_fp32 and cpu_ops.available():
+            n = cpu_ops.use_bf16_weights(self.model)
+            logger.info("CPU: %d weight matrices stored in bf16, multiplied by the native AVX2 kernel", n)
+        kv_dtype = self.mc.dtype if bf16_in_fp32 else self.kv_cache_dtype
+        if CpuNativeAttentionBackend.supports(self.model.attention_layers()[0].spec, kv_dtype):
+            self.backend, self.kv_cache_dtype = CpuNativeAttentionBackend(), kv_dtype
 
     def kv_bytes_per_block(self) -> int:
         layers = self.model.attention_layers()

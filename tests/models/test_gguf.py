@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+
 from shardserve.llm import LLM
 from shardserve.sampling_params import SamplingParams
-from tests.tiny_models import EOS_ID, load_hf_model, make_tiny_checkpoint
+from tests.tiny_models import EOS_ID, assert_serves_bf16_values, load_hf_model, make_tiny_checkpoint
 from tests.models.gguf_files import (VOCAB, hf_logprobs, hf_with_roundtripped_weights, prompt_logprobs,
                                      random_prompt, write_gguf, gguf_vocab)
 
@@ -53,11 +54,7 @@ def test_gguf_dtype_auto_is_bf16_and_transformers_agrees(tmp_path):
     llm = LLM(path, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     mc = llm.engine.config.model_config
     assert mc.dtype == torch.bfloat16
-    # bf16 values, held in the compute dtype (fp32 on CPUs without bf16 matrix units), KV likewise.
-    assert {c.dtype for c in llm.engine.executor.worker.model_runner.kv_caches} == {mc.compute_dtype}
-    for p in llm.engine.executor.worker.model_runner.model.parameters():
-        assert p.dtype == mc.compute_dtype
-        assert torch.equal(p.to(torch.bfloat16).to(p.dtype), p)
+    assert_serves_bf16_values(llm)
 
     from transformers import AutoModelForCausalLM
     hf_gguf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny-F32.gguf",

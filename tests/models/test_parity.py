@@ -16,7 +16,7 @@ import torch
 
 from shardserve.llm import LLM
 from shardserve.sampling_params import SamplingParams
-from tests.tiny_models import TINY_CONFIGS, load_hf_model, make_tiny_checkpoint
+from tests.tiny_models import TINY_CONFIGS, assert_serves_bf16_values, load_hf_model, make_tiny_checkpoint
 
 TOL = 1e-4          # max abs diff of log-probs, fp32
 VOCAB = 320         # tiny_models' vocab_size
@@ -194,13 +194,7 @@ def test_bf16_checkpoint_loads_as_bf16(tmp_path):
     llm = LLM(path, dtype="auto", kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     mc = llm.engine.config.model_config
     assert mc.dtype == torch.bfloat16
-    # Weights hold bf16 values; on CPUs without bf16 matrix units they (and the KV cache) are kept
-    # and multiplied in a wider compute dtype, but never with more precision than the checkpoint has.
-    compute = mc.compute_dtype
-    assert {c.dtype for c in llm.engine.executor.worker.model_runner.kv_caches} == {compute}
-    for p in llm.engine.executor.worker.model_runner.model.parameters():
-        assert p.dtype == compute
-        assert torch.equal(p.to(torch.bfloat16).to(p.dtype), p)
+    assert_serves_bf16_values(llm)
     # Same weights in fp32 on the HF side: bf16 activations stay close, not bit-equal.
     hf = load_hf_model(path, dtype=torch.float32)
     prompt = random_prompt(3, 24)

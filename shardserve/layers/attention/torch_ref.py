@@ -34,10 +34,11 @@ class _DecodeGroup:
 
 @dataclass
 class TorchAttentionMetadata:
-    write_blocks: torch.Tensor             # [T] block of each new token
+    slots: torch.Tensor                    # [T] slot of each new token (block * block_size + offset)
+    write_blocks: torch.Tensor             # [T] its block
     write_offsets: torch.Tensor            # [T] its offset inside the block
     num_decodes: int
-    decode_groups: list[_DecodeGroup]
+    decodes: object                        # what _build_decodes made: decode groups here
     prefills: list[_Prefill]
 
 
@@ -73,13 +74,6 @@ class TorchAttentionBackend(AttentionBackend):
         bs = common.block_size
         d = common.num_decodes
         seq_lens = common.seq_lens
-        groups = []
-        if 0 < d < _GROUP_MIN:
-            groups.append(_decode_group(common, list(range(d)), device, all_rows=True))
-        elif d:   # four length buckets: far less padding to gather when lengths differ
-            order = sorted(range(d), key=lambda r: seq_lens[r])
-            size = -(-d // 4)
-            groups = [_decode_group(common, order[i:i + size], device, all_rows=False) for i in range(0, d, size)]
         prefills = []
         start = d
         for i in range(d, len(seq_lens)):
@@ -88,19 +82,25 @@ class TorchAttentionBackend(AttentionBackend):
                                      common.block_tables[i, :nblocks].long()))
             start += common.query_lens[i]
         slots = common.slot_mapping
-        return TorchAttentionMetadata(slots // bs, slots % bs, d, groups, prefills)
+        return TorchAttentionMetadata(slots, slots // bs, slots % bs, d, self._build_decodes(common, device), prefills)
+
+    def _build_decodes(self, common: CommonAttentionMetadata, device: torch.device) -> object:
+        d = common.num_decodes
+        if d < _GROUP_MIN:
+            return [_decode_group(common, list(range(d)), device, all_rows=True)] if d else []
+        # Four length buckets: far less padding to gather when lengths differ.
+        seq_lens = common.seq_lens
+        order = sorted(range(d), key=lambda r: seq_lens[r])
+        size = -(-d // 4)
+        return [_decode_group(common, order[i:i + size], device, all_rows=False) for i in range(0, d, size)]
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: TorchAttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache[:, md.write_blocks, md.write_offsets] = k.transpose(0, 1).to(k_cache.dtype)
-        v_cache[:, md.write_blocks, md.write_offsets] = v.transpose(0, 1).to(v_cache.dtype)
-        out = torch.empty_like(q)
-        for group in md.decode_groups:
-            if group.rows is None:
-                out[:md.num_decodes] = self._decode(spec, q[:md.num_decodes], k_cache, v_cache, group)
-            else:
-                out[group.rows] = self._decode(spec, q[group.rows], k_cache, v_cache, group)
+        self._write(k, v, k_cache, v_cache, md)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if md.num_decodes:
+            self._decodes(spec, q, k_cache, v_cache, md, out)
         for p in md.prefills:
             rows = slice(p.token_start, p.token_start + p.query_len)
             if p.context_len == 0 and spec.sliding_window is None:
@@ -115,6 +115,21 @@ class TorchAttentionBackend(AttentionBackend):
             mask = _allowed(q_pos.unsqueeze(1), k_pos.unsqueeze(0), spec.sliding_window)
             out[rows] = _sdpa(q[rows].transpose(0, 1), keys, values, spec, mask).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               md: TorchAttentionMetadata) -> None:
+        k_cache[:, md.write_blocks, md.write_offsets] = k.transpose(0, 1).to(k_cache.dtype)
+        v_cache[:, md.write_blocks, md.write_offsets] = v.transpose(0, 1).to(v_cache.dtype)
+
+    def _decodes(self, spec: AttentionSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 md: TorchAttentionMetadata, out: torch.Tensor) -> None:
+        """Fill out[:num_decodes], one row per decoding request."""
+        for group in md.decodes:
+            if group.rows is None:
+                out[:md.num_decodes] = self._decode(spec, q[:md.num_decodes], k_cache, v_cache, group)
+            else:
+                out[group.rows] = self._decode(spec, q[group.rows], k_cache, v_cache, group)
 
     @staticmethod
     def _decode(spec: AttentionSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

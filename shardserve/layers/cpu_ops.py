@@ -1,0 +1,200 @@
+"""Native CPU kernels (csrc/cpu_ops.c), compiled with the system C compiler on first use.
+
+Why C and ctypes rather than a torch extension: the kernels need no torch headers, so they build in
+about a second with plain `cc`, the shared object is cached per source hash, and any x86 machine
+with a compiler and AVX2 + FMA gets them. Where there is no compiler or no AVX2, or
+SHARDSERVE_CPU_KERNELS=0, `available()` is False and callers keep their plain-torch path.
+
+The kernel library links libgomp by soname; torch has already loaded its own libgomp.so.1, so both
+share one OpenMP runtime and `torch.set_num_threads` governs the kernels too.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+logger = logging.getLogger("shardserve")
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_ops.c")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+_NEEDED_CPU_FLAGS = {"avx2", "fma", "f16c"}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("SHARDSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardserve")
+    return os.path.join(root, "cpu_ops")
+
+
+def _build(compiler: str) -> str:
+    with open(_SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    out_dir = _cache_dir()
+    target = os.path.join(out_dir, f"cpu_ops-{digest}.so")
+    if os.path.exists(target):
+        return target
+    os.makedirs(out_dir, exist_ok=True)
+    # Build beside the target and rename, so concurrent processes never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    except subprocess.CalledProcessError as e:
+        os.unlink(tmp)
+        raise RuntimeError(f"{compiler} failed on {_SOURCE}:\n{e.stderr}") from e
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("SHARDSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    missing = _NEEDED_CPU_FLAGS - _cpu_flags()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if missing or not compiler:
+        logger.info("CPU kernels off (%s); using plain torch",
+                    f"CPU lacks {', '.join(sorted(missing))}" if missing else "no C compiler found")
+        return None
+    try:
+        lib = ctypes.CDLL(_build(compiler))
+    except (OSError, RuntimeError) as e:
+        logger.warning("CPU kernels off, build failed: %s", e)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.linear_bf16w.restype = None
+    lib.linear_bf16w.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.write_kv.restype = None
+    lib.write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, i64]
+    lib.paged_decode_attention.restype = None
+    lib.paged_decode_attention.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64,
+                                           i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+    lib.rms_norm.restype = lib.silu_and_mul.restype = lib.rotary_neox.restype = None
+    lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.silu_and_mul.argtypes = [ptr, ptr, i64, i64]
+    lib.rotary_neox.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def linear_bf16w(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (fp32, [..., K]) @ weight (bf16, [N, K])^T + bias (fp32, [N]) -> fp32 [..., N]."""
+    lib = _library()
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n = weight.shape[0]
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    lib.linear_bf16w(x2.data_ptr(), x2.stride(0), weight.data_ptr(),
+                     None if bias is None else bias.data_ptr(), y.data_ptr(), n, x2.shape[0], n, k)
+    return y.view(*lead, n)
+
+
+def handles(*tensors: torch.Tensor) -> bool:
+    """Whether the native kernels take these activations: fp32 on the CPU, kernels available."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """rmsnorm(x) * weight over the last dim; with residual, residual += x (in place) and that sum is
+    normalised. x, residual: contiguous fp32."""
+    h = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _library().rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                        out.data_ptr(), x.numel() // h, h, eps)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] for contiguous fp32 x."""
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=torch.float32)
+    _library().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d)
+    return out
+
+
+def rotary_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] in place with [max_pos, D / 2] fp32 cos/sin tables."""
+    _check_rows(q, "q")
+    _check_rows(k, "k")
+    assert positions.dtype == torch.int64 and cos.is_contiguous() and sin.is_contiguous()
+    positions = positions.contiguous()
+    _library().rotary_neox(positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
+                           k.shape[1], cos.data_ptr(), sin.data_ptr(), q.shape[0], q.shape[2])
+
+
+def _check_rows(t: torch.Tensor, name: str) -> None:
+    """[rows, heads, head_dim] with heads and head_dim packed (the row stride may be anything)."""
+    if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.dtype != torch.float32:
+        raise ValueError(f"{name}: expected fp32 [rows, heads, head_dim] with packed heads, got "
+                         f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Store new tokens' k, v ([T, Hk, D] fp32) at `slots` of a [Hk, blocks, block_size, D] pool."""
+    _check_rows(k, "k")
+    _check_rows(v, "v")
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
+    slots = slots.contiguous()
+    hk, blocks, block_size, dim = k_cache.shape
+    _library().write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                        v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), slots.data_ptr(), k.shape[0],
+                        hk, dim, blocks * block_size)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, spec) -> None:
+    """out[b] = attention of q[b] ([B, Hq, D]) over the first seq_lens[b] tokens of request b."""
+    _check_rows(q, "q")
+    _check_rows(out, "out")
+    assert block_tables.dtype == torch.int32 and block_tables.is_contiguous()
+    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    hk, blocks, block_size, dim = k_cache.shape
+    _library().paged_decode_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), out.stride(0),
+        q.shape[0], q.shape[1], hk, dim, block_size, blocks * block_size, spec.scale, spec.sliding_window or 0)
+
+
+def use_bf16_weights(model: torch.nn.Module) -> int:
+    """Store the weights of every linear layer and LM head of `model` as bf16 (they already hold
+    bf16-rounded values in fp32, so nothing changes but their size) and route those layers through
+    `linear_bf16w`. Returns how many weight matrices were converted."""
+    # Keyed by the fp32 parameter (kept alive here so ids stay unique), so tied weights stay tied.
+    converted: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not getattr(module, "supports_bf16_weights", False) or weight is None:
+            continue
+        if id(weight) not in converted and weight.dtype == torch.float32:
+            stored = torch.nn.Parameter(weight.detach().to(torch.bfloat16).contiguous(), requires_grad=False)
+            stored.stored_bf16_for_fp32 = True
+            converted[id(weight)] = (weight, stored)
+        if id(weight) in converted:
+            module.weight = converted[id(weight)][1]
+    return len(converted)
