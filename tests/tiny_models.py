@@ -85,5 +85,5 @@ def assert_serves_bf16_values(llm) -> None:
     native = mc.compute_dtype == torch.float32 and cpu_ops.available()
     assert {c.dtype for c in runner.kv_caches} == {torch.bfloat16 if native else mc.compute_dtype}
     for p in runner.model.parameters():
-        assert p.dtype == (torch.bfloat16 if native and p.dim() == 2 else mc.compute_dtype)
+        assert p.dtype == (torch.bfloat16 if native and p.dim() >= 2 else mc.compute_dtype)
         assert torch.equal(p.to(torch.bfloat16).to(p.dtype), p)

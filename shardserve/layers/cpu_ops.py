@@ -99,18 +99,28 @@ def available() -> bool:
     return _library() is not None
 
 
-def linear_bf16w(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (fp32, [..., K]) @ weight (bf16, [N, K])^T + bias (fp32, [N]) -> fp32 [..., N]."""
-    lib = _library()
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
+def pack_bf16_weight(weight: torch.Tensor) -> torch.nn.Parameter:
+    """[N, K] -> bf16 panels [ceil(N / 16), K, 16] (the layout linear_bf16w reads; see cpu_ops.c),
+    rows past N zero. The result remembers N as `.out_features`."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // 16) * 16, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    packed = torch.nn.Parameter(padded.view(-1, 16, k).transpose(1, 2).contiguous(), requires_grad=False)
+    packed.out_features = n
+    return packed
+
+
+def linear_bf16w(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (fp32, [..., K]) @ W^T + bias (fp32, [N]) -> fp32 [..., N], W packed by pack_bf16_weight."""
+    k = x.shape[-1]
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    n = weight.shape[0]
+    n = packed.out_features
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    lib.linear_bf16w(x2.data_ptr(), x2.stride(0), weight.data_ptr(),
-                     None if bias is None else bias.data_ptr(), y.data_ptr(), n, x2.shape[0], n, k)
-    return y.view(*lead, n)
+    _library().linear_bf16w(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, x2.shape[0], n, k)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
 def handles(*tensors: torch.Tensor) -> bool:
@@ -182,19 +192,26 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def use_bf16_weights(model: torch.nn.Module) -> int:
-    """Store the weights of every linear layer and LM head of `model` as bf16 (they already hold
-    bf16-rounded values in fp32, so nothing changes but their size) and route those layers through
-    `linear_bf16w`. Returns how many weight matrices were converted."""
-    # Keyed by the fp32 parameter (kept alive here so ids stay unique), so tied weights stay tied.
-    converted: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+    """Store the weights of every linear layer, LM head and embedding of `model` as bf16 (they
+    already hold bf16-rounded values in fp32, so only their size changes): matrices that multiply
+    are packed for linear_bf16w, embedding tables stay rows for lookups. A tied embedding and LM
+    head thus get one copy of each kind. Returns how many matrices were converted."""
+    done: dict[tuple[int, str], torch.nn.Parameter] = {}
+    originals = []   # keeps the fp32 parameters alive while ids are used as keys
     for module in model.modules():
+        layout = getattr(module, "bf16_weight_layout", None)
         weight = getattr(module, "weight", None)
-        if not getattr(module, "supports_bf16_weights", False) or weight is None:
+        if layout is None or weight is None:
             continue
-        if id(weight) not in converted and weight.dtype == torch.float32:
-            stored = torch.nn.Parameter(weight.detach().to(torch.bfloat16).contiguous(), requires_grad=False)
-            stored.stored_bf16_for_fp32 = True
-            converted[id(weight)] = (weight, stored)
-        if id(weight) in converted:
-            module.weight = converted[id(weight)][1]
-    return len(converted)
+        key = (id(weight), layout)
+        if key not in done:
+            if weight.dtype != torch.float32:
+                continue
+            originals.append(weight)
+            if layout == "packed":
+                done[key] = pack_bf16_weight(weight.detach())
+            else:
+                done[key] = torch.nn.Parameter(weight.detach().to(torch.bfloat16), requires_grad=False)
+                done[key].stored_bf16_for_fp32 = True
+        module.weight = done[key]
+    return len(done)

@@ -37,15 +37,14 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except that bf16-stored weights meeting fp32 activations on the CPU go through the
-    native kernel (see cpu_ops.use_bf16_weights)."""
-    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu":
+    """F.linear, except for weights packed for the native CPU kernel (cpu_ops.use_bf16_weights)."""
+    if weight.dim() == 3:
         return cpu_ops.linear_bf16w(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 class LinearBase(nn.Module):
-    supports_bf16_weights = True   # may be stored as bf16 under fp32 compute: cpu_ops.use_bf16_weights
+    bf16_weight_layout = "packed"   # how cpu_ops.use_bf16_weights may store the weight
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()

@@ -14,7 +14,7 @@ from shardserve.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
-    supports_bf16_weights = True   # see cpu_ops.use_bf16_weights
+    bf16_weight_layout = "rows"   # how cpu_ops.use_bf16_weights may store the table: rows for lookups
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
@@ -48,6 +48,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    bf16_weight_layout = "packed"   # only multiplies: packed for the native kernel
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight)
         if self.tp_size > 1:

@@ -48,7 +48,8 @@ class Worker:
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """This rank's parameter shapes (tests check that sharded matrices really are 1/TP)."""
-        return {n: tuple(p.shape) for n, p in self.model_runner.model.named_parameters()}
+        return {n: (p.out_features, p.shape[1]) if p.dim() == 3 else tuple(p.shape)   # packed: logical shape
+                for n, p in self.model_runner.model.named_parameters()}
 
     def environment(self, names: list[str]) -> dict[str, str | None]:
         """What this worker's process sees for the given variables (e.g. NCCL_* on every node)."""

@@ -1,10 +1,14 @@
-/* CPU kernels for x86 with AVX2 + FMA (compiled on first use by shardserve/layers/cpu_ops.py).
+/* CPU kernels for x86 with AVX2 + FMA, compiled on first use by shardserve/layers/cpu_ops.py
+ * (plain C, no torch headers; called through ctypes on tensors' data pointers).
  *
- * linear_bf16w: y[M,N] = x[M,K] (fp32) @ w[N,K]^T (bf16) + bias[N] (fp32, optional).
- *   Weights stay bf16 in memory (half the bytes of fp32, which is what decode is bound by) and are
- *   widened to fp32 in registers; products accumulate in fp32. Every output element is computed
- *   by the same sequence of operations whatever M is and wherever its row sits in the batch, so a
- *   request gets bit-identical results alone or batched (batch invariance by construction).
+ * - linear_bf16w: fp32 activations times bf16 weights packed in panels, fp32 accumulation.
+ * - write_kv / paged_decode_attention: the paged KV pool (fp32 or bf16) written and read in place.
+ * - rms_norm (with the residual add), silu_and_mul, rotary_neox: the small per-token layers, one
+ *   call each instead of several torch ops.
+ *
+ * Batch invariance is a design rule here: every output element is computed by the same operations
+ * in the same order whatever the batch around it, so a request's tokens do not depend on who else
+ * is being served. Threads split work only across independent outputs, never inside a sum.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -15,11 +19,6 @@
 static inline __m256 load_bf16x8(const uint16_t *p) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
-    return v.f;
 }
 
 /* Fixed reduction order: lanes (0+4, 1+5, 2+6, 3+7), then pairs, then the last two. */
@@ -54,100 +53,158 @@ static inline float exp1(float x) {   /* the same function for one value, so tai
     return out[0];
 }
 
-/* MR rows of x against NR rows of w (bf16, or its exact fp32 widening when WF32), all MR x NR
- * accumulators in registers. Per output element the arithmetic is always the same: lane-wise FMAs
- * over k in steps of 8, hsum, the K % 8 tail, then the bias. */
+/* ---- linear layers with bf16 weights ------------------------------------------------------------
+ * Weights are packed once at load time (cpu_ops.pack_bf16_weight) into panels of 16 output
+ * features: wp[N / 16][K][16] bf16, so that for each k the 16 weights of a panel are one 32-byte
+ * load. Every output element y[m, n] is then one sequential chain acc = fma(x[m, k], w[k, n], acc)
+ * over k = 0 .. K-1, plus the bias: the same operations in the same order whatever M is and
+ * wherever row m sits, so a request's results are bit-identical alone or batched.
+ */
+
+/* MR (<= 6) rows of x times one panel [K][16], fp32 (WBF16 = 0) or bf16 widened in registers:
+ * 12 accumulators, the outer-product form. The accumulators are named variables, not an array:
+ * gcc spills arrays of vectors to the stack. */
+#define ROW(i, a, b)                                                                      \
+    if (MR > i) {                                                                         \
+        const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);                           \
+        a = _mm256_fmadd_ps(xb, w0, a);                                                   \
+        b = _mm256_fmadd_ps(xb, w1, b);                                                   \
+    }
+#define STORE(i, a, b)                                                                    \
+    if (MR > i) {                                                                         \
+        float out[16];                                                                    \
+        _mm256_storeu_ps(out, a);                                                         \
+        _mm256_storeu_ps(out + 8, b);                                                     \
+        for (int j = 0; j < ncols; j++) y[i * ldy + j] = bias ? out[j] + bias[j] : out[j]; \
+    }
+
 static inline __attribute__((always_inline)) void
-tile(const int MR, const int NR, const int WF32, const float *x, int64_t ldx, const void *w, int64_t ldw,
-     float *y, int64_t ldy, int64_t K, const float *bias) {
-    const uint16_t *wh = (const uint16_t *)w;
-    const float *wf = (const float *)w;
-    __m256 acc[4][8];
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        __m256 wv[8];
-        for (int j = 0; j < NR; j++) wv[j] = WF32 ? _mm256_loadu_ps(wf + j * ldw + k) : load_bf16x8(wh + j * ldw + k);
-        for (int i = 0; i < MR; i++) {
-            __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+micro(const int MR, const int WBF16, const float *x, int64_t ldx, const void *panel, float *y, int64_t ldy,
+      int64_t K, const float *bias, int ncols) {
+    const float *pf = (const float *)panel;
+    const uint16_t *ph = (const uint16_t *)panel;
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
+           b4 = a0, a5 = a0, b5 = a0;
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 w0 = WBF16 ? load_bf16x8(ph + k * 16) : _mm256_loadu_ps(pf + k * 16);
+        const __m256 w1 = WBF16 ? load_bf16x8(ph + k * 16 + 8) : _mm256_loadu_ps(pf + k * 16 + 8);
+        ROW(0, a0, b0) ROW(1, a1, b1) ROW(2, a2, b2) ROW(3, a3, b3) ROW(4, a4, b4) ROW(5, a5, b5)
+    }
+    STORE(0, a0, b0) STORE(1, a1, b1) STORE(2, a2, b2) STORE(3, a3, b3) STORE(4, a4, b4) STORE(5, a5, b5)
+}
+#undef ROW
+#undef STORE
+
+static void micro_dispatch(int mr, int wbf16, const float *x, int64_t ldx, const void *panel, float *y, int64_t ldy,
+                           int64_t K, const float *bias, int ncols) {
+    if (wbf16) {
+        switch (mr) {
+        case 6: micro(6, 1, x, ldx, panel, y, ldy, K, bias, ncols); return;
+        case 5: micro(5, 1, x, ldx, panel, y, ldy, K, bias, ncols); return;
+        case 4: micro(4, 1, x, ldx, panel, y, ldy, K, bias, ncols); return;
+        case 3: micro(3, 1, x, ldx, panel, y, ldy, K, bias, ncols); return;
+        case 2: micro(2, 1, x, ldx, panel, y, ldy, K, bias, ncols); return;
+        default: micro(1, 1, x, ldx, panel, y, ldy, K, bias, ncols); return;
         }
     }
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) {
-            float s = hsum(acc[i][j]);
-            for (int64_t t = k; t < K; t++)
-                s += x[i * ldx + t] * (WF32 ? wf[j * ldw + t] : bf16_to_f32(wh[j * ldw + t]));
-            if (bias) s += bias[j];
-            y[i * ldy + j] = s;
-        }
-}
-
-/* One weight row (single-stream decode) against 8 weight rows at a time: more loads in flight. */
-static void gemv_rows(const float *x, const uint16_t *w, const float *bias, float *y, int64_t n0, int64_t n1,
-                      int64_t K) {
-    int64_t n = n0;
-    for (; n + 8 <= n1; n += 8) tile(1, 8, 0, x, 0, w + n * K, K, y + n, 0, K, bias ? bias + n : 0);
-    for (; n < n1; n++) tile(1, 1, 0, x, 0, w + n * K, K, y + n, 0, K, bias ? bias + n : 0);
-}
-
-#define TILE(MR, NR) tile(MR, NR, 1, x, ldx, w, ldw, y, ldy, K, bias)
-
-/* Several rows against an fp32 weight panel; MR <= 4, NR <= 3 (12 accumulators + 4 registers). */
-static void tile_f32(int mr, int nr, const float *x, int64_t ldx, const float *w, int64_t ldw,
-                     float *y, int64_t ldy, int64_t K, const float *bias) {
-    switch (mr * 4 + nr) {
-    case 4 * 4 + 3: TILE(4, 3); break;
-    case 4 * 4 + 2: TILE(4, 2); break;
-    case 4 * 4 + 1: TILE(4, 1); break;
-    case 3 * 4 + 3: TILE(3, 3); break;
-    case 3 * 4 + 2: TILE(3, 2); break;
-    case 3 * 4 + 1: TILE(3, 1); break;
-    case 2 * 4 + 3: TILE(2, 3); break;
-    case 2 * 4 + 2: TILE(2, 2); break;
-    case 2 * 4 + 1: TILE(2, 1); break;
-    case 1 * 4 + 3: TILE(1, 3); break;
-    case 1 * 4 + 2: TILE(1, 2); break;
-    default: TILE(1, 1); break;
+    switch (mr) {
+    case 6: micro(6, 0, x, ldx, panel, y, ldy, K, bias, ncols); return;
+    case 5: micro(5, 0, x, ldx, panel, y, ldy, K, bias, ncols); return;
+    case 4: micro(4, 0, x, ldx, panel, y, ldy, K, bias, ncols); return;
+    case 3: micro(3, 0, x, ldx, panel, y, ldy, K, bias, ncols); return;
+    case 2: micro(2, 0, x, ldx, panel, y, ldy, K, bias, ncols); return;
+    default: micro(1, 0, x, ldx, panel, y, ldy, K, bias, ncols); return;
     }
 }
 
-/* Work is split into (row chunk, weight panel) pairs. A panel of NC weight rows is widened to fp32
- * once into a per-thread buffer (L2-resident), then swept over a chunk of up to MC rows of x, so
- * the bf16->fp32 conversion is paid once per 64 rows instead of once per 4. */
-void linear_bf16w(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
+/* One row of x (single-stream decode) against PN (<= 6) bf16 panels at once, widened in registers:
+ * the same chain per element as micro_f32, with PN streams of weights in flight. */
+#define PANEL(j, a, b)                                                                    \
+    if (PN > j) {                                                                         \
+        const uint16_t *w = wp + (j * K + k) * 16;                                        \
+        a = _mm256_fmadd_ps(xb, load_bf16x8(w), a);                                       \
+        b = _mm256_fmadd_ps(xb, load_bf16x8(w + 8), b);                                   \
+    }
+#define STORE(j, a, b)                                                                    \
+    if (PN > j) {                                                                         \
+        float out[16];                                                                    \
+        _mm256_storeu_ps(out, a);                                                         \
+        _mm256_storeu_ps(out + 8, b);                                                     \
+        for (int c = 0; c < 16 && j * 16 + c < ncols; c++)                                \
+            y[j * 16 + c] = bias ? out[c] + bias[j * 16 + c] : out[c];                    \
+    }
+
+static inline __attribute__((always_inline)) void
+gemv_panels(const int PN, const float *x, const uint16_t *wp, float *y, int64_t K, const float *bias, int64_t ncols) {
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
+           b4 = a0, a5 = a0, b5 = a0;
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 xb = _mm256_broadcast_ss(x + k);
+        PANEL(0, a0, b0) PANEL(1, a1, b1) PANEL(2, a2, b2) PANEL(3, a3, b3) PANEL(4, a4, b4) PANEL(5, a5, b5)
+    }
+    STORE(0, a0, b0) STORE(1, a1, b1) STORE(2, a2, b2) STORE(3, a3, b3) STORE(4, a4, b4) STORE(5, a5, b5)
+}
+#undef PANEL
+#undef STORE
+
+void linear_bf16w(const float *x, int64_t ldx, const uint16_t *wp, const float *bias,
                   float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    const int64_t MC = 64, NC = 48;
+    const int64_t panels = (N + 15) / 16;
     if (M == 1) {
-        const int64_t per = ((N + 7) / 8 + 1) / 2 * 8;   /* two contiguous halves, in whole tiles */
+        const int64_t groups = (panels + 5) / 6;
 #pragma omp parallel for schedule(static) if (N * K > 65536)
-        for (int part = 0; part < 2; part++) {
-            const int64_t n0 = part * per < N ? part * per : N, n1 = (part + 1) * per < N ? (part + 1) * per : N;
-            gemv_rows(x, w, bias, y, n0, n1, K);
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t p = g * 6, pn = panels - p < 6 ? panels - p : 6, n = p * 16;
+            const uint16_t *w = wp + p * K * 16;
+            const float *b = bias ? bias + n : 0;
+            switch (pn) {
+            case 6: gemv_panels(6, x, w, y + n, K, b, N - n); break;
+            case 5: gemv_panels(5, x, w, y + n, K, b, N - n); break;
+            case 4: gemv_panels(4, x, w, y + n, K, b, N - n); break;
+            case 3: gemv_panels(3, x, w, y + n, K, b, N - n); break;
+            case 2: gemv_panels(2, x, w, y + n, K, b, N - n); break;
+            default: gemv_panels(1, x, w, y + n, K, b, N - n); break;
+            }
         }
         return;
     }
-    const int64_t m_chunks = (M + MC - 1) / MC, n_panels = (N + NC - 1) / NC;
+    if (M < 32) {   /* a few rows: panels read as bf16 straight from memory, each once */
+#pragma omp parallel for schedule(static) if (M * N * K > 65536)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t n = p * 16;
+            const int ncols = N - n < 16 ? (int)(N - n) : 16;
+            for (int64_t m = 0; m < M; m += 6)
+                micro_dispatch(M - m < 6 ? (int)(M - m) : 6, 1, x + m * ldx, ldx, wp + p * K * 16, y + m * ldy + n,
+                               ldy, K, bias ? bias + n : 0, ncols);
+        }
+        return;
+    }
+    /* Tasks are (group of PG panels, chunk of MC rows): the group is widened to fp32 once into a
+     * per-thread buffer that stays in L2 while the chunk's rows stream past it, 6 at a time. */
+    const int64_t PG = 3, MC = 96;
+    const int64_t groups = (panels + PG - 1) / PG, chunks = (M + MC - 1) / MC;
 #pragma omp parallel if (M * N * K > 65536)
     {
-        float *panel = (float *)malloc(sizeof(float) * NC * K);
+        float *buf = (float *)malloc(sizeof(float) * PG * K * 16);
 #pragma omp for collapse(2) schedule(static)
-        for (int64_t np = 0; np < n_panels; np++)
-            for (int64_t mc = 0; mc < m_chunks; mc++) {
-                const int64_t m_end = (mc + 1) * MC < M ? (mc + 1) * MC : M;
-                const int64_t n_end = (np + 1) * NC < N ? (np + 1) * NC : N;
-                for (int64_t i = 0; i < (n_end - np * NC) * K; i++) panel[i] = bf16_to_f32(w[np * NC * K + i]);
-                for (int64_t n = np * NC; n < n_end; n += 3) {
-                    const int nr = n_end - n < 3 ? (int)(n_end - n) : 3;
-                    for (int64_t m = mc * MC; m < m_end; m += 4) {
-                        const int mr = m_end - m < 4 ? (int)(m_end - m) : 4;
-                        tile_f32(mr, nr, x + m * ldx, ldx, panel + (n - np * NC) * K, K, y + m * ldy + n, ldy, K,
-                                 bias ? bias + n : 0);
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t c = 0; c < chunks; c++) {
+                const int64_t p0 = g * PG, p1 = p0 + PG < panels ? p0 + PG : panels;
+                const int64_t m0 = c * MC, m1 = m0 + MC < M ? m0 + MC : M;
+                const uint16_t *src = wp + p0 * K * 16;
+                for (int64_t i = 0; i < (p1 - p0) * K * 16; i += 8)
+                    _mm256_storeu_ps(buf + i, load_bf16x8(src + i));
+                for (int64_t p = p0; p < p1; p++) {
+                    const int64_t n = p * 16;
+                    const int ncols = N - n < 16 ? (int)(N - n) : 16;
+                    for (int64_t m = m0; m < m1; m += 6) {
+                        const int mr = m1 - m < 6 ? (int)(m1 - m) : 6;
+                        micro_dispatch(mr, 0, x + m * ldx, ldx, buf + (p - p0) * K * 16, y + m * ldy + n, ldy, K,
+                                       bias ? bias + n : 0, ncols);
                     }
                 }
             }
-        free(panel);
+        free(buf);
     }
 }
 
