@@ -1,7 +1,8 @@
-"""`shardserve` command line: chat, generate and worker (serve, router, plan, doctor and bench join later)."""
+"""`shardserve` command line: serve, chat, generate and worker (router, plan, doctor and bench join later)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -111,6 +112,70 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from shardserve.llm import _setup_logging
+    from shardserve.server.run import run_server
+    _setup_logging()
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
+        ns.model = ns.model_tag
+    return run_server(engine_args_from(ns), host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
+                      api_key=ns.api_key or os.environ.get("SHARDSERVE_API_KEY") or None,
+                      chat_template=ns.chat_template, generation_config=ns.generation_config,
+                      max_log_len=ns.max_log_len, max_queue_len=ns.max_queue_len,
+                      shutdown_timeout=ns.shutdown_timeout)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--config", default=None, help="YAML file of flag: value pairs (flags on the command "
+                        "line win)")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="default: %(default)s")
+    g.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    g.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model path)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /tokenize and "
+                   "/detokenize (default: $SHARDSERVE_API_KEY, else open)")
+    g.add_argument("--chat-template", default=None, help="chat template file or inline Jinja (default: the model's)")
+    g.add_argument("--generation-config", default="auto", help="'auto': sampling defaults from the model's "
+                   "generation_config.json; 'vllm': none; or a folder holding one (default: %(default)s)")
+    g.add_argument("--max-log-len", type=int, default=None, help="log at most this many prompt characters per "
+                   "request (default: all)")
+    g.add_argument("--max-queue-len", type=int, default=None, help="reject requests with 429 while this many are "
+                   "waiting (default: queue without limit)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish "
+                   "after SIGTERM (default: %(default)s)")
+
+
+def config_file_args(argv: list[str]) -> list[str]:
+    """Flags from a --config YAML file (keys are flag names), placed before argv so that flags on
+    the command line win."""
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--config")
+    path = peek.parse_known_args(argv)[0].config
+    if path is None:
+        return argv
+    import yaml
+    with open(path, encoding="utf-8") as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of flag names to values")
+    extra: list[str] = []
+    for key, value in values.items():
+        flag = "--" + str(key).replace("_", "-")
+        if key in ("model", "model_tag"):
+            extra += ["--model", str(value)]
+        elif value is True:
+            extra.append(flag)
+        elif value is False:
+            extra.append("--no-" + flag[2:])
+        elif value is not None:
+            extra += [flag, str(value)]
+    return argv[:1] + extra + argv[1:]
+
+
 def cmd_worker(ns: argparse.Namespace) -> int:
     from shardserve.executor.headless import run_headless_node
     from shardserve.llm import _setup_logging
@@ -124,6 +189,10 @@ def cmd_worker(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardserve", description="Serve large language models across accelerators.")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default model: the embedded SmolLM2)")
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     chat = sub.add_parser("chat", help="chat with a model in the terminal (default: the embedded SmolLM2)")
     add_engine_args(chat)
     _sampling_args(chat)
@@ -142,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["serve"]:
+            argv = config_file_args(argv)
+    except (ValueError, OSError) as e:
+        print(f"error: --config: {e}", file=sys.stderr)
+        return 2
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)

@@ -6,6 +6,14 @@ from dataclasses import dataclass, field, replace
 _GREEDY_EPS = 1e-5
 
 
+class InvalidParameter(ValueError):
+    """A ValueError that names the offending field (the API server reports it as `param`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -43,7 +51,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(field_name: str, why: str) -> ValueError:
-            return ValueError(f"{field_name} {why}, got {getattr(self, field_name)!r}")
+            return InvalidParameter(f"{field_name} {why}, got {getattr(self, field_name)!r}", field_name)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")

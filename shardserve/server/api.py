@@ -1,0 +1,181 @@
+"""The FastAPI app: OpenAI routes, tokenizer routes, health, metrics; auth and request ids as
+middleware; every error in OpenAI's shape."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shardserve import __version__
+from shardserve.engine.async_engine import AsyncLLMEngine
+from shardserve.server.metrics import ServerMetrics
+from shardserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                        TokenizeRequest, error_body)
+from shardserve.server.serving import ServerSettings
+from shardserve.server.serving_chat import ChatServing
+from shardserve.server.serving_completion import CompletionServing
+
+logger = logging.getLogger("shardserve")
+
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+
+
+def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}", None
+    param = ".".join(loc) or None
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{param or 'body'}: {first.get('msg')}{more}", param
+
+
+async def _json_body(request: Request, model: type) -> Any:
+    """Parse the body ourselves so malformed JSON and schema errors both become 400s with a message."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except Exception as e:   # pydantic.ValidationError
+        errors = getattr(e, "errors", lambda: [])()
+        raise RequestValidationError(errors) from e
+
+
+class RequestIdAndAuth:
+    """Pure ASGI (streams and disconnects pass through untouched): echoes X-Request-Id (the client's
+    or a new one), gives each request a fresh engine id, and checks the API key on protected paths."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        client_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["client_request_id"] = client_id           # for logs and the response header
+        state["request_id"] = uuid.uuid4().hex           # the engine's: unique whatever clients send
+        echo = (b"x-request-id", client_id.encode("latin-1"))
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), echo]}
+            await send(message)
+
+        if self.api_key is not None and scope["path"].startswith(_PROTECTED):
+            given = headers.get(b"authorization", b"")
+            if not secrets.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                response = _error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
+                return await response(scope, receive, send_with_id)
+        await self.app(scope, receive, send_with_id)
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="shardserve", version=__version__)
+    metrics = ServerMetrics(engine.stats, settings.served_model_name)
+    completions = CompletionServing(engine, settings, metrics)
+    chats = ChatServing(engine, settings, metrics)
+    app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics
+    app.add_middleware(RequestIdAndAuth, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return _error(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return _error(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    def respond(result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request):
+        return respond(await completions.create(await _json_body(request, CompletionRequest), request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request):
+        return respond(await chats.create(await _json_body(request, ChatCompletionRequest), request))
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{
+            "id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "shardserve",
+            "root": engine.config.model_config.model, "max_model_len": settings.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await _json_body(request, TokenizeRequest)
+        chats.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            _, ids = await chats.render(req.messages, req.add_generation_prompt, False, None, req.chat_template_kwargs)
+        else:
+            ids = await chats.encode(req.prompt, req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": settings.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await _json_body(request, DetokenizeRequest)
+        chats.check_model(req.model)
+        chats.check_tokenizer()
+        vocab = engine.config.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, req.tokens, False)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return Response(status_code=200 if engine.is_alive() else 503)
+
+    @app.get("/health")
+    async def health():
+        if engine.is_alive():
+            return Response(status_code=200)
+        return _error(503, f"the engine is not running: {engine.error}")
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

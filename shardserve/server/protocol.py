@@ -1,0 +1,134 @@
+"""OpenAI request schemas (pydantic) and the error shape every failure is reported in.
+
+Fields follow the OpenAI API plus vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
+ignore_eos, min_tokens, stop_token_ids, chat_template_kwargs, ...), so clients written for vLLM
+work unchanged. Unknown fields are ignored, as OpenAI and vLLM do.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shardserve.sampling_params import SamplingParams
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+          413: "RequestTooLarge", 429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    """Raised by handlers; rendered as {"error": {...}} with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "APIError"), "param": param, "code": status}}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Request):
+    """What completions and chat share."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Unset fields take `defaults` (the model's generation_config), then SamplingParams' own."""
+        given = dict(defaults or {})
+        given.update({name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
+                                                             "presence_penalty", "frequency_penalty",
+                                                             "repetition_penalty")
+                      if getattr(self, name) is not None})
+        return SamplingParams(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              skip_special_tokens=self.skip_special_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output, **given)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    prompt_logprobs: int | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Request):
+    type: str = "text"
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,76 @@
+"""`shardserve serve`: build the engine, wrap it for asyncio, serve the app with uvicorn.
+
+SIGTERM (and Ctrl-C) go to uvicorn's graceful shutdown: the listening socket closes, in-flight
+requests get up to --shutdown-timeout seconds to finish, then the engine and its workers stop and
+the process exits 0.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from shardserve.engine.args import EngineArgs
+from shardserve.engine.async_engine import AsyncLLMEngine
+from shardserve.engine.engine import LLMEngine
+from shardserve.server.serving import ServerSettings
+
+logger = logging.getLogger("shardserve")
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template takes a file path or the template itself, as vLLM's does."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def generation_defaults(setting: str, model_dir: str) -> dict[str, Any]:
+    """Sampling defaults for fields a request leaves unset: 'auto' reads the model's
+    generation_config.json (as vLLM does), 'vllm' uses none, anything else is a folder holding one."""
+    if setting == "vllm":
+        return {}
+    folder = model_dir if setting == "auto" else setting
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        if setting != "auto":
+            raise ValueError(f"--generation-config {setting!r}: no generation_config.json there")
+        return {}
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    return {k: config[k] for k in _SAMPLING_DEFAULTS if k in config}
+
+
+def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000, served_model_name: str | None = None,
+               api_key: str | None = None, chat_template: str | None = None, generation_config: str = "auto",
+               max_log_len: int | None = None, max_queue_len: int | None = None,
+               shutdown_timeout: float = 30.0, uvicorn_log_level: str = "info") -> int:
+    import uvicorn
+
+    from shardserve.server.api import build_app
+    template = read_chat_template(chat_template)
+    engine = LLMEngine.from_engine_args(engine_args)
+    async_engine = AsyncLLMEngine(engine)
+    try:
+        mc = engine.config.model_config
+        model_dir = mc.model if os.path.isdir(mc.model) else os.path.dirname(mc.model)
+        settings = ServerSettings(served_model_name or engine_args.model or DEFAULT_MODEL_NAME, mc.max_model_len,
+                                  max_log_len, max_queue_len, template,
+                                  generation_defaults(generation_config, model_dir))
+        app = build_app(async_engine, settings, api_key)
+        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", settings.served_model_name, host, port)
+        config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
+                                timeout_graceful_shutdown=shutdown_timeout, access_log=False)
+        uvicorn.Server(config).run()
+    finally:
+        async_engine.shutdown()
+    return 0

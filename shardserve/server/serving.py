@@ -1,0 +1,220 @@
+"""What chat and completion requests share: model and length checks, tokenization off the event
+loop, running engine requests (several at once, with client-disconnect aborts), SSE framing."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+
+from shardserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from shardserve.outputs import RequestOutput
+from shardserve.sampling_params import InvalidParameter, SamplingParams
+from shardserve.server.metrics import RequestRecord, ServerMetrics
+from shardserve.server.protocol import APIError, error_body
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    max_model_len: int
+    max_log_len: int | None = None
+    max_queue_len: int | None = None
+    chat_template: str | None = None
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)   # from --generation-config
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class Serving:
+    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.engine, self.settings, self.metrics = engine, settings, metrics
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- checks ----------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.settings.served_model_name}`.", "model")
+
+    def check_ready(self) -> None:
+        if not self.engine.is_alive():
+            raise APIError(503, f"the engine is not running: {self.engine.error}")
+        limit = self.settings.max_queue_len
+        if limit is not None and self.engine.stats().num_waiting >= limit:
+            raise APIError(429, f"the server is overloaded: {limit} requests are already waiting "
+                                "(--max-queue-len); retry later", headers={"Retry-After": "1"})
+
+    def check_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, "this server was started without a tokenizer; send token ids")
+
+    def max_tokens_for(self, prompt_len: int, requested: int | None, param: str) -> int:
+        limit = self.settings.max_model_len
+        if requested is None:
+            if prompt_len >= limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
+                                    f"has {prompt_len} tokens, leaving no room for a completion.", "messages")
+            return limit - prompt_len
+        if requested < 1:
+            raise APIError(400, f"{param} must be at least 1, got {requested}", param)
+        if prompt_len + requested > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the "
+                                f"completion). Please reduce the prompt or {param}.", param)
+        return requested
+
+    def sampling_params(self, build, *args: Any) -> SamplingParams:
+        try:
+            return build(*args, defaults=self.settings.sampling_defaults)
+        except InvalidParameter as e:
+            raise APIError(400, str(e), e.param) from e
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_tokenizer()
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    # ---- running ---------------------------------------------------------------------------
+    async def _start(self, request_id: str, prompt: dict[str, Any], params: SamplingParams,
+                     record: RequestRecord) -> AsyncIterator[RequestOutput]:
+        """The engine's output stream for one prompt; the request is accepted (or its error raised)
+        before this returns, so a bad request never becomes a half-open stream."""
+        try:
+            stream = await self.engine.add_request(request_id, prompt, params)
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from e
+        except InvalidParameter as e:
+            raise APIError(400, str(e), e.param) from e
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+        async def outputs() -> AsyncIterator[RequestOutput]:
+            try:
+                async for out in stream:
+                    record.on_output(out)
+                    yield out
+            finally:
+                await stream.aclose()
+                last = record.last
+                record.finish(last.outputs[0].finish_reason if last is not None and last.finished else "abort")
+        return _Closing(outputs(), stream)
+
+    async def start_all(self, raw: Request, prompts: list[dict[str, Any]], params: SamplingParams,
+                        ) -> list[AsyncIterator[RequestOutput]]:
+        streams = []
+        try:
+            for i, prompt in enumerate(prompts):
+                suffix = "" if len(prompts) == 1 else f"-{i}"
+                rid = raw.state.request_id + suffix
+                record = RequestRecord(self.metrics, raw.state.client_request_id + suffix, prompt.get("prompt"),
+                                       self.settings.max_log_len)
+                streams.append(await self._start(rid, prompt, params, record))
+        except BaseException:
+            for s in streams:
+                await s.aclose()
+            raise
+        return streams
+
+    @staticmethod
+    async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from several streams as they arrive."""
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for out in s:
+                    await queue.put((i, out, None))
+            except BaseException as e:
+                await queue.put((i, None, e))
+                raise
+            finally:
+                await queue.put((i, None, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            open_streams = len(streams)
+            while open_streams:
+                i, out, error = await queue.get()
+                if error is not None:
+                    raise error
+                if out is None:
+                    open_streams -= 1
+                    continue
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, streams: list[AsyncIterator[RequestOutput]], raw: Request) -> list[RequestOutput]:
+        """Final outputs of every stream; a client that disconnects meanwhile aborts them all."""
+        async def consume() -> list[RequestOutput]:
+            finals: dict[int, RequestOutput] = {}
+            async for i, out in self.merged(streams):
+                finals[i] = out
+            return [finals[i] for i in range(len(streams))]
+
+        task = asyncio.create_task(consume())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await raw.is_disconnected():
+                    raise APIError(499, "client disconnected")
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from e
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    @staticmethod
+    async def sse_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A stream that fails after its headers went out reports the error as an event, then ends."""
+        try:
+            async for e in events:
+                yield e
+        except EngineDeadError as e:
+            yield sse(error_body(503, str(e)))
+            yield sse("[DONE]")
+
+
+class _Closing:
+    """An output generator whose aclose() aborts the request even if iteration never started
+    (an un-started async generator would skip its finally)."""
+
+    def __init__(self, gen: AsyncIterator[RequestOutput], stream) -> None:
+        self.gen, self.stream = gen, stream
+
+    def __aiter__(self):
+        return self.gen
+
+    async def aclose(self) -> None:
+        await self.gen.aclose()
+        await self.stream.aclose()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,112 @@
+"""POST /v1/chat/completions: messages through the chat template, then one engine request."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+
+from shardserve.outputs import CompletionOutput
+from shardserve.server.protocol import APIError, ChatCompletionRequest, ChatMessage
+from shardserve.server.serving import Serving, now_s, sse, usage
+
+
+def _logprob_entry(tokenizer, token_id: int, lp) -> dict[str, Any]:
+    text = lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([token_id], skip_special_tokens=False)
+    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tokenizer, c: CompletionOutput, start: int, top: int) -> list[dict[str, Any]]:
+    """OpenAI's logprobs.content entries for output tokens [start:]."""
+    content = []
+    for tid, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:len(c.token_ids)]):
+        item = _logprob_entry(tokenizer, tid, entry[tid])
+        ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
+        item["top_logprobs"] = [_logprob_entry(tokenizer, t, lp) for t, lp in ranked[:top]]
+        content.append(item)
+    return content
+
+
+class ChatServing(Serving):
+    async def render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final: bool,
+                     chat_template: str | None, kwargs: dict[str, Any] | None) -> tuple[str, list[int]]:
+        """The prompt text and its token ids (the template writes any BOS itself)."""
+        self.check_tokenizer()
+        conv = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        template = chat_template or self.settings.chat_template
+        try:
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, conv,
+                                           add_generation_prompt and not continue_final, template, **(kwargs or {}))
+        except Exception as e:   # a template that raises (e.g. roles out of order) is the request's fault
+            raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from e
+        if continue_final:   # leave the last message open so the model continues it
+            last = conv[-1]["content"]
+            cut = text.rfind(last)
+            if last and cut >= 0:
+                text = text[:cut + len(last)]
+        return text, await self.encode(text, add_special_tokens=False)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> dict[str, Any] | AsyncIterator[str]:
+        self.check_model(req.model)
+        if req.tools:
+            raise APIError(400, "tools are not supported by this server", "tools")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(400, f"response_format {req.response_format.type!r} is not supported; only 'text'",
+                           "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        self.check_ready()
+        text, ids = await self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                      req.chat_template, req.chat_template_kwargs)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self.max_tokens_for(len(ids), requested, param)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req.sampling_params, max_tokens, logprobs)
+        request_id = raw.state.request_id
+        streams = await self.start_all(raw, [{"prompt": text, "prompt_token_ids": ids}], params)
+        meta = {"id": f"chatcmpl-{request_id}", "created": now_s(), "model": self.settings.served_model_name}
+        if req.stream:
+            return self.sse_errors(self._stream(req, streams, meta))
+        (out,) = await self.collect(streams, raw)
+        choices = []
+        for c in out.outputs:
+            lp = {"content": chat_logprobs(self.tokenizer, c, 0, req.top_logprobs or 0)} if req.logprobs else None
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {**meta, "object": "chat.completion", "choices": choices,
+                "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
+
+    async def _stream(self, req: ChatCompletionRequest, streams, meta: dict) -> AsyncIterator[str]:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        prompt_tokens = 0
+
+        def chunk(choices: list[dict], extra: dict | None = None) -> str:
+            return sse({**meta, "object": "chat.completion.chunk", "choices": choices, **(extra or {})})
+
+        async for _, out in self.merged(streams):
+            prompt_tokens = len(out.prompt_token_ids)
+            for c in out.outputs:
+                if c.index not in sent_text:   # OpenAI opens every choice with the role
+                    sent_text[c.index] = sent_tokens[c.index] = 0
+                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                elif sent_text[c.index] < 0:   # this choice already finished
+                    continue
+                delta = c.text[sent_text[c.index]:]
+                start = sent_tokens[c.index]
+                if not delta and c.finish_reason is None and len(c.token_ids) == start:
+                    continue
+                lp = ({"content": chat_logprobs(self.tokenizer, c, start, req.top_logprobs or 0)}
+                      if req.logprobs else None)
+                sent_text[c.index] = -1 if c.finish_reason is not None else len(c.text)
+                sent_tokens[c.index] = len(c.token_ids)
+                extra = {"usage": usage(prompt_tokens, sum(sent_tokens.values()))} if continuous else None
+                yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], extra)
+        if include_usage:
+            yield chunk([], {"usage": usage(prompt_tokens, sum(sent_tokens.values()))})
+        yield sse("[DONE]")
