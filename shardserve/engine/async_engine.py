@@ -25,6 +25,8 @@ from shardserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("shardserve")
 
+HEALTH_CHECK_INTERVAL_S = 1.0
+
 
 class EngineDeadError(RuntimeError):
     pass
@@ -150,9 +152,13 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         try:
+            next_check = time.monotonic()
             while not self._stopping.is_set():
                 self._run_commands(block=not self.engine.has_unfinished_requests())
                 if not self.engine.has_unfinished_requests():
+                    if time.monotonic() >= next_check:   # an idle engine still notices a dead worker
+                        self.engine.check_health()
+                        next_check = time.monotonic() + HEALTH_CHECK_INTERVAL_S
                     continue
                 outputs = self.engine.step()
                 for out in outputs:

@@ -79,6 +79,10 @@ class DataParallelEngine:
                            sum(p.prefix_cache_queries for p in parts), sum(p.prefix_cache_hits for p in parts),
                            sum(p.num_preemptions for p in parts))
 
+    def check_health(self) -> None:
+        for engine in self.replicas:
+            engine.check_health()
+
     def shutdown(self) -> None:
         for engine in self.replicas:
             engine.shutdown()

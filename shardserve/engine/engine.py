@@ -208,6 +208,9 @@ class LLMEngine:
                            sum(kv.usage() for kv in kvs) / len(kvs), sum(kv.prefix_cache_queries for kv in kvs),
                            sum(kv.prefix_cache_hits for kv in kvs), sum(sc.num_preemptions for sc in self.schedulers))
 
+    def check_health(self) -> None:
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         self.executor.shutdown()
 

@@ -36,6 +36,9 @@ class Executor(ABC):
     def collect_execute(self) -> ModelRunnerOutput:
         return self._pending.popleft()
 
+    def check_health(self) -> None:
+        """Raise if a worker is known to be gone (called while idle; steps detect it themselves)."""
+
     def shutdown(self) -> None:
         pass
 

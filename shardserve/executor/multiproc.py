@@ -161,6 +161,11 @@ class MultiprocExecutor(Executor):
                 raise TimeoutError(f"workers {sorted(pending)} did not answer within {timeout_s:.0f} s")
         return [results[r] for r in range(len(self.conns))]
 
+    def check_health(self) -> None:
+        for rank, proc in self.procs.items():
+            if proc.poll() is not None:
+                self._fail(rank)
+
     def _fail(self, rank: int) -> None:
         proc = self.procs.get(rank)
         code = proc.poll() if proc else None
