@@ -16,6 +16,9 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
           413: "RequestTooLarge", 429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
+MAX_N = 128   # samples per request: each is an engine request, so n is a lever for abuse
+
+
 class APIError(Exception):
     """Raised by handlers; rendered as {"error": {...}} with `status`."""
 
@@ -41,7 +44,7 @@ class _SamplingFields(_Request):
     """What completions and chat share."""
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -49,7 +52,7 @@ class _SamplingFields(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**64 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 from typing import Any
 
 from shardserve.engine.args import EngineArgs
@@ -70,7 +71,14 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", settings.served_model_name, host, port)
         config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                                 timeout_graceful_shutdown=shutdown_timeout, access_log=False)
-        uvicorn.Server(config).run()
+        # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found
+        # installed. A no-op one underneath lets a drained shutdown end normally, with exit code 0.
+        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            uvicorn.Server(config).run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     finally:
         async_engine.shutdown()
     return 0
