@@ -176,6 +176,77 @@ def config_file_args(argv: list[str]) -> list[str]:
     return argv[:1] + extra + argv[1:]
 
 
+def cmd_bench_serve(ns: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    import urllib.request
+
+    from shardserve.bench import serve as bench
+    from shardserve.bench.datasets import random_requests
+    base_url = ns.base_url or f"http://{ns.host}:{ns.port}"
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    model = ns.model
+    if model is None:   # like vllm bench serve: the server's first model
+        with urllib.request.urlopen(urllib.request.Request(base_url + "/v1/models", headers=headers), timeout=30) as r:
+            model = json.load(r)["data"][0]["id"]
+    tokenizer = _bench_tokenizer(ns.tokenizer, model)
+    requests = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio,
+                               ns.seed, tokenizer)
+    percentiles = sorted({50, *(float(p) if "." in p else int(p) for p in ns.metric_percentiles.split(","))})
+    print(f"Benchmarking {model} at {base_url}{ns.endpoint}: {ns.num_prompts} prompts, request rate "
+          f"{ns.request_rate}, max concurrency {ns.max_concurrency}")
+    results, duration = asyncio.run(bench.run_benchmark(base_url, ns.endpoint, model, requests, ns.request_rate,
+                                                        ns.max_concurrency, ns.ignore_eos, ns.seed, ns.api_key))
+    summary = bench.summarize(results, duration, percentiles)
+    bench.print_summary(summary, percentiles)
+    if ns.save_result:
+        import os
+        import time
+        name = ns.result_filename or f"shardserve-bench-serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path = os.path.join(ns.result_dir or ".", name)
+        bench.save_result(summary, {k: v for k, v in vars(ns).items() if k != "func"}, results, path)
+        print(f"saved {path}")
+    return 0 if summary["completed"] else 1
+
+
+def _bench_tokenizer(path: str | None, model: str):
+    from shardserve.models.loader import default_model_path
+    from shardserve.server.run import DEFAULT_MODEL_NAME
+    from shardserve.tokenizer.tokenizer import Tokenizer
+    if path is None:
+        if model != DEFAULT_MODEL_NAME:
+            raise ValueError(f"pass --tokenizer (an HF checkpoint directory or GGUF file) for {model!r}: random "
+                             "prompts are built from its vocabulary")
+        path = default_model_path()
+    return Tokenizer.from_path(path)
+
+
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (default: from --host/--port)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--model", default=None, help="model id to send (default: the server's first model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for random prompts: HF directory or GGUF "
+                   "(default: the embedded SmolLM2's when benchmarking it)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    p.add_argument("--dataset-name", default="random", choices=["random"])
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len * (1 - r), len * (1 + r)] (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (default: inf, all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length (vLLM extension)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 90,99 (default: %(default)s)")
+    p.add_argument("--save-result", action="store_true", help="write the summary and per-request results as JSON")
+    p.add_argument("--result-dir", default=None)
+    p.add_argument("--result-filename", default=None)
+
+
 def cmd_worker(ns: argparse.Namespace) -> int:
     from shardserve.executor.headless import run_headless_node
     from shardserve.llm import _setup_logging
@@ -204,6 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(gen)
     gen.add_argument("prompts", nargs="+")
     gen.set_defaults(func=cmd_generate)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench.add_parser("serve", help="online benchmark against an OpenAI-compatible server "
+                                   "(like vllm bench serve)")
+    add_bench_serve_args(bench_serve)
+    bench_serve.set_defaults(func=cmd_bench_serve)
     worker = sub.add_parser("worker", help="run a headless node (node_rank > 0) of a multi-node engine")
     add_parallel_args(worker, engine=False)
     worker.set_defaults(func=cmd_worker)
