@@ -14,7 +14,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineArgs()
     parser.add_argument("--model", default=None, help="HF checkpoint directory or .gguf file "
                         "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer path if not the model's own")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's own)")
     parser.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32 (default: %(default)s)")
     parser.add_argument("--device", default=d.device, help="auto, cpu or cuda (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -30,7 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                         help="largest logprobs a request may ask for; -1: no limit (default: %(default)s)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                        help="dummy: random weights with the checkpoint's shapes (benchmarks)")
+                        help="dummy: random weights with the checkpoint's shapes, for benchmarks "
+                        "(default: %(default)s)")
     add_parallel_args(parser)
 
 
@@ -47,8 +48,8 @@ def add_parallel_args(parser: argparse.ArgumentParser, engine: bool = True) -> N
     g.add_argument("--nnodes", type=int, default=1, help="nodes in a multi-node run (default: 1)")
     g.add_argument("--node-rank", type=int, default=0, help="this node's index; 0 runs the engine (default: 0)")
     g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (default: %(default)s)")
-    g.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0 (its workers "
-                   "listen on port + 1)")
+    g.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0; its workers "
+                   "listen on port + 1 (default: none; required with --nnodes > 1)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -130,8 +131,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--config", default=None, help="YAML file of flag: value pairs (flags on the command "
-                        "line win)")
+    parser.add_argument("--config", default=None, help="YAML file of flag: value pairs; flags on the command "
+                        "line win (default: none)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="default: %(default)s")
     g.add_argument("--port", type=int, default=8000, help="default: %(default)s")

@@ -25,3 +25,32 @@ def test_bad_arguments_are_one_line_errors():
     bad_tp = _cli("chat", "-tp", "2", "--message", "hi")
     assert bad_tp.returncode == 2 and "sizes that work: 1, 3" in bad_tp.stderr
     assert "Traceback" not in missing.stderr + bad_tp.stderr
+
+
+def test_serve_help_lists_vllm_flags_with_defaults():
+    done = _cli("serve", "--help", timeout=60)
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    for flag in ("--host", "--port", "--served-model-name", "--dtype", "--device", "--max-model-len",
+                 "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-cache-memory",
+                 "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching", "--tensor-parallel-size",
+                 "--pipeline-parallel-size", "--data-parallel-size", "--distributed-executor-backend", "--seed",
+                 "--api-key", "--chat-template", "--generation-config", "--max-log-len", "--max-queue-len",
+                 "--config"):
+        assert flag in text, flag
+    assert "--port PORT default: 8000" in text
+    from shardserve.cli import build_parser
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    assert [a.option_strings for a in serve._actions
+            if a.option_strings and a.dest != "help" and "default" not in (a.help or "")] == []
+
+
+def test_serve_config_file_flags_and_command_line_precedence(tmp_path):
+    from shardserve.cli import build_parser, config_file_args
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("port: 9001\nmax_num_seqs: 7\nenable-prefix-caching: false\nserved-model-name: m\n")
+    argv = config_file_args(["serve", "--config", str(cfg), "--port", "9002"])
+    ns = build_parser().parse_args(argv)
+    assert (ns.port, ns.max_num_seqs, ns.enable_prefix_caching, ns.served_model_name) == (9002, 7, False, "m")
+    bad = _cli("serve", "--config", str(tmp_path / "missing.yaml"), timeout=60)
+    assert bad.returncode == 2 and "--config" in bad.stderr and "Traceback" not in bad.stderr
