@@ -1,4 +1,5 @@
-"""A real `shardserve serve` process on a free loopback port, and small raw-HTTP helpers."""
+"""A real `shardserve serve` (or `shardserve router`) process on a free loopback port, and small
+raw-HTTP helpers."""
 from __future__ import annotations
 
 import json
@@ -22,11 +23,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None,
+                 command: str = "serve") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "shardserve.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "shardserve.cli", command, *args, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
