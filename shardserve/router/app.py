@@ -181,8 +181,12 @@ def _sse(payload: Any) -> str:
 async def _static(router: Router, route: Route, body: dict[str, Any], headers: dict[str, str]):
     forward = {k: v for k, v in body.items() if k != "plugins"}
     try:
-        if not body.get("stream"):
-            return JSONResponse(await router.pool.chat(route.backend, forward), headers=headers)
+        if not body.get("stream"):   # relayed as bytes: no re-parsing on the hot path
+            r = await router.pool.chat_raw(route.backend, forward)
+            if not r.content.lstrip()[:1] == b"{":   # a cheap sanity check, not a full parse
+                raise BackendError(route.backend, f"invalid response (not JSON): {r.content[:100]!r}")
+            return Response(r.content, status_code=r.status_code, headers=headers,
+                            media_type=r.headers.get("content-type", "application/json"))
         events = await router.pool.chat_stream(route.backend, forward)
     except BackendError as e:
         raise _backend_error(e) from e
@@ -207,7 +211,7 @@ async def _fusion(router: Router, route: Route, body: dict[str, Any], headers: d
         await runner.run_panel(settings, body, inner, trace)
         for r in trace.panel_results:
             add_usage(usage, r.usage)
-        await runner.analyse(settings, body["messages"], inner, trace, usage)
+        await runner.analyse(settings, body, inner, trace, usage)
         final = runner.synthesis_body(settings, body, trace)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.get("model")}
         trace_dict = trace.as_dict(settings.include_intermediate_responses)

@@ -76,6 +76,20 @@ class BackendPool:
     async def chat(self, backend_id: str, body: dict[str, Any], headers: dict[str, str] | None = None,
                    timeout: float | None = None) -> dict[str, Any]:
         """A non-streaming chat completion from one backend, as parsed JSON."""
+        r = await self.chat_raw(backend_id, body, headers, timeout)
+        if r.status_code >= 400:
+            raise BackendError(backend_id, f"HTTP {r.status_code}: {_error_message(r)}", r.status_code)
+        try:
+            data = r.json()
+            data["choices"][0]["message"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise BackendError(backend_id, f"invalid response (not a chat completion): {r.text[:100]!r}") from None
+        return data
+
+    async def chat_raw(self, backend_id: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+                       timeout: float | None = None) -> httpx.Response:
+        """The backend's response as it came (4xx included, for pass-through); connection errors
+        and 5xx are retried on another endpoint, then raised as BackendError."""
         backend = self.backends[backend_id]
         timeout = timeout or backend.timeout_s
         last: BackendError | None = None
@@ -95,14 +109,7 @@ class BackendPool:
             if r.status_code >= 500:
                 last = BackendError(backend_id, f"HTTP {r.status_code}: {r.text[:200]}", r.status_code)
                 continue
-            if r.status_code >= 400:
-                raise BackendError(backend_id, f"HTTP {r.status_code}: {_error_message(r)}", r.status_code)
-            try:
-                data = r.json()
-                data["choices"][0]["message"]
-            except (ValueError, KeyError, IndexError, TypeError):
-                raise BackendError(backend_id, f"invalid response (not a chat completion): {r.text[:100]!r}") from None
-            return data
+            return r
         raise last or BackendError(backend_id, "no endpoints")
 
     async def chat_stream(self, backend_id: str, body: dict[str, Any], headers: dict[str, str] | None = None,

@@ -160,12 +160,15 @@ class FusionRunner:
             raise FusionError(f"only {ok} of {len(members)} panel members answered; min_successful_responses is "
                               f"{quorum}: " + "; ".join(f"{k}: {v}" for k, v in failures.items()), failures)
 
-    async def analyse(self, settings: FusionSettings, messages: list[dict[str, Any]], headers: dict[str, str],
+    async def analyse(self, settings: FusionSettings, body: dict[str, Any], headers: dict[str, str],
                       trace: FusionTrace, usage: dict[str, int]) -> None:
-        prompt = (settings.analysis_template or ANALYSIS_TEMPLATE).replace("{request}", _conversation(messages)) \
-            .replace("{responses}", _answers(trace.panel_results))
-        data = await self.pool.chat(settings.judge_model, {"messages": [{"role": "user", "content": prompt}],
-                                                           "temperature": 0}, headers)
+        prompt = (settings.analysis_template or ANALYSIS_TEMPLATE).replace("{request}", _conversation(
+            body["messages"])).replace("{responses}", _answers(trace.panel_results))
+        call: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "temperature": 0}
+        budget = body.get("max_completion_tokens") or body.get("max_tokens")
+        if budget:   # the request's own budget bounds the analysis too
+            call["max_tokens"] = budget
+        data = await self.pool.chat(settings.judge_model, call, headers)
         add_usage(usage, data.get("usage"))
         text = data["choices"][0]["message"].get("content") or ""
         trace.analysis = _parse_analysis(text)

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from shardserve.sampling_params import SamplingParams
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-          413: "RequestTooLarge", 429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+          413: "RequestTooLarge", 429: "RateLimitError", 500: "InternalServerError", 502: "BadGatewayError",
+          503: "ServiceUnavailableError"}
 
 
 MAX_N = 128   # samples per request: each is an engine request, so n is a lever for abuse

@@ -10,7 +10,7 @@ import openai
 import pytest
 import yaml
 
-from tests.router.fake_backends import SCRIPTED_USAGE, start_fake
+from tests.router.fake_backends import start_fake
 from tests.server.server_process import ServerProcess, free_port, get, post
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -192,3 +192,15 @@ def test_router_metrics(cluster, client):
     assert 'router_requests_total{algorithm="static",decision="default"}' in text
     assert 'router_panel_member_failures_total{backend="refuse"}' in text
     assert "router_backend_latency_seconds_bucket" in text and "router_fusion_latency_seconds_count" in text
+
+
+def test_pass_through_errors(client):
+    with pytest.raises(openai.APIStatusError) as e:
+        ask(client, "hi", model="garbage")
+    assert e.value.status_code == 502 and "not JSON" in str(e.value)
+    with pytest.raises(openai.APIStatusError) as e:
+        ask(client, "hi", model="err500")
+    assert e.value.status_code == 502 and "HTTP 500" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:   # a backend's 4xx comes back as it was
+        client.chat.completions.create(model="tiny-a", messages=[{"role": "user", "content": "hi"}], max_tokens=5000)
+    assert "maximum context length" in str(e.value)
