@@ -51,6 +51,11 @@ def cluster(tmp_path_factory):
             panel("broken_panel", ["refuse", "err500", "garbage"], words=["doomed"]),
             panel("skip_panel", ["tiny-a", "refuse", "garbage"], words=["tolerant"], on_error="skip"),
             panel("stream_panel", ["tiny-a"], judge="tiny-b", words=["livestream"]),
+            panel("slow_round", ["tiny-a", "stall"], words=["patient"], round_timeout_seconds=0.8,
+                  analysis_overrides={"tiny-a": {"max_tokens": 3}}),
+            {"id": "python_help", "algorithm": {"type": "static", "model": "tiny-b"},
+             "signals": [{"type": "embedding", "threshold": 0.5,
+                          "candidates": ["How do I fix this Python exception?", "My code throws a TypeError"]}]},
         ],
         "default_model": "tiny-a"}}
     path = tmp / "router.yaml"
@@ -87,6 +92,20 @@ def test_single_model_routes_and_headers(cluster, client):
     chunks = list(client.chat.completions.create(model="tiny-a", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=6, stream=True, temperature=0))
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) >= 2
+
+
+def test_embedding_routing_in_the_router(client):
+    raw = ask(client, "Why does my Python program raise a KeyError?")
+    assert (raw.headers["x-vsr-selected-decision"], raw.headers["x-vsr-selected-model"]) == ("python_help", "tiny-b")
+    assert ask(client, "A good recipe for banana bread?").headers["x-vsr-selected-decision"] == "default"
+
+
+def test_round_timeout_and_analysis_overrides(client):
+    start = time.monotonic()
+    trace = ask(client, "be patient").parse().model_extra["fusion_trace"]
+    assert time.monotonic() - start < 1.4   # the round ended at 0.8 s, before the 1.5 s call timeout
+    assert trace["panel_results"][1]["error"].startswith("no answer within round_timeout_seconds=0.8")
+    assert trace["panel_results"][0]["usage"]["completion_tokens"] <= 3   # per-member override
 
 
 def test_unknown_model_fusion_without_match_and_auth(cluster, client):
