@@ -49,11 +49,12 @@ async def send_one(client, url: str, headers: dict[str, str], body: dict[str, An
     start = last = time.perf_counter()
     chunks = 0
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+        async with client.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:200]}"
                 return result
-            async for line in resp.aiter_lines():
+            async for raw_line in resp.content:
+                line = raw_line.decode(errors="replace").strip()
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -89,16 +90,16 @@ async def send_one(client, url: str, headers: dict[str, str], body: dict[str, An
 async def run_benchmark(base_url: str, endpoint: str, model: str, requests: list[BenchRequest],
                         request_rate: float, max_concurrency: int | None, ignore_eos: bool, seed: int,
                         api_key: str | None = None, show_progress: bool = True) -> tuple[list[RequestResult], float]:
-    import httpx
+    import aiohttp
     from tqdm.auto import tqdm
     url = base_url.rstrip("/") + endpoint
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     rng = random.Random(seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), desc="Requests", unit="req", disable=not show_progress)
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1)
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=max_concurrency or len(requests) or 1)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=None, connect=30)) as client:
         async def one(req: BenchRequest) -> RequestResult:
             body = _payload(endpoint, model, req, ignore_eos)
             if limit is None:

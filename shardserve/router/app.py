@@ -185,8 +185,7 @@ async def _static(router: Router, route: Route, body: dict[str, Any], headers: d
             r = await router.pool.chat_raw(route.backend, forward)
             if not r.content.lstrip()[:1] == b"{":   # a cheap sanity check, not a full parse
                 raise BackendError(route.backend, f"invalid response (not JSON): {r.content[:100]!r}")
-            return Response(r.content, status_code=r.status_code, headers=headers,
-                            media_type=r.headers.get("content-type", "application/json"))
+            return Response(r.content, status_code=r.status_code, headers=headers, media_type=r.content_type)
         events = await router.pool.chat_stream(route.backend, forward)
     except BackendError as e:
         raise _backend_error(e) from e
