@@ -255,6 +255,46 @@ def cmd_router(ns: argparse.Namespace) -> int:
     return run_router(ns.config, ns.host, ns.port, ns.api_key or os.environ.get("SHARDSERVE_ROUTER_API_KEY") or None)
 
 
+def cmd_bench_offline(ns: argparse.Namespace) -> int:
+    import json
+    from shardserve.bench import offline
+    from shardserve.llm import _setup_logging
+    _setup_logging()
+    result = offline.run_latency(ns) if ns.bench_command == "latency" else offline.run_throughput(ns)
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump({**result, "args": {k: v for k, v in vars(ns).items() if k != "func"}}, f, indent=1)
+    return 0
+
+
+def add_bench_offline_args(p: argparse.ArgumentParser, latency: bool) -> None:
+    from shardserve.bench.shapes import SHAPES
+    p.add_argument("--model", default=None, help="checkpoint directory or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--random-weights", default=None, metavar="SHAPE",
+                   help=f"full-size random weights with a real shape: {', '.join(SHAPES)}, or a config.json / "
+                   "checkpoint directory (default: off)")
+    p.add_argument("--dtype", default="auto", help="default: %(default)s")
+    p.add_argument("--device", default="auto", help="default: %(default)s")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="default: %(default)s")
+    p.add_argument("--input-len", type=int, default=32 if latency else 1024, help="default: %(default)s")
+    p.add_argument("--output-len", type=int, default=128, help="default: %(default)s")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="default: %(default)s")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 2048")
+    p.add_argument("--kv-cache-memory", default=None, help="CPU KV budget, e.g. 4GiB (default: 4GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="default: %(default)s")
+    p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    p.add_argument("--output-json", default=None, help="write the results here (default: none)")
+    if latency:
+        p.add_argument("--batch-size", type=int, default=8, help="default: %(default)s")
+        p.add_argument("--num-iters-warmup", type=int, default=3, help="default: %(default)s")
+        p.add_argument("--num-iters", type=int, default=10, help="default: %(default)s")
+    else:
+        p.add_argument("--num-prompts", type=int, default=1000, help="default: %(default)s")
+        p.add_argument("--random-range-ratio", type=float, default=0.0,
+                       help="lengths uniform in [len * (1 - r), len * (1 + r)] (default: %(default)s)")
+
+
 def cmd_worker(ns: argparse.Namespace) -> int:
     from shardserve.executor.headless import run_headless_node
     from shardserve.llm import _setup_logging
@@ -295,6 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(like vllm bench serve)")
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(func=cmd_bench_serve)
+    for name, latency in (("throughput", False), ("latency", True)):
+        offline = bench.add_parser(name, help=f"offline {name} beside the measured roofline (like vllm bench {name})")
+        add_bench_offline_args(offline, latency)
+        offline.set_defaults(func=cmd_bench_offline)
     worker = sub.add_parser("worker", help="run a headless node (node_rank > 0) of a multi-node engine")
     add_parallel_args(worker, engine=False)
     worker.set_defaults(func=cmd_worker)

@@ -1,0 +1,194 @@
+"""`shardserve bench throughput` and `shardserve bench latency` (like vLLM's), each printed beside the
+physical limits measured in the same run:
+
+- decode roofline: one decode step must read every weight byte of a rank plus the KV cache it
+  attends over, so step time >= (weights + KV bytes) / memory bandwidth, the bandwidth measured
+  with a large device-to-device copy (bytes read + written per second);
+- model FLOPs utilisation: 2 x (non-embedding parameters) FLOPs per token processed, divided by the
+  time, against the peak of one large matmul in the serving dtype, timed in the same run.
+
+With `--random-weights SHAPE` (llama-3-8b, llama-3-70b, qwen3-0.6b, qwen3-8b, or a config.json /
+checkpoint directory) the model is built full size with random weights: no hub, no tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardserve.bench.shapes import param_counts, shape_config, write_shape_dir
+
+
+def model_source(ns) -> tuple[str, dict[str, Any], bool]:
+    """(checkpoint path, HF config, random weights?)"""
+    if ns.random_weights:
+        spec = ns.random_weights
+        if os.path.isdir(spec) or spec.endswith(".json"):
+            with open(os.path.join(spec, "config.json") if os.path.isdir(spec) else spec) as f:
+                config = json.load(f)
+            name = os.path.basename(spec.rstrip("/"))
+        else:
+            config, name = shape_config(spec), spec
+        return write_shape_dir(config, name), config, True
+    from shardserve.models.loader import load_hf_config, resolve_model_path
+    path = resolve_model_path(ns.model)
+    return path, load_hf_config(path), False
+
+
+def make_llm(ns, path: str, random_weights: bool):
+    from shardserve import LLM
+    kw = dict(dtype=ns.dtype, device=ns.device, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
+              max_num_batched_tokens=ns.max_num_batched_tokens, seed=ns.seed,
+              tensor_parallel_size=ns.tensor_parallel_size, gpu_memory_utilization=ns.gpu_memory_utilization)
+    if ns.kv_cache_memory:
+        kw["kv_cache_memory"] = ns.kv_cache_memory
+    if random_weights:
+        kw.update(load_format="dummy", skip_tokenizer_init=True)
+    return LLM(path, **kw)
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large copy (read + write), the memory roofline's denominator."""
+    n = (2 if device.type == "cuda" else 0.25) * 1024**3
+    x = torch.empty(int(n), dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    return 2 * x.numel() / _seconds(lambda: y.copy_(x), device, 3, 10)
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of one large square matmul in the compute dtype."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / _seconds(lambda: a @ b, device, 2, 5 if device.type == "cpu" else 20)
+
+
+def _seconds(fn, device: torch.device, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t) / iters
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kv_bytes_per_token(config: dict[str, Any], elem: int) -> int:
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    hd = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * config["num_hidden_layers"] * kv * hd * elem
+
+
+def model_flops(counts: dict[str, int], tokens_in: int, tokens_out: int) -> float:
+    """2 FLOPs per weight per token through the layers; the LM head (the embedding matrix when tied)
+    only for the tokens whose logits are computed, one per output token."""
+    head = counts["lm_head"] or counts["embed"]
+    return 2.0 * counts["layers"] * (tokens_in + tokens_out) + 2.0 * head * tokens_out
+
+
+def random_prompts(n: int, input_len: int, ratio: float, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    lo, hi = max(1, int(input_len * (1 - ratio))), max(1, int(input_len * (1 + ratio)))
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
+    mc = llm.engine.config.model_config
+    device = llm.engine.config.device
+    tp = llm.engine.config.parallel_config.tensor_parallel_size
+    elem = torch.tensor([], dtype=mc.dtype).element_size()
+    counts = param_counts(config)
+    return {"device": device, "tp": tp, "elem": elem, "counts": counts,
+            "weight_bytes_per_rank": counts["total"] * elem / tp,
+            "bandwidth": measure_bandwidth(device), "peak_flops": measure_matmul_peak(device, mc.compute_dtype),
+            "dtype": str(mc.dtype).replace("torch.", "")}
+
+
+def run_latency(ns) -> dict[str, Any]:
+    from shardserve import SamplingParams
+    path, config, random_weights = model_source(ns)
+    llm = make_llm(ns, path, random_weights)
+    try:
+        lim = _limits(llm, config)
+        prompts = random_prompts(ns.batch_size, ns.input_len, 0.0, config["vocab_size"], ns.seed)
+
+        def once(max_tokens: int) -> float:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            return time.perf_counter() - t
+
+        from tqdm.auto import tqdm
+        for _ in tqdm(range(ns.num_iters_warmup), desc="Warm-up"):
+            once(ns.output_len)
+        e2e = [once(ns.output_len) for _ in tqdm(range(ns.num_iters), desc="Profiling")]
+        prefill = float(np.median([once(1) for _ in range(max(1, ns.num_iters // 3))]))
+    finally:
+        llm.engine.shutdown()
+    step = (float(np.median(e2e)) - prefill) / max(1, ns.output_len - 1)
+    context = ns.input_len + ns.output_len / 2   # average tokens attended over during decode
+    kv = ns.batch_size * context * kv_bytes_per_token(config, lim["elem"]) / lim["tp"]
+    roofline = (lim["weight_bytes_per_rank"] + kv) / lim["bandwidth"]
+    flops = model_flops(lim["counts"], ns.batch_size * ns.input_len, ns.batch_size * ns.output_len)
+    result = {"batch_size": ns.batch_size, "input_len": ns.input_len, "output_len": ns.output_len,
+              "avg_latency_s": float(np.mean(e2e)),
+              **{f"p{p}_latency_s": float(np.percentile(e2e, p)) for p in (10, 25, 50, 75, 90, 99)},
+              "prefill_s": prefill, "decode_step_ms": step * 1000, "roofline_step_ms": roofline * 1000,
+              "step_vs_roofline": step / roofline, "bandwidth_gb_s": lim["bandwidth"] / 1e9,
+              "weight_gb_per_rank": lim["weight_bytes_per_rank"] / 1e9,
+              "mfu": flops / lim["tp"] / float(np.median(e2e)) / lim["peak_flops"],
+              "peak_tflops": lim["peak_flops"] / 1e12, "dtype": lim["dtype"], "device": str(lim["device"])}
+    print(f"Avg latency: {result['avg_latency_s']:.4f} seconds")
+    for p in (10, 25, 50, 75, 90, 99):
+        print(f"{p}% percentile latency: {result[f'p{p}_latency_s']:.4f} seconds")
+    print(f"Decode step: {result['decode_step_ms']:.2f} ms; roofline {result['roofline_step_ms']:.2f} ms "
+          f"({result['weight_gb_per_rank']:.2f} GB weights + KV per rank at {result['bandwidth_gb_s']:.0f} GB/s "
+          f"measured): {result['step_vs_roofline']:.2f}x the roofline")
+    print(f"Model FLOPs utilisation: {100 * result['mfu']:.2f}% of {result['peak_tflops']:.1f} TFLOP/s "
+          f"({lim['dtype']} matmul measured in this run)")
+    return result
+
+
+def run_throughput(ns) -> dict[str, Any]:
+    from shardserve import SamplingParams
+    path, config, random_weights = model_source(ns)
+    llm = make_llm(ns, path, random_weights)
+    try:
+        lim = _limits(llm, config)
+        prompts = random_prompts(ns.num_prompts, ns.input_len, ns.random_range_ratio, config["vocab_size"], ns.seed)
+        rng = random.Random(ns.seed + 1)
+        lo = max(1, int(ns.output_len * (1 - ns.random_range_ratio)))
+        hi = max(1, int(ns.output_len * (1 + ns.random_range_ratio)))
+        params = [SamplingParams(temperature=0, max_tokens=rng.randint(lo, hi), ignore_eos=True, detokenize=False)
+                  for _ in prompts]
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)   # warm-up
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=True)
+        elapsed = time.perf_counter() - t
+    finally:
+        llm.engine.shutdown()
+    n_in = sum(len(p) for p in prompts)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    flops = model_flops(lim["counts"], n_in, n_out)
+    result = {"elapsed_time": elapsed, "num_requests": len(prompts), "total_num_tokens": n_in + n_out,
+              "requests_per_second": len(prompts) / elapsed, "tokens_per_second": (n_in + n_out) / elapsed,
+              "output_tokens_per_second": n_out / elapsed,
+              "mfu": flops / lim["tp"] / elapsed / lim["peak_flops"],
+              "peak_tflops": lim["peak_flops"] / 1e12, "bandwidth_gb_s": lim["bandwidth"] / 1e9,
+              "dtype": lim["dtype"], "device": str(lim["device"])}
+    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total "
+          f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
+    print(f"Model FLOPs utilisation: {100 * result['mfu']:.2f}% of {result['peak_tflops']:.1f} TFLOP/s "
+          f"({lim['dtype']} matmul measured in this run); memory bandwidth {result['bandwidth_gb_s']:.0f} GB/s")
+    return result

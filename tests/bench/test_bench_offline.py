@@ -1,0 +1,53 @@
+"""`shardserve bench latency / throughput` with random weights: the numbers they print come from a
+real run, and the roofline's weight bytes match the parameters the model really has."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardserve.bench.shapes import SHAPES, param_counts
+from shardserve.cli import main
+from tests.tiny_models import make_tiny_checkpoint
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_param_counts_match_the_built_model(tmp_path, arch):
+    from shardserve import LLM
+    path = make_tiny_checkpoint(str(tmp_path / arch), arch)
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    llm = LLM(path, kv_cache_memory="8MiB", show_progress=False, dtype="float32")
+    try:
+        model = llm.engine.executor.worker.model_runner.model
+        assert param_counts(config)["total"] == sum(p.numel() for p in model.parameters())
+    finally:
+        llm.engine.shutdown()
+
+
+def test_builtin_shapes_have_their_published_sizes():
+    billions = {name: param_counts(cfg)["total"] / 1e9 for name, cfg in SHAPES.items()}
+    assert billions == pytest.approx({"llama-3-8b": 8.03, "llama-3-70b": 70.55, "qwen3-0.6b": 0.596,
+                                      "qwen3-8b": 8.19}, abs=0.01)
+
+
+def test_latency_and_throughput_with_random_weights(tmp_path, capsys):
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama")
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--random-weights", path, "--batch-size", "3", "--input-len", "12",
+                 "--output-len", "9", "--num-iters", "3", "--num-iters-warmup", "1", "--kv-cache-memory", "32MiB",
+                 "--output-json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "50% percentile latency" in printed and "roofline" in printed and "FLOPs utilisation" in printed
+    lat = json.loads(out.read_text())
+    assert lat["p10_latency_s"] <= lat["p50_latency_s"] <= lat["p99_latency_s"]
+    assert 0 < lat["prefill_s"] < lat["p50_latency_s"] and lat["decode_step_ms"] > 0
+    assert lat["roofline_step_ms"] > 0 and lat["bandwidth_gb_s"] > 0 and 0 < lat["mfu"] < 1
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--random-weights", path, "--num-prompts", "6", "--input-len", "10",
+                 "--output-len", "5", "--random-range-ratio", "0.5", "--kv-cache-memory", "32MiB",
+                 "--output-json", str(out)]) == 0
+    tp = json.loads(out.read_text())
+    assert "requests/s" in capsys.readouterr().out
+    assert tp["num_requests"] == 6 and tp["output_tokens_per_second"] > 0
+    assert tp["tokens_per_second"] > tp["output_tokens_per_second"]
