@@ -29,6 +29,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
     parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                         help="largest logprobs a request may ask for; -1: no limit (default: %(default)s)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (default: off)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights with the checkpoint's shapes, for benchmarks "
                         "(default: %(default)s)")
@@ -59,6 +61,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       enable_prefix_caching=ns.enable_prefix_caching,
                       gpu_memory_utilization=ns.gpu_memory_utilization, kv_cache_memory=ns.kv_cache_memory,
                       seed=ns.seed, max_logprobs=ns.max_logprobs, load_format=ns.load_format,
+                      enforce_eager=ns.enforce_eager,
                       tensor_parallel_size=ns.tensor_parallel_size,
                       pipeline_parallel_size=ns.pipeline_parallel_size, data_parallel_size=ns.data_parallel_size,
                       distributed_executor_backend=ns.distributed_executor_backend,

@@ -99,6 +99,7 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     compute_dtype_override: torch.dtype | None = None   # see compute_dtype_for
     load_format: str = "auto"                          # "dummy": random weights, real shapes
+    enforce_eager: bool = False                        # CUDA: no graphs for decode steps
     max_logprobs: int = 20                             # largest logprobs / prompt_logprobs; -1: no limit
 
     @property

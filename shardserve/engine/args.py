@@ -41,6 +41,7 @@ class EngineArgs:
     seed: int = 0
     skip_tokenizer_init: bool = False
     load_format: str = "auto"
+    enforce_eager: bool = False
     max_logprobs: int = 20
 
     def create_engine_config(self) -> EngineConfig:
@@ -58,7 +59,8 @@ class EngineArgs:
                                    max_model_len=max_model_len, seed=self.seed, tokenizer=self.tokenizer,
                                    skip_tokenizer_init=self.skip_tokenizer_init,
                                    compute_dtype_override=compute_dtype_for(dtype, device),
-                                   load_format=self.load_format, max_logprobs=self.max_logprobs)
+                                   load_format=self.load_format, max_logprobs=self.max_logprobs,
+                                   enforce_eager=self.enforce_eager)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.data_parallel_size, self.distributed_executor_backend,
                                   tuple(self.pp_layer_partition) if self.pp_layer_partition else None,

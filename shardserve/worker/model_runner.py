@@ -12,13 +12,16 @@ from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutpu
 from shardserve.layers import cpu_ops
 from shardserve.layers.attention import AttentionContext, TorchAttentionBackend
 from shardserve.layers.attention.cpu_native import CpuNativeAttentionBackend
+from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
 from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
 from shardserve.models.loader import load_model
+from shardserve.worker.cuda_graphs import DecodeGraphs
 from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
 from shardserve.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3   # vLLM's CPU backend default (VLLM_CPU_KVCACHE_SPACE=4)
+GRAPH_MEMORY_RESERVE = 2 * 1024**3         # kept out of the KV pool for CUDA-graph capture
 
 
 def _rows_to_lists(ids: torch.Tensor, lps: torch.Tensor, ranks: torch.Tensor, k: int):
@@ -41,6 +44,7 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None
         # The cache holds what attention multiplies: the compute dtype (fp32 where a CPU lacks
         # bf16 units; converting every gathered block each step would cost more than it saves).
         self.kv_cache_dtype = self.mc.compute_dtype
@@ -52,6 +56,9 @@ class ModelRunner:
                                 load_format=self.mc.load_format)
         if self.device.type == "cpu":
             self._use_native_cpu_kernels()
+        elif self.device.type == "cuda" and CudaAttentionBackend.supports(self.model.attention_layers()[0].spec,
+                                                                          self.block_size):
+            self.backend = CudaAttentionBackend()
 
     def _use_native_cpu_kernels(self) -> None:
         """bf16 served on a CPU without bf16 units computes in fp32 (config.compute_dtype_for); the
@@ -88,7 +95,7 @@ class ModelRunner:
         sc = self.config.scheduler_config
         n = sc.max_num_batched_tokens
         blocks = -(-min(n, sc.max_model_len) // self.block_size)
-        self.initialize_kv_cache(blocks * max(1, -(-n // sc.max_model_len)) + 1)
+        self.initialize_kv_cache(blocks * max(1, -(-n // sc.max_model_len)) + 1, capture_graphs=False)
         self._dummy_run(n, sc.max_model_len, sc.max_num_seqs)
         torch.cuda.synchronize(self.device)
         self.kv_caches = []
@@ -98,6 +105,8 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)   # other processes, CUDA context
         budget = int(total * self.config.cache_config.gpu_memory_utilization) - peak - max(others, 0)
+        if self._wants_graphs():   # decode graphs are captured after the pool is allocated
+            budget -= GRAPH_MEMORY_RESERVE
         torch.cuda.empty_cache()
         if budget <= 0:
             raise RuntimeError(
@@ -139,15 +148,27 @@ class ModelRunner:
         sched = SchedulerOutput(finished_req_ids=set(sched.num_scheduled_tokens))
         update_states(self.states, sched)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = []
+    def _wants_graphs(self) -> bool:
+        pc = self.config.parallel_config
+        return (self.device.type == "cuda" and not self.mc.enforce_eager and isinstance(self.backend, CudaAttentionBackend)
+                and pc.tensor_parallel_size == 1 and pc.pipeline_parallel_size == 1)
+
+    def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
+        self.kv_caches, self.graphs = [], None
+        graphs = capture_graphs and self._wants_graphs()
+        pool_blocks = num_blocks + 1 if graphs else num_blocks   # + a scratch block for graph padding rows
         for layer in self.model.attention_layers():
             spec = layer.spec
-            shape = self.backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+            shape = self.backend.kv_cache_shape(pool_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
             # Zeroed: padding reads the null block; other blocks are zeroed again when handed out.
             cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        if graphs:
+            sc = self.config.scheduler_config
+            self.graphs = DecodeGraphs(self.model, self.backend, self.device, sc.max_num_seqs,
+                                       -(-sc.max_model_len // self.block_size), self.block_size,
+                                       num_blocks * self.block_size)
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -158,13 +179,20 @@ class ModelRunner:
             return out
         self._zero_fresh_blocks(sched)
         inputs = prepare_inputs(self.states, sched, self.block_size, self.device)
-        ctx = AttentionContext(self.backend, self.backend.build(inputs.attn, self.device))
         pp = get_pp_group()
         intermediate = None
         if not pp.is_first:   # activations from the previous stage: [tokens, hidden] twice
             shape = (sched.total_num_scheduled_tokens, self.mc.hf_config["hidden_size"])
             intermediate = tuple(pp_recv_prev([shape, shape], self.mc.compute_dtype, self.device))
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)
+        attn = inputs.attn
+        if (self.graphs is not None and attn.num_decodes == len(inputs.req_ids)
+                and self.graphs.fits(attn.num_decodes)):
+            lens = torch.tensor([c + 1 for c in attn.context_lens], dtype=torch.int32)
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, attn.slot_mapping, attn.block_tables,
+                                     lens.to(self.device, non_blocking=True))
+        else:
+            ctx = AttentionContext(self.backend, self.backend.build(attn, self.device))
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)
         if not pp.is_last:
             pp_send_next(list(hidden))
             return out

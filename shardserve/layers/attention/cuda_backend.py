@@ -1,0 +1,51 @@
+"""Paged attention on CUDA: decodes through the Triton kernel (K/V read in place through the block
+tables), new K/V written with one indexed store per cache, prefill chunks on torch's SDPA path.
+Everything a decode step does has static shapes, so decode steps can be captured in CUDA graphs
+(worker/cuda_graphs.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardserve.layers.attention.backend import AttentionSpec, CommonAttentionMetadata
+from shardserve.layers.attention.torch_ref import TorchAttentionBackend, TorchAttentionMetadata
+
+
+@dataclass
+class CudaDecodes:
+    block_tables: torch.Tensor   # [num_decodes, max_blocks] int32
+    seq_lens: torch.Tensor       # [num_decodes] int32
+
+
+class CudaAttentionBackend(TorchAttentionBackend):
+    name = "cuda-triton"
+
+    @staticmethod
+    def supports(spec: AttentionSpec, block_size: int) -> bool:
+        from shardserve.layers.attention.triton_decode import supported
+        return supported(spec.head_dim, block_size)
+
+    def _build_decodes(self, common: CommonAttentionMetadata, device: torch.device) -> CudaDecodes:
+        d = common.num_decodes
+        lens = torch.tensor([c + 1 for c in common.context_lens[:d]], dtype=torch.int32)
+        return CudaDecodes(common.block_tables[:d].to(device=device, dtype=torch.int32),
+                           lens.to(device, non_blocking=True))
+
+    def _write(self, k, v, k_cache, v_cache, md: TorchAttentionMetadata) -> None:
+        hk, blocks, block_size, dim = k_cache.shape
+        k_cache.view(hk, blocks * block_size, dim).index_copy_(1, md.slots, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.view(hk, blocks * block_size, dim).index_copy_(1, md.slots, v.transpose(0, 1).to(v_cache.dtype))
+
+    def _decodes(self, spec, q, k_cache, v_cache, md: TorchAttentionMetadata, out) -> None:
+        from shardserve.layers.attention.triton_decode import paged_decode_attention
+        n = md.num_decodes
+        paged_decode_attention(q[:n], k_cache, v_cache, md.decodes.block_tables, md.decodes.seq_lens, out[:n],
+                               spec.scale, spec.sliding_window)
+
+
+def decode_metadata(slots: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    block_size: int) -> TorchAttentionMetadata:
+    """Metadata for a decode-only step built straight from (static) device tensors, for graphs."""
+    return TorchAttentionMetadata(slots, slots // block_size, slots % block_size, slots.shape[0],
+                                  CudaDecodes(block_tables, seq_lens), [])

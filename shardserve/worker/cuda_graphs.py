@@ -1,0 +1,78 @@
+"""CUDA graphs for decode steps: the model forward of a decode-only batch is captured once per
+batch size on a ladder (1, 2, 4, 8, then every 16 up to max_num_seqs, at most 256) over static buffers;
+a step copies its inputs into the buffers (padding rows to the next captured size) and replays.
+Replaying one graph replaces thousands of kernel launches from Python.
+
+Padding rows write their K/V into a scratch block past the end of the pool (allocated for this)
+and read only the null block, so they touch nothing a request owns. Sampling stays outside the
+graph. Prefill and mixed steps run eagerly; so does everything with TP or PP > 1 for now.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shardserve.layers.attention import AttentionContext
+from shardserve.layers.attention.cuda_backend import decode_metadata
+
+logger = logging.getLogger("shardserve")
+
+
+MAX_GRAPH_BATCH = 256   # bounds start-up capture time; larger decode batches run eagerly
+
+
+def batch_ladder(max_batch: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
+    return sorted(set(sizes + [max_batch]))
+
+
+class DecodeGraphs:
+    @torch.inference_mode()
+    def __init__(self, model: torch.nn.Module, backend, device: torch.device, max_batch: int, max_blocks: int,
+                 block_size: int, scratch_slot: int) -> None:
+        self.sizes = batch_ladder(min(max_batch, MAX_GRAPH_BATCH))
+        self.scratch_slot = scratch_slot
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        before = torch.cuda.memory_allocated(device)
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device)   # one warm-up stream: its cached memory is shared by all sizes
+        for bs in reversed(self.sizes):   # largest first: the smaller graphs reuse its memory
+            md = decode_metadata(self.slots[:bs], self.block_tables[:bs], self.seq_lens[:bs], block_size)
+            ctx = AttentionContext(backend, md)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):   # warm-up: compiles kernels, settles the allocator
+                model(self.input_ids[:bs], self.positions[:bs], ctx)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs], ctx)
+            self.graphs[bs] = graph
+        logger.info("CUDA graphs captured for decode batches %s (%.2f GiB)", self.sizes,
+                    (torch.cuda.memory_allocated(device) - before) / 2**30)
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.sizes[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Hidden states of a decode-only batch (one token per request)."""
+        b = input_ids.shape[0]
+        bs = next(s for s in self.sizes if s >= b)
+        self.input_ids[:b].copy_(input_ids, non_blocking=True)
+        self.positions[:b].copy_(positions, non_blocking=True)
+        self.slots[:b].copy_(slots, non_blocking=True)
+        self.slots[b:bs].fill_(self.scratch_slot)
+        self.block_tables[:bs].zero_()
+        self.block_tables[:b, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
+        self.seq_lens[b:bs].fill_(1)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]
