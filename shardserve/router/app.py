@@ -59,7 +59,7 @@ class Router:
         self.pool.latency_observer = lambda b, s: self.metrics.backend_latency.labels(b).observe(s)
         self.fusion = FusionRunner(self.pool, lambda b: self.metrics.panel_failures.labels(b).inc())
 
-    def route(self, body: dict[str, Any]) -> Route:
+    def route(self, body: dict[str, Any], static_only: bool = False) -> Route:
         model, messages = body.get("model"), body["messages"]
         plugin = _plugin(body)
         if model not in self.config.model_ids():
@@ -71,7 +71,7 @@ class Router:
             return Route("static", None, backend=model)
         fusion_only = model == FUSION_MODEL
         for d in self.config.decisions:
-            if fusion_only and d.algorithm != "fusion":
+            if (fusion_only and d.algorithm != "fusion") or (static_only and d.algorithm != "static"):
                 continue
             if self.evaluator.decision_matches(d, messages):
                 return Route(d.algorithm, d.id, backend=d.model, fusion=d.fusion)
@@ -127,11 +127,8 @@ def build_router_app(config: RouterConfig, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from e
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"] \
+        body = await _json_object(request)
+        if not isinstance(body.get("messages"), list) or not body["messages"] \
                 or not all(isinstance(m, dict) for m in body["messages"]):
             raise APIError(400, "messages: a non-empty list of message objects is required", "messages")
         try:
@@ -149,6 +146,23 @@ def build_router_app(config: RouterConfig, api_key: str | None = None,
             raise APIError(400, f"this request is already inside a fusion panel ({DEPTH_HEADER}: {depth}); a panel "
                                 "member cannot start another panel")
         return await _fusion(router, route, body, headers, depth)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        """Legacy completions: a backend id passes through; vllm-sr/auto takes static decisions
+        (signals see the prompt as a user message) or the default. Panels answer chats only."""
+        body = await _json_object(request)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, (str, list)) or not prompt:
+            raise APIError(400, "prompt: a non-empty string or list is required", "prompt")
+        if body.get("model") == FUSION_MODEL or _plugin(body) is not None:
+            raise APIError(400, "fusion panels answer /v1/chat/completions only", "model")
+        text = prompt if isinstance(prompt, str) else " ".join(p for p in prompt if isinstance(p, str))
+        route = router.route({**body, "messages": [{"role": "user", "content": text}]}, static_only=True)
+        router.metrics.requests.labels(route.decision or "none", route.algorithm).inc()
+        headers = {"x-vsr-selected-model": route.backend, "x-vsr-selected-decision": route.decision or "none",
+                   "x-vsr-selected-algorithm": route.algorithm}
+        return await _static(router, route, body, headers, path="/completions")
 
     @app.get("/v1/models")
     async def models():
@@ -169,6 +183,16 @@ def build_router_app(config: RouterConfig, api_key: str | None = None,
     return app
 
 
+async def _json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
 def _backend_error(e: BackendError) -> APIError:
     status = e.status if e.status is not None and 400 <= e.status < 500 else 502
     return APIError(status, f"backend {e.backend} failed: {e.message}")
@@ -178,15 +202,16 @@ def _sse(payload: Any) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def _static(router: Router, route: Route, body: dict[str, Any], headers: dict[str, str]):
+async def _static(router: Router, route: Route, body: dict[str, Any], headers: dict[str, str],
+                  path: str = "/chat/completions"):
     forward = {k: v for k, v in body.items() if k != "plugins"}
     try:
         if not body.get("stream"):   # relayed as bytes: no re-parsing on the hot path
-            r = await router.pool.chat_raw(route.backend, forward)
+            r = await router.pool.chat_raw(route.backend, forward, path=path)
             if not r.content.lstrip()[:1] == b"{":   # a cheap sanity check, not a full parse
                 raise BackendError(route.backend, f"invalid response (not JSON): {r.content[:100]!r}")
             return Response(r.content, status_code=r.status_code, headers=headers, media_type=r.content_type)
-        events = await router.pool.chat_stream(route.backend, forward)
+        events = await router.pool.chat_stream(route.backend, forward, path=path)
     except BackendError as e:
         raise _backend_error(e) from e
 

@@ -105,7 +105,7 @@ class BackendPool:
         return data
 
     async def chat_raw(self, backend_id: str, body: dict[str, Any], headers: dict[str, str] | None = None,
-                       timeout: float | None = None) -> RawResponse:
+                       timeout: float | None = None, path: str = "/chat/completions") -> RawResponse:
         """The backend's response as it came (4xx included, for pass-through); connection errors
         and 5xx are retried on another endpoint, then raised as BackendError."""
         backend = self.backends[backend_id]
@@ -115,7 +115,7 @@ class BackendPool:
         for endpoint in self._order(backend)[:MAX_ATTEMPTS]:
             start = time.perf_counter()
             try:
-                async with self.session.post(endpoint.base_url + "/chat/completions", json=payload,
+                async with self.session.post(endpoint.base_url + path, json=payload,
                                              headers={**_auth(endpoint), **(headers or {})},
                                              timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                     raw = RawResponse(r.status, await r.read(), r.headers.get("Content-Type", "application/json"))
@@ -133,7 +133,8 @@ class BackendPool:
         raise last or BackendError(backend_id, "no endpoints")
 
     async def chat_stream(self, backend_id: str, body: dict[str, Any], headers: dict[str, str] | None = None,
-                          timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+                          timeout: float | None = None, path: str = "/chat/completions"
+                          ) -> AsyncIterator[dict[str, Any]]:
         """Streamed chunks (parsed SSE events) from one backend. Connection and HTTP errors are
         raised before the first chunk, when another endpoint can still be tried."""
         backend = self.backends[backend_id]
@@ -143,7 +144,7 @@ class BackendPool:
         for endpoint in self._order(backend)[:MAX_ATTEMPTS]:
             try:
                 response = await self.session.post(
-                    endpoint.base_url + "/chat/completions", json=payload,
+                    endpoint.base_url + path, json=payload,
                     headers={**_auth(endpoint), **(headers or {})},
                     timeout=aiohttp.ClientTimeout(total=None, connect=min(timeout, 10.0), sock_read=timeout))
             except asyncio.TimeoutError:

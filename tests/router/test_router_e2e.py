@@ -223,3 +223,18 @@ def test_pass_through_errors(client):
     with pytest.raises(openai.BadRequestError) as e:   # a backend's 4xx comes back as it was
         client.chat.completions.create(model="tiny-a", messages=[{"role": "user", "content": "hi"}], max_tokens=5000)
     assert "maximum context length" in str(e.value)
+
+
+def test_legacy_completions_are_routed(client):
+    raw = client.completions.with_raw_response.create(model="tiny-b", prompt="Hello", max_tokens=4, temperature=0)
+    assert raw.headers["x-vsr-selected-model"] == "tiny-b" and raw.parse().usage.completion_tokens == 4
+    raw = client.completions.with_raw_response.create(model="vllm-sr/auto", prompt="hello " * 80, max_tokens=3)
+    assert (raw.headers["x-vsr-selected-decision"], raw.headers["x-vsr-selected-model"]) == ("long_context", "tiny-b")
+    raw = client.completions.with_raw_response.create(model="vllm-sr/auto", prompt="please research", max_tokens=3)
+    assert raw.headers["x-vsr-selected-decision"] == "default"   # the fusion decision is skipped
+    text = "".join(c.choices[0].text for c in client.completions.create(model="tiny-a", prompt="Hi", max_tokens=5,
+                                                                         stream=True, temperature=0))
+    assert text == client.completions.create(model="tiny-a", prompt="Hi", max_tokens=5, temperature=0).choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="vllm-sr/fusion", prompt="hi", max_tokens=3)
+    assert "/v1/chat/completions only" in str(e.value)
