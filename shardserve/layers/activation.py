@@ -4,14 +4,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.layers import cpu_ops
+from shardserve.layers.fused import ops_for
 
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up for a fused [.., 2 * d] gate_up projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_contiguous() and cpu_ops.handles(x):
-            return cpu_ops.silu_and_mul(x)
+        ops = ops_for(x) if x.is_contiguous() else None
+        if ops is not None:
+            return ops.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardserve.layers import cpu_ops
+from shardserve.layers.fused import ops_for
 
 
 class RMSNorm(nn.Module):
@@ -21,12 +21,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
-        if x.is_contiguous() and cpu_ops.handles(x, self.weight):
+        ops = ops_for(x, self.weight) if x.is_contiguous() else None
+        if ops is not None:
             if residual is None:
-                return cpu_ops.rms_norm(x, self.weight, self.eps)
-            if residual.is_contiguous() and cpu_ops.handles(residual):
+                return ops.rms_norm(x, self.weight, self.eps)
+            if residual.is_contiguous() and ops_for(residual) is ops:
                 residual = residual.clone() if residual is x else residual
-                return cpu_ops.rms_norm(x, self.weight, self.eps, residual), residual   # residual += x in place
+                return ops.rms_norm(x, self.weight, self.eps, residual), residual   # residual += x in place
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from shardserve.layers import cpu_ops
+from shardserve.layers.fused import ops_for
 
 
 def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -49,9 +50,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. Returns rotated (q, k) in their dtype; on the
-        CPU with the native kernels, q and k are rotated in place (they are views of a fresh qkv)."""
-        if cpu_ops.handles(q, k, self.cos) and q.stride(-1) == k.stride(-1) == 1 and q.stride(1) == k.stride(1) == q.shape[-1]:
-            cpu_ops.rotary_neox_(positions, q, k, self.cos, self.sin)
+        fused kernels (native on the CPU, Triton on CUDA), q and k are rotated in place (they are
+        views of a fresh qkv)."""
+        ops = ops_for(q, k, self.cos)
+        half = q.shape[-1] // 2
+        if (ops is not None and q.stride(-1) == k.stride(-1) == 1 and q.stride(1) == k.stride(1) == q.shape[-1]
+                and (ops is cpu_ops or half & (half - 1) == 0)):   # Triton tiles need a power of two
+            ops.rotary_neox_(positions, q, k, self.cos, self.sin)
             return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)

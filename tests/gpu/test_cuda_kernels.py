@@ -45,6 +45,38 @@ def test_triton_decode_matches_torch_reference(dtype, head_dim, heads, kv_heads,
     assert torch.allclose(outs[0], outs[1], atol=tol, rtol=tol), (outs[0] - outs[1]).abs().max()
 
 
+def test_triton_small_layers_match_torch():
+    from shardserve.layers import triton_ops
+    from shardserve.layers.rotary import RotaryEmbedding
+    torch.manual_seed(1)
+    dev, dt = "cuda", torch.bfloat16
+    x, res = (torch.randn(7, 4096, device=dev, dtype=dt) for _ in range(2))
+    w = torch.randn(4096, device=dev, dtype=dt)
+
+    def torch_norm(v):
+        f = v.float()
+        return w * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dt)
+
+    r = res.clone()
+    got = triton_ops.rms_norm(x, w, 1e-5, r)
+    assert torch.equal(r, x + res)
+    assert (got.float() - torch_norm(x + res).float()).abs().max() <= 0.02 * got.float().abs().max()
+    gu = torch.randn(5, 2 * 3000, device=dev, dtype=dt) * 3
+    want = torch.nn.functional.silu(gu[:, :3000]) * gu[:, 3000:]
+    assert torch.allclose(triton_ops.silu_and_mul(gu).float(), want.float(), rtol=1e-2, atol=1e-2)
+    rope = RotaryEmbedding(128, 4096, 500000.0).to(dev)
+    qkv = torch.randn(6, (8 + 2 + 2) * 128, device=dev, dtype=dt)
+    q, k = qkv[:, :1024].view(6, 8, 128), qkv[:, 1024:1280].view(6, 2, 128)
+    pos = torch.tensor([0, 1, 7, 100, 2000, 4095], device=dev)
+    cos, sin = rope.cos[pos].unsqueeze(1).to(dt), rope.sin[pos].unsqueeze(1).to(dt)
+    want_q, want_k = rope._rotate(q.clone(), cos, sin), rope._rotate(k.clone(), cos, sin)
+    triton_ops.rotary_neox_(pos, q, k, rope.cos, rope.sin)
+    # The same bf16 rounding steps as the torch path, yet about one element in eight differs by one
+    # ulp of an intermediate product, which the subtraction can make large relative to a small result.
+    assert torch.allclose(q.float(), want_q.float(), rtol=1e-2, atol=1e-2)
+    assert torch.allclose(k.float(), want_k.float(), rtol=1e-2, atol=1e-2)
+
+
 def test_cuda_graph_decode_gives_the_eager_tokens(tmp_path):
     from shardserve import LLM, SamplingParams
     from tests.tiny_models import make_tiny_checkpoint
