@@ -1,0 +1,53 @@
+"""Where a decode step's time goes on a GPU: one CUDA-graph replay of the model (device time alone)
+against a whole engine step at the same batch (replay + input preparation + sampling + bookkeeping).
+
+    python3 benchmarks/graph_replay_time.py --shape llama-3-8b --batch-size 1
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from shardserve import LLM, SamplingParams   # noqa: E402
+from shardserve.bench.shapes import shape_config, write_shape_dir   # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama-3-8b")
+    p.add_argument("--batch-size", type=int, default=1)
+    a = p.parse_args()
+    llm = LLM(write_shape_dir(shape_config(a.shape), a.shape), load_format="dummy", skip_tokenizer_init=True,
+              device="cuda", dtype="bfloat16", show_progress=False)
+    graphs = llm.engine.executor.worker.model_runner.graphs
+    bs = next(s for s in graphs.sizes if s >= a.batch_size)
+    g = graphs.graphs[bs]
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(50):
+        g.replay()
+    torch.cuda.synchronize()
+    replay_ms = (time.perf_counter() - t) / 50 * 1000
+    prompts = [[7] * 128] * a.batch_size
+    params = SamplingParams(temperature=0, max_tokens=257, ignore_eos=True, detokenize=False)
+    llm.generate(prompts, SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)
+    t = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False),
+                 use_tqdm=False)
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    step_ms = (time.perf_counter() - t - prefill) / 256 * 1000
+    print(f"batch {a.batch_size}: graph replay {replay_ms:.2f} ms (device), engine decode step {step_ms:.2f} ms, "
+          f"host work around the replay {step_ms - replay_ms:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
