@@ -10,36 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 import time
 
 import torch
 
-SHAPES = {
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256),
-    "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                        num_key_value_heads=8, vocab_size=128256),
-}
+from shardserve.bench.shapes import param_counts, shape_config, write_shape_dir
 
 
 def config_dir(shape: str) -> str:
-    cfg = dict(SHAPES[shape], architectures=["LlamaForCausalLM"], max_position_embeddings=8192,
-               rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16")
-    path = tempfile.mkdtemp(prefix=f"{shape}-")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return path
+    return write_shape_dir(shape_config(shape), shape)
 
 
 def weight_bytes(shape: str) -> int:
-    s = SHAPES[shape]
-    h, i, n, heads, kv, v = (s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"],
-                             s["num_attention_heads"], s["num_key_value_heads"], s["vocab_size"])
-    hd = h // heads
-    per_layer = h * (heads + 2 * kv) * hd + heads * hd * h + 3 * h * i + 2 * h
-    return 2 * (n * per_layer + 2 * v * h + h)
+    return 2 * param_counts(shape_config(shape))["total"]   # bf16
 
 
 def cuda_seconds_per_call(fn, warmup: int, iters: int) -> float:
@@ -128,7 +111,7 @@ def main() -> None:
         entry = {"shape": shape, "tp": tp, "decode_ms_per_token": ms, "roofline_ms": roofline,
                  "ratio_to_roofline": ms / roofline}
         if tp > 1 and "allreduce_8KiB_us" in result:
-            n = 2 * SHAPES[shape]["num_hidden_layers"]
+            n = 2 * shape_config(shape)["num_hidden_layers"]
             entry["allreduce_ms_per_token"] = n * result["allreduce_8KiB_us"] / 1000
         result["runs"].append(entry)
         print(json.dumps(entry), flush=True)
