@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from shardserve.bench.report import report
 from shardserve.bench.shapes import param_counts, shape_config, write_shape_dir
 
 
@@ -115,10 +116,7 @@ def main() -> None:
             entry["allreduce_ms_per_token"] = n * result["allreduce_8KiB_us"] / 1000
         result["runs"].append(entry)
         print(json.dumps(entry), flush=True)
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shardserve.bench.offline import run_latency   # noqa: E402
+from shardserve.bench.report import report   # noqa: E402
 from shardserve.bench.shapes import shape_config   # noqa: E402
 
 
@@ -68,10 +68,7 @@ def main() -> None:
               "decode_step_ms": ours["decode_step_ms"], "roofline_step_ms": ours["roofline_step_ms"],
               "step_vs_roofline": ours["step_vs_roofline"], "bandwidth_gb_s": ours["bandwidth_gb_s"],
               "device": torch.cuda.get_device_name()}
-    print(json.dumps(result, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, a.json)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -23,6 +22,7 @@ import time
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from shardserve.bench.report import report   # noqa: E402
 from tests.server.server_process import ServerProcess, get, post   # noqa: E402
 from tests.tiny_models import make_tiny_checkpoint   # noqa: E402
 
@@ -96,10 +96,7 @@ def main() -> None:
                   "judge_two_calls_p50_ms": statistics.median(judge),
                   "overhead_p50_ms": statistics.median([t - s - j for t, s, j in zip(totals, slowest, judge)])}
         result = {"requests": args.requests, "single_route": single, "fusion": fusion}
-        print(json.dumps(result, indent=1))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        report(result, args.json)
     finally:
         router.stop()
         backend.stop()

@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from shardserve.bench.report import report
+
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -89,10 +91,7 @@ def main() -> None:
         ours, hf = result["ours"], result["hf"]
         result["ratio_single_stream"] = ours["single_stream_tok_s"] / hf["single_stream_tok_s"]
         result[f"ratio_offline_vs_hf_batch{args.hf_batch}"] = ours["offline_tok_s"] / hf[f"batch{args.hf_batch}_tok_s"]
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ later, CLI flags) into validated configs. Errors name the argument at fault and 
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import re
@@ -60,15 +61,17 @@ def resolve_dtype(dtype: str | torch.dtype, model_dtype: torch.dtype | None, dev
     return _DTYPES[dtype]
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags /proc/cpuinfo lists (empty where it does not exist)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -78,7 +81,7 @@ def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     and multiplied in fp32. SHARDSERVE_CPU_NATIVE_HALF=1 forces native half-precision math."""
     if device.type != "cpu" or dtype == torch.float32 or os.environ.get("SHARDSERVE_CPU_NATIVE_HALF") == "1":
         return dtype
-    flags = _cpu_flags()
+    flags = cpu_flags()
     native = {"avx512_bf16", "amx_bf16"} if dtype == torch.bfloat16 else {"avx512_fp16", "amx_fp16"}
     if flags & native or not flags and platform.machine() in ("arm64", "aarch64"):
         return dtype

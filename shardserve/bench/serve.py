@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from shardserve.bench.datasets import BenchRequest
+from shardserve.server.protocol import sse_data
 
 
 @dataclass
@@ -53,13 +54,7 @@ async def send_one(client, url: str, headers: dict[str, str], body: dict[str, An
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:200]}"
                 return result
-            async for raw_line in resp.content:
-                line = raw_line.decode(errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
+            async for data in sse_data(resp.content):
                 event = json.loads(data)
                 if "error" in event:
                     result.error = str(event["error"])

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from shardserve.engine.engine import EngineStats, PromptType
 from shardserve.outputs import RequestOutput
@@ -105,15 +105,6 @@ class AsyncLLMEngine:
             self._commands.put((self._abort, (request_id,), None))
             raise
         return stream
-
-    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            await stream.aclose()
 
     async def _call(self, loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> Any:
         if not self.is_alive():

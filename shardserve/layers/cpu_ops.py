@@ -21,22 +21,13 @@ import tempfile
 
 import torch
 
+from shardserve.config import cpu_flags
+
 logger = logging.getLogger("shardserve")
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_ops.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 _NEEDED_CPU_FLAGS = {"avx2", "fma", "f16c"}
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _cache_dir() -> str:
@@ -69,7 +60,7 @@ def _build(compiler: str) -> str:
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("SHARDSERVE_CPU_KERNELS", "1") == "0":
         return None
-    missing = _NEEDED_CPU_FLAGS - _cpu_flags()
+    missing = _NEEDED_CPU_FLAGS - cpu_flags()
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if missing or not compiler:
         logger.info("CPU kernels off (%s); using plain torch",

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 import aiohttp
 
 from shardserve.router.config import Backend, Endpoint, RouterConfig
+from shardserve.server.protocol import sse_data
 
 logger = logging.getLogger("shardserve.router")
 
@@ -170,13 +171,7 @@ class BackendPool:
 
 async def _events(backend_id: str, response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
     try:
-        async for raw_line in response.content:
-            line = raw_line.decode(errors="replace").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
+        async for data in sse_data(response.content):
             try:
                 yield json.loads(data)
             except ValueError:

@@ -33,20 +33,20 @@ class _EngineCollector:
 
     def collect(self):
         s = self.stats()
-        for name, doc, value in (
-                ("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
-                ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-                ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", s.kv_cache_usage)):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([self.model_name], value)
-            yield g
-        for name, doc, value in (
-                ("vllm:num_preemptions", "Preemptions (requests evicted to free KV blocks).", s.num_preemptions),
-                ("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.", s.prefix_cache_queries),
-                ("vllm:prefix_cache_hits", "Tokens found in the prefix cache.", s.prefix_cache_hits)):
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], value)
-            yield c
+        for family, name, doc, value in (
+                (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch.", s.num_running),
+                (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+                (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+                 s.kv_cache_usage),
+                (CounterMetricFamily, "vllm:num_preemptions", "Preemptions (requests evicted to free KV blocks).",
+                 s.num_preemptions),
+                (CounterMetricFamily, "vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.",
+                 s.prefix_cache_queries),
+                (CounterMetricFamily, "vllm:prefix_cache_hits", "Tokens found in the prefix cache.",
+                 s.prefix_cache_hits)):
+            metric = family(name, doc, labels=["model_name"])
+            metric.add_metric([self.model_name], value)
+            yield metric
 
 
 class ServerMetrics:

@@ -6,7 +6,7 @@ work unchanged. Unknown fields are ignored, as OpenAI and vLLM do.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +30,18 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": _TYPES.get(status, "APIError"), "param": param, "code": status}}
+
+
+async def sse_data(lines: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent event stream, up to `data: [DONE]` (excluded)."""
+    async for raw in lines:
+        line = raw.decode(errors="replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield data
 
 
 class _Request(BaseModel):

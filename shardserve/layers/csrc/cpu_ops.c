@@ -95,27 +95,25 @@ micro(const int MR, const int WBF16, const float *x, int64_t ldx, const void *pa
 #undef ROW
 #undef STORE
 
+#define MICRO_ROWS(W)                                                          \
+    switch (mr) {                                                              \
+    case 6: micro(6, W, x, ldx, panel, y, ldy, K, bias, ncols); return;        \
+    case 5: micro(5, W, x, ldx, panel, y, ldy, K, bias, ncols); return;        \
+    case 4: micro(4, W, x, ldx, panel, y, ldy, K, bias, ncols); return;        \
+    case 3: micro(3, W, x, ldx, panel, y, ldy, K, bias, ncols); return;        \
+    case 2: micro(2, W, x, ldx, panel, y, ldy, K, bias, ncols); return;        \
+    default: micro(1, W, x, ldx, panel, y, ldy, K, bias, ncols); return;       \
+    }
+
+/* Constant MR and WBF16 per call site, so each variant is compiled with its loops unrolled. */
 static void micro_dispatch(int mr, int wbf16, const float *x, int64_t ldx, const void *panel, float *y, int64_t ldy,
                            int64_t K, const float *bias, int ncols) {
     if (wbf16) {
-        switch (mr) {
-        case 6: micro(6, 1, x, ldx, panel, y, ldy, K, bias, ncols); return;
-        case 5: micro(5, 1, x, ldx, panel, y, ldy, K, bias, ncols); return;
-        case 4: micro(4, 1, x, ldx, panel, y, ldy, K, bias, ncols); return;
-        case 3: micro(3, 1, x, ldx, panel, y, ldy, K, bias, ncols); return;
-        case 2: micro(2, 1, x, ldx, panel, y, ldy, K, bias, ncols); return;
-        default: micro(1, 1, x, ldx, panel, y, ldy, K, bias, ncols); return;
-        }
+        MICRO_ROWS(1)
     }
-    switch (mr) {
-    case 6: micro(6, 0, x, ldx, panel, y, ldy, K, bias, ncols); return;
-    case 5: micro(5, 0, x, ldx, panel, y, ldy, K, bias, ncols); return;
-    case 4: micro(4, 0, x, ldx, panel, y, ldy, K, bias, ncols); return;
-    case 3: micro(3, 0, x, ldx, panel, y, ldy, K, bias, ncols); return;
-    case 2: micro(2, 0, x, ldx, panel, y, ldy, K, bias, ncols); return;
-    default: micro(1, 0, x, ldx, panel, y, ldy, K, bias, ncols); return;
-    }
+    MICRO_ROWS(0)
 }
+#undef MICRO_ROWS
 
 /* One row of x (single-stream decode) against PN (<= 6) bf16 panels at once, widened in registers:
  * the same chain per element as micro_f32, with PN streams of weights in flight. */
