@@ -76,8 +76,8 @@ def _library() -> ctypes.CDLL | None:
     lib.linear_bf16w.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.write_kv.restype = None
     lib.write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, i64]
-    lib.paged_decode_attention.restype = None
-    lib.paged_decode_attention.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64,
+    lib.paged_attention.restype = None
+    lib.paged_attention.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64,
                                            i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
     lib.rms_norm.restype = lib.silu_and_mul.restype = lib.rotary_neox.restype = None
     lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
@@ -168,15 +168,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                         hk, dim, blocks * block_size)
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, spec) -> None:
-    """out[b] = attention of q[b] ([B, Hq, D]) over the first seq_lens[b] tokens of request b."""
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, spec) -> None:
+    """out[b] = attention of query b (q[b], [B, Hq, D]) over the first seq_lens[b] tokens of the
+    sequence whose block table is block_tables[b]."""
     _check_rows(q, "q")
     _check_rows(out, "out")
     assert block_tables.dtype == torch.int32 and block_tables.is_contiguous()
     assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
     hk, blocks, block_size, dim = k_cache.shape
-    _library().paged_decode_attention(
+    _library().paged_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), out.stride(0),
         q.shape[0], q.shape[1], hk, dim, block_size, blocks * block_size, spec.scale, spec.sliding_window or 0)

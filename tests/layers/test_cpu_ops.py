@@ -93,11 +93,14 @@ def test_small_layers_match_torch():
 @needs_kernels
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_matches_torch_backend(kv_dtype, window):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 16), (8, 2, 40), (4, 4, 64), (8, 1, 32)])
+def test_paged_attention_matches_torch_backend(kv_dtype, window, heads, kv_heads, dim):
     """A step with three decodes (one sitting on a single token) and a prefill over a cached prefix.
-    The K/V of earlier tokens are written by a first step, so decodes read them from the pool."""
+    The K/V of earlier tokens are written by a first step, so decodes read them from the pool.
+    Head shapes cover every register blocking of the kernel (query heads per KV head 1, 3, 4, 8;
+    head_dim in 8- and 32-wide steps)."""
     torch.manual_seed(3)
-    spec = AttentionSpec(num_heads=6, num_kv_heads=2, head_dim=16, scale=0.25, sliding_window=window)
+    spec = AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, scale=0.25, sliding_window=window)
     bs, pool = 4, 24
     tables = torch.tensor([[1, 2, 3, 0], [4, 5, 6, 7], [8, 0, 0, 0], [9, 10, 0, 0]], dtype=torch.int32)
     ctx = [9, 13, 0, 3]          # tokens already cached per request
@@ -111,14 +114,16 @@ def test_paged_attention_matches_torch_backend(kv_dtype, window):
         first = CommonAttentionMetadata(0, [c for c in ctx if c], [0] * 3, tables[[0, 1, 3]], torch.tensor(
             slots(0, range(9)) + slots(1, range(13)) + slots(3, range(3))), bs)
         n1 = sum(ctx)
-        q1, k1, v1 = (torch.randn(n1, h, 16, generator=torch.Generator().manual_seed(h)) for h in (6, 2, 2))
+        q1, k1, v1 = (torch.randn(n1, h, dim, generator=torch.Generator().manual_seed(i))
+                      for i, h in enumerate((heads, kv_heads, kv_heads)))
         second = CommonAttentionMetadata(3, new, ctx, tables, torch.tensor(
             slots(0, [9]) + slots(1, [13]) + slots(2, [0]) + slots(3, range(3, 7))), bs)
         n2 = sum(new)
-        q2, k2, v2 = (torch.randn(n2, h, 16, generator=torch.Generator().manual_seed(10 + h)) for h in (6, 2, 2))
+        q2, k2, v2 = (torch.randn(n2, h, dim, generator=torch.Generator().manual_seed(10 + i))
+                      for i, h in enumerate((heads, kv_heads, kv_heads)))
         if rounded:   # the values a bf16 pool holds, for a torch backend on an fp32 pool
             k1, v1, k2, v2 = (t.bfloat16().float() for t in (k1, v1, k2, v2))
-        cache = torch.zeros(backend.kv_cache_shape(pool, bs, 2, 16), dtype=dtype_of_cache)
+        cache = torch.zeros(backend.kv_cache_shape(pool, bs, kv_heads, dim), dtype=dtype_of_cache)
         backend.forward(spec, q1, k1, v1, cache, backend.build(first, torch.device("cpu")))
         return backend.forward(spec, q2, k2, v2, cache, backend.build(second, torch.device("cpu"))), cache
 

@@ -1,10 +1,11 @@
 """Paged attention on x86 CPUs through the native kernels in layers/csrc/cpu_ops.c.
 
-Decodes read K/V straight from the paged pool through the block tables (no gather into padded
-batches, no masks), each (request, KV head) computed on its own, so a request's result does not
-depend on the batch around it. The pool may be bf16 while the model computes in fp32: half the
-bytes to read per decoded token, widened in registers. Prefill chunks keep the plain-torch path
-(SDPA over the chunk and any cached prefix), which is GEMM-bound and already fast on the CPU.
+Every new token (a decode, or one token of a prefill chunk) is one query that reads the keys and
+values at positions 0..its own through its request's block table, straight from the paged pool:
+no gather into padded batches, no masks, no per-request SDPA calls. A prefill token is thus
+computed exactly as if it had been decoded, so chunked prefill, prefix-cache hits and batching
+change no bit of a request's result. The pool may be bf16 while the model computes in fp32: half
+the bytes to read, widened in registers.
 """
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import torch
 
 from shardserve.layers import cpu_ops
 from shardserve.layers.attention.backend import AttentionSpec, CommonAttentionMetadata
-from shardserve.layers.attention.torch_ref import TorchAttentionBackend, TorchAttentionMetadata
+from shardserve.layers.attention.torch_ref import TorchAttentionBackend
 
 
 @dataclass
-class _NativeDecodes:
-    block_tables: torch.Tensor   # [num_decodes, max_blocks] int32, contiguous
-    seq_lens: torch.Tensor       # [num_decodes] int32
+class NativeAttentionMetadata:
+    slots: torch.Tensor          # [T] int64: where each new token's K/V goes
+    block_tables: torch.Tensor   # [T, max_blocks] int32: each token's request's table
+    seq_lens: torch.Tensor       # [T] int32: keys each token attends to (its position + 1)
 
 
 class CpuNativeAttentionBackend(TorchAttentionBackend):
@@ -31,15 +33,19 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         return (cpu_ops.available() and spec.head_dim % 8 == 0
                 and kv_cache_dtype in (torch.float32, torch.bfloat16))
 
-    def _build_decodes(self, common: CommonAttentionMetadata, device: torch.device) -> _NativeDecodes:
-        d = common.num_decodes
-        lens = [c + 1 for c in common.context_lens[:d]]
-        return _NativeDecodes(common.block_tables[:d].to(torch.int32).contiguous(),
-                              torch.tensor(lens, dtype=torch.int32))
+    def build(self, common: CommonAttentionMetadata, device: torch.device) -> NativeAttentionMetadata:
+        query_lens = torch.tensor(common.query_lens)
+        request = torch.repeat_interleave(torch.arange(len(common.query_lens)), query_lens)
+        first_token = torch.cumsum(query_lens, 0) - query_lens
+        # token j of request r sits at position context_lens[r] + j and sees that many keys plus itself
+        seq_lens = torch.tensor(common.context_lens)[request] + torch.arange(len(request)) - first_token[request] + 1
+        return NativeAttentionMetadata(common.slot_mapping, common.block_tables.index_select(0, request).contiguous(),
+                                       seq_lens.to(torch.int32))
 
-    def _write(self, k, v, k_cache, v_cache, md: TorchAttentionMetadata) -> None:
+    def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, md: NativeAttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
         cpu_ops.write_kv(k, v, k_cache, v_cache, md.slots)
-
-    def _decodes(self, spec, q, k_cache, v_cache, md: TorchAttentionMetadata, out) -> None:
-        cpu_ops.paged_decode_attention(q[:md.num_decodes], k_cache, v_cache, md.decodes.block_tables,
-                                       md.decodes.seq_lens, out[:md.num_decodes], spec)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        cpu_ops.paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, out, spec)
+        return out

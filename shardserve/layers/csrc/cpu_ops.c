@@ -2,7 +2,7 @@
  * (plain C, no torch headers; called through ctypes on tensors' data pointers).
  *
  * - linear_bf16w: fp32 activations times bf16 weights packed in panels, fp32 accumulation.
- * - write_kv / paged_decode_attention: the paged KV pool (fp32 or bf16) written and read in place.
+ * - write_kv / paged_attention: the paged KV pool (fp32 or bf16) written and read in place.
  * - rms_norm (with the residual add), silu_and_mul, rotary_neox: the small per-token layers, one
  *   call each instead of several torch ops.
  *
@@ -243,72 +243,151 @@ void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
         }
 }
 
-/* One new token per request (decode): out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b, reading
- * request b's keys through its block table. One task per (request, KV head) handles the query heads
- * that share that KV head (GQA), so each key and value row is loaded once for all of them. Every
- * task's arithmetic is independent of the rest of the batch. window > 0 keeps the last `window` keys. */
-void paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                            int kv_bf16, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                            float *out, int64_t out_stride, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
-                            int64_t block_size, int64_t pool_slots, float scale, int64_t window) {
+/* Scores of GN (<= 3) query heads against 4 keys (pool rows rows[0..3]), each key row loaded once
+ * for all heads: one chain over d per (head, key), then a fixed 4-way tree, so a key's score does
+ * not depend on the keys beside it. Head g's 4 scores go to s[g * ls .. + 4). */
+#define DOT_ACC(g, a0, a1, a2, a3)                                                        \
+    if (GN > g) {                                                                         \
+        const __m256 qd = _mm256_loadu_ps(q + g * D + d);                                 \
+        a0 = _mm256_fmadd_ps(qd, k0, a0);                                                 \
+        a1 = _mm256_fmadd_ps(qd, k1, a1);                                                 \
+        a2 = _mm256_fmadd_ps(qd, k2, a2);                                                 \
+        a3 = _mm256_fmadd_ps(qd, k3, a3);                                                 \
+    }
+#define DOT_OUT(g, a0, a1, a2, a3)                                                        \
+    if (GN > g) {                                                                         \
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  \
+        const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)); \
+        _mm_storeu_ps(s + g * ls, _mm_mul_ps(r, _mm_set1_ps(scale)));                     \
+    }
+static inline __attribute__((always_inline)) void
+dot4(const int BF16, const int GN, const float *q, const void *k_cache, const int64_t *rows, int64_t D,
+     float *s, int64_t ls, float scale) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, c0 = a0,
+           c1 = a0, c2 = a0, c3 = a0;
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 k0 = load_kv8(k_cache, rows[0] + d, BF16), k1 = load_kv8(k_cache, rows[1] + d, BF16);
+        const __m256 k2 = load_kv8(k_cache, rows[2] + d, BF16), k3 = load_kv8(k_cache, rows[3] + d, BF16);
+        DOT_ACC(0, a0, a1, a2, a3) DOT_ACC(1, b0, b1, b2, b3) DOT_ACC(2, c0, c1, c2, c3)
+    }
+    DOT_OUT(0, a0, a1, a2, a3) DOT_OUT(1, b0, b1, b2, b3) DOT_OUT(2, c0, c1, c2, c3)
+}
+#undef DOT_ACC
+#undef DOT_OUT
+
+/* o[g][d0 .. d0 + 8 ND) += sum over keys i of p[g][i] * V[rows[i]] for GN query heads at once (the
+ * values are loaded once for all of them); one chain per element, in key order. */
+#define PV_ACC(g, i, a)                                                                   \
+    if (GN > g && ND > i) a = _mm256_fmadd_ps(_mm256_set1_ps(p[g * ls + t]), v##i, a);
+#define PV_IO(op, g, i, a)                                                                \
+    if (GN > g && ND > i) op(g, i, a)
+#define PV_ZERO(g, i, a) a = _mm256_setzero_ps();
+#define PV_STORE(g, i, a) _mm256_storeu_ps(o + g * D + d0 + 8 * i, _mm256_mul_ps(a, _mm256_set1_ps(inv[g])));
+#define PV_ALL(M, op)                                                                     \
+    M(op, 0, 0, a00) M(op, 0, 1, a01) M(op, 0, 2, a02) M(op, 0, 3, a03)                   \
+    M(op, 1, 0, a10) M(op, 1, 1, a11) M(op, 1, 2, a12) M(op, 1, 3, a13)                   \
+    M(op, 2, 0, a20) M(op, 2, 1, a21) M(op, 2, 2, a22) M(op, 2, 3, a23)
+static inline __attribute__((always_inline)) void
+pv_block(const int BF16, const int GN, const int ND, const float *p, int64_t ls, const void *v_cache,
+         const int64_t *rows, int64_t n, float *o, const float *inv, int64_t d0, int64_t D) {
+    __m256 a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23;
+    PV_ALL(PV_IO, PV_ZERO)
+    for (int64_t t = 0; t < n; t++) {
+        const __m256 v0 = load_kv8(v_cache, rows[t] + d0, BF16);
+        const __m256 v1 = ND > 1 ? load_kv8(v_cache, rows[t] + d0 + 8, BF16) : v0;
+        const __m256 v2 = ND > 2 ? load_kv8(v_cache, rows[t] + d0 + 16, BF16) : v0;
+        const __m256 v3 = ND > 3 ? load_kv8(v_cache, rows[t] + d0 + 24, BF16) : v0;
+        PV_ACC(0, 0, a00) PV_ACC(0, 1, a01) PV_ACC(0, 2, a02) PV_ACC(0, 3, a03)
+        PV_ACC(1, 0, a10) PV_ACC(1, 1, a11) PV_ACC(1, 2, a12) PV_ACC(1, 3, a13)
+        PV_ACC(2, 0, a20) PV_ACC(2, 1, a21) PV_ACC(2, 2, a22) PV_ACC(2, 3, a23)
+    }
+    PV_ALL(PV_IO, PV_STORE)
+}
+#undef PV_ACC
+#undef PV_IO
+#undef PV_ZERO
+#undef PV_STORE
+#undef PV_ALL
+
+/* One (query, KV head) task: the G query heads sharing the KV head over keys rows[0 .. n). */
+static inline __attribute__((always_inline)) void
+attend(const int BF16, const float *q, const void *k_cache, const void *v_cache, const int64_t *rows, int64_t n,
+       float *scores, float *o, int64_t G, int64_t D, float scale) {
+    const int64_t ls = (n + 3) & ~(int64_t)3;   /* rows past n repeat a real row; their scores are unused */
+    float inv[G];
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const int gn = G - g0 < 3 ? (int)(G - g0) : 3;
+        for (int64_t t = 0; t < n; t += 4) {
+            if (gn == 3) dot4(BF16, 3, q + g0 * D, k_cache, rows + t, D, scores + g0 * ls + t, ls, scale);
+            else if (gn == 2) dot4(BF16, 2, q + g0 * D, k_cache, rows + t, D, scores + g0 * ls + t, ls, scale);
+            else dot4(BF16, 1, q + g0 * D, k_cache, rows + t, D, scores + g0 * ls + t, ls, scale);
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * ls;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+        const __m256 m = _mm256_set1_ps(mx);
+        __m256 acc = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), m));
+            _mm256_storeu_ps(sg + t, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        float sum = hsum(acc);
+        for (; t < n; t++) { sg[t] = exp1(sg[t] - mx); sum += sg[t]; }
+        inv[g] = 1.f / sum;
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const int gn = G - g0 < 3 ? (int)(G - g0) : 3;
+        const float *p = scores + g0 * ls;
+        float *og = o + g0 * D;
+        int64_t d0 = 0;
+        for (; d0 + 32 <= D; d0 += 32) {
+            if (gn == 3) pv_block(BF16, 3, 4, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
+            else if (gn == 2) pv_block(BF16, 2, 4, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
+            else pv_block(BF16, 1, 4, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
+        }
+        for (; d0 < D; d0 += 8) {
+            if (gn == 3) pv_block(BF16, 3, 1, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
+            else if (gn == 2) pv_block(BF16, 2, 1, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
+            else pv_block(BF16, 1, 1, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
+        }
+    }
+}
+
+/* One query per new token: out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b over the first
+ * seq_lens[b] keys of the sequence whose block table is row b (a decode, or one token of a prefill
+ * chunk whose own K/V were just written), so a prompt token is computed exactly as if decoded. One
+ * task per (query, KV head) handles the query heads that share that KV head (GQA), so keys and
+ * values are loaded once for all of them. Every task's arithmetic is independent of the rest of
+ * the batch. window > 0 keeps the last `window` keys. */
+void paged_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                     int kv_bf16, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                     float *out, int64_t out_stride, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
+                     int64_t block_size, int64_t pool_slots, float scale, int64_t window) {
     const int64_t G = Hq / Hk;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+#pragma omp parallel for collapse(2) schedule(dynamic, 4)
     for (int64_t b = 0; b < B; b++)
         for (int64_t hk = 0; hk < Hk; hk++) {
             const int64_t L = seq_lens[b];
-            const int64_t start = (window > 0 && L > window) ? L - window : 0;
+            const int64_t start = (window > 0 && L > window) ? L - window : 0, n = L - start;
+            const int64_t ls = (n + 3) & ~(int64_t)3;
             const int32_t *table = block_tables + b * bt_stride;
-            const int64_t head_base = hk * pool_slots;
-            float *scores = (float *)malloc(sizeof(float) * G * (L - start + 1));
-            float maxs[G], sums[G];
-            for (int64_t g = 0; g < G; g++) maxs[g] = -INFINITY;
-            for (int64_t t = start; t < L; t++) {
-                const int64_t row = (head_base + (int64_t)table[t / block_size] * block_size + t % block_size) * D;
-                for (int64_t g = 0; g < G; g++) {
-                    const float *qv = q + b * q_stride + (hk * G + g) * D;
-                    __m256 acc = _mm256_setzero_ps();
-                    for (int64_t d = 0; d < D; d += 8)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), load_kv8(k_cache, row + d, kv_bf16), acc);
-                    const float s = hsum(acc) * scale;
-                    scores[g * (L - start) + (t - start)] = s;
-                    if (s > maxs[g]) maxs[g] = s;
-                }
+            int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * ls + sizeof(float) * G * ls);
+            float *scores = (float *)(rows + ls);
+            for (int64_t t = 0; t < ls; t++) {
+                const int64_t pos = start + (t < n ? t : n - 1);
+                rows[t] = (hk * pool_slots + (int64_t)table[pos / block_size] * block_size + pos % block_size) * D;
             }
-            for (int64_t g = 0; g < G; g++) {
-                float *sg = scores + g * (L - start);
-                const __m256 m = _mm256_set1_ps(maxs[g]);
-                __m256 acc = _mm256_setzero_ps();
-                int64_t i = 0;
-                for (; i + 8 <= L - start; i += 8) {
-                    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
-                    _mm256_storeu_ps(sg + i, e);
-                    acc = _mm256_add_ps(acc, e);
-                }
-                float sum = hsum(acc);
-                for (; i < L - start; i++) { sg[i] = exp1(sg[i] - maxs[g]); sum += sg[i]; }
-                sums[g] = sum;
-            }
-            for (int64_t g = 0; g < G; g++) {
-                float *o = out + b * out_stride + (hk * G + g) * D;
-                for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-            }
-            for (int64_t t = start; t < L; t++) {
-                const int64_t row = (head_base + (int64_t)table[t / block_size] * block_size + t % block_size) * D;
-                for (int64_t d = 0; d < D; d += 8) {
-                    const __m256 vv = load_kv8(v_cache, row + d, kv_bf16);
-                    for (int64_t g = 0; g < G; g++) {
-                        float *o = out + b * out_stride + (hk * G + g) * D + d;
-                        const __m256 p = _mm256_set1_ps(scores[g * (L - start) + (t - start)]);
-                        _mm256_storeu_ps(o, _mm256_fmadd_ps(p, vv, _mm256_loadu_ps(o)));
-                    }
-                }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                float *o = out + b * out_stride + (hk * G + g) * D;
-                const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
-                for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
-            }
-            free(scores);
+            const float *qb = q + b * q_stride + hk * G * D;
+            float *ob = out + b * out_stride + hk * G * D;
+            if (kv_bf16)
+                attend(1, qb, k_cache, v_cache, rows, n, scores, ob, G, D, scale);
+            else
+                attend(0, qb, k_cache, v_cache, rows, n, scores, ob, G, D, scale);
+            free(rows);
         }
 }
 
