@@ -3,13 +3,14 @@ fusion panel), call the backends, answer in the chat-completions shape with `x-v
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -19,6 +20,8 @@ from shardserve.router.fusion import DEPTH_HEADER, FusionError, FusionRunner, Fu
 from shardserve.router.signals import SignalEvaluator
 from shardserve.server.api import RequestIdAndAuth
 from shardserve.server.protocol import APIError, error_body
+
+logger = logging.getLogger("shardserve.router")
 
 
 @dataclass
@@ -104,8 +107,8 @@ class Router:
         return settings
 
 
-def build_router_app(config: RouterConfig, api_key: str | None = None,
-                     evaluator: SignalEvaluator | None = None) -> FastAPI:
+def build_router_app(config: RouterConfig, api_key: str | None = None, evaluator: SignalEvaluator | None = None):
+    """The router as an ASGI app: the routed POST endpoints as plain ASGI (below), the rest FastAPI."""
     router = Router(config, evaluator or SignalEvaluator())
 
     @asynccontextmanager
@@ -118,51 +121,6 @@ def build_router_app(config: RouterConfig, api_key: str | None = None,
 
     app = FastAPI(title="shardserve router", lifespan=lifespan)
     app.state.router = router
-    app.add_middleware(RequestIdAndAuth, api_key=api_key)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError):
-        return JSONResponse(error_body(exc.status, exc.message, exc.param), status_code=exc.status,
-                            headers=exc.headers)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await _json_object(request)
-        if not isinstance(body.get("messages"), list) or not body["messages"] \
-                or not all(isinstance(m, dict) for m in body["messages"]):
-            raise APIError(400, "messages: a non-empty list of message objects is required", "messages")
-        try:
-            depth = int(request.headers.get(DEPTH_HEADER, "0"))
-        except ValueError:
-            depth = 0
-        route = router.route(body)
-        router.metrics.requests.labels(route.decision or "none", route.algorithm).inc()
-        selected = route.backend if route.algorithm == "static" else route.fusion.judge_model
-        headers = {"x-vsr-selected-model": selected, "x-vsr-selected-decision": route.decision or "none",
-                   "x-vsr-selected-algorithm": route.algorithm}
-        if route.algorithm == "static":
-            return await _static(router, route, body, headers)
-        if depth >= 1:
-            raise APIError(400, f"this request is already inside a fusion panel ({DEPTH_HEADER}: {depth}); a panel "
-                                "member cannot start another panel")
-        return await _fusion(router, route, body, headers, depth)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        """Legacy completions: a backend id passes through; vllm-sr/auto takes static decisions
-        (signals see the prompt as a user message) or the default. Panels answer chats only."""
-        body = await _json_object(request)
-        prompt = body.get("prompt")
-        if not isinstance(prompt, (str, list)) or not prompt:
-            raise APIError(400, "prompt: a non-empty string or list is required", "prompt")
-        if body.get("model") == FUSION_MODEL or _plugin(body) is not None:
-            raise APIError(400, "fusion panels answer /v1/chat/completions only", "model")
-        text = prompt if isinstance(prompt, str) else " ".join(p for p in prompt if isinstance(p, str))
-        route = router.route({**body, "messages": [{"role": "user", "content": text}]}, static_only=True)
-        router.metrics.requests.labels(route.decision or "none", route.algorithm).inc()
-        headers = {"x-vsr-selected-model": route.backend, "x-vsr-selected-decision": route.decision or "none",
-                   "x-vsr-selected-algorithm": route.algorithm}
-        return await _static(router, route, body, headers, path="/completions")
 
     @app.get("/v1/models")
     async def models():
@@ -180,12 +138,81 @@ def build_router_app(config: RouterConfig, api_key: str | None = None,
     async def metrics():
         return Response(generate_latest(router.metrics.registry), media_type="text/plain; version=0.0.4")
 
-    return app
+    return RequestIdAndAuth(RoutedPosts(app, router), api_key=api_key)
 
 
-async def _json_object(request: Request) -> dict[str, Any]:
+class RoutedPosts:
+    """POST /v1/chat/completions and /v1/completions as plain ASGI in front of the FastAPI app,
+    which keeps the GET endpoints and the lifespan. FastAPI's routing and middleware layers cost
+    about as much router CPU per request as the proxying itself (py-spy), and these two paths are
+    all of the router's added latency."""
+
+    def __init__(self, app: FastAPI, router: Router) -> None:
+        self.app, self.router = app, router
+        self.handlers = {"/v1/chat/completions": _chat, "/v1/completions": _completions}
+
+    async def __call__(self, scope, receive, send):
+        handler = self.handlers.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if handler is None or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        depth = next((v for k, v in scope["headers"] if k.lower() == DEPTH_HEADER.encode()), b"0")
+        try:
+            response = await handler(self.router, await _json_object(receive), depth)
+        except APIError as e:
+            response = JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status, headers=e.headers)
+        except Exception:   # never a dropped connection: an OpenAI-style 500, the traceback in the log
+            logger.exception("unexpected router error")
+            response = JSONResponse(error_body(500, "internal router error; see the router's log"), status_code=500)
+        await response(scope, receive, send)
+
+
+async def _chat(router: Router, body: dict[str, Any], depth_header: bytes):
+    if not isinstance(body.get("messages"), list) or not body["messages"] \
+            or not all(isinstance(m, dict) for m in body["messages"]):
+        raise APIError(400, "messages: a non-empty list of message objects is required", "messages")
     try:
-        body = json.loads(await request.body())
+        depth = int(depth_header)
+    except ValueError:
+        depth = 0
+    route = router.route(body)
+    router.metrics.requests.labels(route.decision or "none", route.algorithm).inc()
+    selected = route.backend if route.algorithm == "static" else route.fusion.judge_model
+    headers = {"x-vsr-selected-model": selected, "x-vsr-selected-decision": route.decision or "none",
+               "x-vsr-selected-algorithm": route.algorithm}
+    if route.algorithm == "static":
+        return await _static(router, route, body, headers)
+    if depth >= 1:
+        raise APIError(400, f"this request is already inside a fusion panel ({DEPTH_HEADER}: {depth}); a panel "
+                            "member cannot start another panel")
+    return await _fusion(router, route, body, headers, depth)
+
+
+async def _completions(router: Router, body: dict[str, Any], depth_header: bytes):
+    """Legacy completions: a backend id passes through; vllm-sr/auto takes static decisions
+    (signals see the prompt as a user message) or the default. Panels answer chats only."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, (str, list)) or not prompt:
+        raise APIError(400, "prompt: a non-empty string or list is required", "prompt")
+    if body.get("model") == FUSION_MODEL or _plugin(body) is not None:
+        raise APIError(400, "fusion panels answer /v1/chat/completions only", "model")
+    text = prompt if isinstance(prompt, str) else " ".join(p for p in prompt if isinstance(p, str))
+    route = router.route({**body, "messages": [{"role": "user", "content": text}]}, static_only=True)
+    router.metrics.requests.labels(route.decision or "none", route.algorithm).inc()
+    headers = {"x-vsr-selected-model": route.backend, "x-vsr-selected-decision": route.decision or "none",
+               "x-vsr-selected-algorithm": route.algorithm}
+    return await _static(router, route, body, headers, path="/completions")
+
+
+async def _json_object(receive) -> dict[str, Any]:
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise APIError(400, "the client disconnected before sending the whole body")
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    try:
+        body = json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):

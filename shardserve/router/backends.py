@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 import aiohttp
 
 from shardserve.router.config import Backend, Endpoint, RouterConfig
+from shardserve.router.http1 import ConnectionFailed, Http1Pool
 from shardserve.server.protocol import sse_data
 
 logger = logging.getLogger("shardserve.router")
@@ -43,12 +44,14 @@ class RawResponse:
 
 
 class BackendPool:
-    """aiohttp underneath: on the router's hot path it costs about 1 ms less per call than httpx."""
+    """Non-streaming calls to plain-http endpoints go through the lean client in http1.py; streams,
+    TLS and health checks through aiohttp."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.backends = config.backends
         self.session: aiohttp.ClientSession | None = None
         self.healthy: dict[str, bool] = {e.base_url: True for b in self.backends.values() for e in b.endpoints}
+        self.http1 = Http1Pool()
         self._task: asyncio.Task | None = None
         self.latency_observer = None   # set by the app: (backend id, seconds) -> None
 
@@ -65,6 +68,7 @@ class BackendPool:
             await asyncio.gather(self._task, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+        self.http1.close()
 
     async def _health_loop(self) -> None:
         while True:
@@ -116,13 +120,10 @@ class BackendPool:
         for endpoint in self._order(backend)[:MAX_ATTEMPTS]:
             start = time.perf_counter()
             try:
-                async with self.session.post(endpoint.base_url + path, json=payload,
-                                             headers={**_auth(endpoint), **(headers or {})},
-                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                    raw = RawResponse(r.status, await r.read(), r.headers.get("Content-Type", "application/json"))
+                raw = await self._post(endpoint, path, payload, headers, timeout)
             except asyncio.TimeoutError:
                 raise BackendError(backend_id, f"timed out after {timeout:g} s") from None
-            except aiohttp.ClientError as e:   # refused / reset: try another endpoint
+            except (aiohttp.ClientError, ConnectionFailed) as e:   # refused / reset: try another endpoint
                 self.healthy[endpoint.base_url] = False
                 last = BackendError(backend_id, f"cannot connect to {endpoint.base_url}: {type(e).__name__}")
                 continue
@@ -163,6 +164,17 @@ class BackendPool:
                 raise last
             return _events(backend_id, response)
         raise last or BackendError(backend_id, "no endpoints")
+
+    async def _post(self, endpoint: Endpoint, path: str, payload: dict[str, Any], headers: dict[str, str] | None,
+                    timeout: float) -> RawResponse:
+        all_headers = {**_auth(endpoint), **(headers or {})}
+        if endpoint.base_url.startswith("http://"):   # the lean client; TLS goes through aiohttp
+            status, content, content_type = await self.http1.post(
+                endpoint.base_url + path, json.dumps(payload).encode(), all_headers, timeout)
+            return RawResponse(status, content, content_type)
+        async with self.session.post(endpoint.base_url + path, json=payload, headers=all_headers,
+                                     timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            return RawResponse(r.status, await r.read(), r.headers.get("Content-Type", "application/json"))
 
     def _observe(self, backend_id: str, seconds: float) -> None:
         if self.latency_observer is not None:
