@@ -1,4 +1,4 @@
-"""`shardserve` command line: serve, chat, generate and worker (router, plan, doctor and bench join later)."""
+"""`shardserve` command line: serve, chat, generate, router, plan, doctor, bench and worker."""
 from __future__ import annotations
 
 import argparse
@@ -197,6 +197,61 @@ def cmd_worker(ns: argparse.Namespace) -> int:
                              ns.tensor_parallel_size * ns.pipeline_parallel_size)
 
 
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    from shardserve.planner.catalog import MODELS
+    from shardserve.planner.hardware import GPUS, LINKS
+    p.add_argument("model", metavar="MODEL", help=f"built-in name ({', '.join(MODELS)}), an HF config.json, "
+                   "a checkpoint directory or a .gguf file")
+    p.add_argument("--gpu", default=None, choices=list(GPUS), help="accelerator kind (default: h100-80gb)")
+    p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB; with --gpu, overrides its size "
+                   "(default: the --gpu's)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="default: %(default)s")
+    p.add_argument("--nodes", type=int, default=1, help="default: %(default)s")
+    p.add_argument("--interconnect", action="append", default=[], metavar="LINK",
+                   help=f"{', '.join(LINKS)}; nvlink/pcie* name the link inside a node, the others the one "
+                   "between nodes; repeat or comma-separate for both (default: nvlink (pcie4 for l40s/rtx4090), "
+                   "ib-ndr)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8", "int8", "int4"],
+                   help="weight dtype (default: auto, the checkpoint's own)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8"],
+                   help="default: auto, the activation dtype")
+    p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (default: the model's)")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="requests of --max-model-len tokens that must fit at once (default: %(default)s)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="default: %(default)s")
+    p.add_argument("--profile", default=None, metavar="DOCTOR_JSON",
+                   help="measured bandwidths and latencies from `shardserve doctor --json` (default: built-in table)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (default: tables)")
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    import json
+    from shardserve.planner import plan_from_options
+    from shardserve.planner.report import format_plan
+    plan = plan_from_options(ns.model, gpu=ns.gpu, gpu_memory=ns.gpu_memory, gpus_per_node=ns.gpus_per_node,
+                             nodes=ns.nodes, interconnect=ns.interconnect, dtype=ns.dtype,
+                             kv_cache_dtype=ns.kv_cache_dtype, max_model_len=ns.max_model_len,
+                             concurrency=ns.concurrency, gpu_memory_utilization=ns.gpu_memory_utilization,
+                             profile=ns.profile)
+    print(json.dumps(plan, indent=1) if ns.json else format_plan(plan))
+    return 0
+
+
+def add_doctor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", default=None, metavar="PATH", help="write the checks and a profile for "
+                   "`shardserve plan --profile` here (default: none)")
+    p.add_argument("--peers", default=None, metavar="HOST:PORT,...", help="every node of the cluster, the same "
+                   "list on each; the first is the rendezvous; adds a cross-node all-reduce (default: none)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's index in --peers (default: found "
+                   "from this machine's addresses)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds for each benchmark (default: %(default)s)")
+
+
+def cmd_doctor(ns: argparse.Namespace) -> int:
+    from shardserve.doctor import run_doctor
+    return run_doctor(json_path=ns.json, peers=ns.peers, node_rank=ns.node_rank, timeout=ns.timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardserve", description="Serve large language models across accelerators.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -222,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
                         "(default: $SHARDSERVE_ROUTER_API_KEY, else open)")
     router.set_defaults(func=cmd_router)
+    plan = sub.add_parser("plan", help="what fits where: layouts, memory, KV cache and predicted decode speed")
+    add_plan_args(plan)
+    plan.set_defaults(func=cmd_plan)
+    doctor = sub.add_parser("doctor", help="check GPUs, links, RDMA and NCCL settings; measure all-reduce")
+    add_doctor_args(doctor)
+    doctor.set_defaults(func=cmd_doctor)
     from shardserve.bench.cli import add_bench_commands
     add_bench_commands(sub)
     worker = sub.add_parser("worker", help="run a headless node (node_rank > 0) of a multi-node engine")

@@ -5,7 +5,9 @@ Replaying one graph replaces thousands of kernel launches from Python.
 
 Padding rows write their K/V into a scratch block past the end of the pool (allocated for this)
 and read only the null block, so they touch nothing a request owns. Sampling stays outside the
-graph. Prefill and mixed steps run eagerly; so does everything with TP or PP > 1 for now.
+graph. Prefill and mixed steps run eagerly. With TP > 1 every rank captures the same ladder and the
+NCCL all-reduces inside the forward are captured too (every rank replays the same size, since all
+get the same step); with PP > 1 (sends between stages) steps stay eager.
 """
 from __future__ import annotations
 

@@ -151,7 +151,7 @@ class ModelRunner:
     def _wants_graphs(self) -> bool:
         pc = self.config.parallel_config
         return (self.device.type == "cuda" and not self.mc.enforce_eager and isinstance(self.backend, CudaAttentionBackend)
-                and pc.tensor_parallel_size == 1 and pc.pipeline_parallel_size == 1)
+                and pc.pipeline_parallel_size == 1)   # TP all-reduces (NCCL) are captured inside
 
     def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
         self.kv_caches, self.graphs = [], None

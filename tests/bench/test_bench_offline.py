@@ -26,9 +26,10 @@ def test_param_counts_match_the_built_model(tmp_path, arch):
 
 
 def test_builtin_shapes_have_their_published_sizes():
-    billions = {name: param_counts(cfg)["total"] / 1e9 for name, cfg in SHAPES.items()}
-    assert billions == pytest.approx({"llama-3-8b": 8.03, "llama-3-70b": 70.55, "qwen3-0.6b": 0.596,
-                                      "qwen3-8b": 8.19}, abs=0.01)
+    published = {"llama-3-8b": 8.03, "llama-3-70b": 70.55, "qwen3-0.6b": 0.596, "qwen3-8b": 8.19,
+                 "llama-3.1-405b": 405.85, "qwen3-32b": 32.76}
+    billions = {name: param_counts(SHAPES[name])["total"] / 1e9 for name in published}
+    assert billions == pytest.approx(published, abs=0.01)
 
 
 def test_latency_and_throughput_with_random_weights(tmp_path, capsys):

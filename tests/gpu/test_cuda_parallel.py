@@ -36,6 +36,10 @@ def test_nccl_tp2_and_pp2_match_tp1(checkpoint):
     pp2 = _run(checkpoint, pipeline_parallel_size=2)
     assert [o.token_ids for o in pp2] == [o.token_ids for o in base]
     tp2 = _run(checkpoint, tensor_parallel_size=2)
+    # TP decode steps replay CUDA graphs with the NCCL all-reduces captured inside: the same kernels
+    # as eager, so the same tokens.
+    assert [o.token_ids for o in _run(checkpoint, tensor_parallel_size=2, enforce_eager=True)] == \
+        [o.token_ids for o in tp2]
     for i, (a, b) in enumerate(zip(base, tp2)):
         j = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), 32)
         print(f"prompt {i}: TP=2 identical to TP=1 for {j}/32 tokens")

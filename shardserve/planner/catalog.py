@@ -1,0 +1,128 @@
+"""Built-in model catalog: the published HF config.json values of well-known models, the single
+source of model shapes in shardserve (`bench --random-weights` builds its shapes from here too).
+
+Only the fields that size a model are kept exactly as published (widths, layers, heads, experts,
+vocabulary, context, dtype, quantization); a planner needs nothing else."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+_LLAMA31 = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, rope_theta=500000.0,
+                max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
+                rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16")
+_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, rope_theta=1000000.0,
+              max_position_embeddings=40960, rms_norm_eps=1e-6, head_dim=128, hidden_act="silu",
+              attention_bias=False, bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16")
+_QWEN3_MOE = dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=128,
+                  num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                  tie_word_embeddings=False)
+
+MODELS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(_LLAMA31, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8),
+    "llama-3.1-70b": dict(_LLAMA31, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8),
+    "llama-3.1-405b": dict(_LLAMA31, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                           num_attention_heads=128, num_key_value_heads=8),
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "qwen3-14b": dict(_QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                      num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False),
+    "qwen3-32b": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4),
+    "qwen3-235b-a22b": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4),
+    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000,
+                         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                         sliding_window=None, tie_word_embeddings=False, hidden_act="silu", bos_token_id=1,
+                         eos_token_id=2, torch_dtype="bfloat16"),
+    # DeepSeek-V3 (671B total, 37B active). Multi-head latent attention (MLA): q and kv go through
+    # low-rank projections (q_lora_rank, kv_lora_rank) and the KV cache stores the compressed latent
+    # (kv_lora_rank) plus the shared rotary key (qk_rope_head_dim) per token and layer, not per-head
+    # K and V. The published weights are FP8 with 128x128 block scales (quantization_config). The
+    # one multi-token-prediction layer (num_nextn_predict_layers, ~14B of the hub's 685B) is not
+    # used for plain decoding and is not counted.
+    "deepseek-v3": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280,
+                        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                        num_hidden_layers=61, num_nextn_predict_layers=1, num_attention_heads=128,
+                        num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+                        num_experts_per_tok=8, routed_scaling_factor=2.5, n_group=8, topk_group=4,
+                        topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+                        first_k_dense_replace=3, moe_layer_freq=1, kv_lora_rank=512, q_lora_rank=1536,
+                        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                        max_position_embeddings=163840, rope_theta=10000.0, rms_norm_eps=1e-6,
+                        rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+                        tie_word_embeddings=False, hidden_act="silu", bos_token_id=0, eos_token_id=1,
+                        torch_dtype="bfloat16",
+                        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [128, 128]}),
+}
+# Llama 3 (April 2024) has the Llama 3.1 shapes with an 8K context and no rope scaling.
+for _size in ("8b", "70b"):
+    _cfg = {k: v for k, v in MODELS[f"llama-3.1-{_size}"].items() if k != "rope_scaling"}
+    MODELS[f"llama-3-{_size}"] = dict(_cfg, max_position_embeddings=8192)
+
+_SUFFIXES = re.compile(r"-(instruct|chat|base|hf|v0\.1|fp8|bf16)$")
+
+
+def catalog_key(name: str) -> str | None:
+    """'meta-llama/Llama-3.1-70B-Instruct', 'Qwen/Qwen3-8B', 'DeepSeek-V3' -> a catalog key (or None)."""
+    key = name.strip().lower().rsplit("/", 1)[-1].removeprefix("meta-")
+    while True:
+        stripped = _SUFFIXES.sub("", key)
+        if stripped == key:
+            break
+        key = stripped
+    return key if key in MODELS else None
+
+
+def model_config(name: str) -> dict[str, Any]:
+    key = catalog_key(name)
+    if key is None:
+        raise ValueError(f"unknown model {name!r}; built in: {', '.join(MODELS)}")
+    return json.loads(json.dumps(MODELS[key]))   # a deep copy: callers may edit theirs
+
+
+def resolve_model(spec: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """MODEL as the user gave it -> (display name, HF config, facts about the source).
+
+    A catalog name, an HF config.json, a checkpoint directory or a GGUF file (metadata only: the
+    tensors' shapes are read from the header, their data is never touched)."""
+    from shardserve.models import loader
+    if catalog_key(spec) is not None and not os.path.exists(spec):
+        return catalog_key(spec), model_config(spec), {"source": "catalog"}
+    if not os.path.exists(spec):
+        raise ValueError(f"model {spec!r} is neither a file, a directory nor a built-in name; "
+                         f"built in: {', '.join(MODELS)}")
+    if os.path.isfile(spec) and spec.endswith(".json"):
+        with open(spec, encoding="utf-8") as f:
+            try:
+                return (os.path.basename(os.path.dirname(os.path.abspath(spec))), json.load(f),
+                        {"source": "config.json", "path": os.path.dirname(spec) or "."})
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{spec} is not valid JSON: {e}") from e
+    config = loader.load_hf_config(spec)
+    name = os.path.basename(os.path.normpath(spec))
+    if loader.is_gguf(spec):
+        from shardserve.models.gguf_loader import open_gguf
+        reader = open_gguf(spec)
+        kinds = sorted({t.tensor_type.name for t in reader.tensors})
+        return name, config, {"source": "gguf", "path": spec, "file_bytes": os.path.getsize(spec),
+                              "params": int(sum(int(t.n_elements) for t in reader.tensors)), "tensor_types": kinds}
+    return name, config, {"source": "checkpoint", "path": spec}

@@ -1,0 +1,67 @@
+"""`shardserve plan` as users run it: a real subprocess for the table and the errors, the same
+entry point in-process (faster: no torch import per call) for JSON output and every kind of MODEL."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from shardserve.cli import main
+from shardserve.planner.catalog import model_config
+
+
+def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardserve.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def test_plan_table_shows_the_seed_numbers():
+    done = _cli("plan", "llama-3.1-70b", "--gpu", "h100-80gb", "--gpus-per-node", "2", "--max-model-len", "131072")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "Weights (bf16): 141.1 GB" in out
+    assert "320.0 KiB per token" in out and "40.0 GiB per 131,072-token request" in out
+    assert "Needs at least: 2 x h100-80gb (TP=2 PP=1) for the weights" in out
+    assert "What would make it fit" in out and "--max-model-len" in out
+    assert "Single-GPU baseline: 1 x h100-80gb offloading" in out
+
+
+def _plan_json(capsys, *args: str) -> dict:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_json_shape(capsys):
+    plan = _plan_json(capsys, "qwen3-30b-a3b", "--gpu", "h200-141gb", "--gpus-per-node", "4", "--max-model-len",
+                      "8192", "--concurrency", "8")
+    assert set(plan) == {"model", "settings", "weights", "kv_cache", "min_gpus", "layouts", "invalid_layouts",
+                         "recommended", "baseline", "advice"}
+    assert plan["model"]["params_total"] == 30_532_122_624 and plan["model"]["experts"] == 128
+    assert plan["settings"]["concurrency"] == 8 and plan["settings"]["total_gpus"] == 4
+    row = plan["layouts"][0]
+    assert {"tp", "pp", "dp", "status", "fits", "reason", "weight_bytes_per_rank", "kv_tokens_per_replica",
+            "max_concurrency", "decode_ms", "breakdown", "tp_crosses_nodes"} <= set(row)
+    assert set(row["breakdown"]) == {"hbm_ms", "comm_ms", "handoff_ms", "total_ms"}
+    assert plan["recommended"]["fits"]
+
+
+def test_plan_reads_config_json_checkpoint_dir_and_gguf(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(model_config("qwen3-8b")))
+    flags = ("--gpu", "l40s-48gb", "--gpus-per-node", "2")
+    models = (str(tmp_path), str(tmp_path / "config.json"), "Qwen/Qwen3-8B")
+    plans = [_plan_json(capsys, model, *flags) for model in models]
+    assert len({p["weights"]["bytes"] for p in plans}) == 1 and len({json.dumps(p["layouts"]) for p in plans}) == 1
+    assert [p["model"]["source"] for p in plans] == ["checkpoint", "config.json", "catalog"]
+    from shardserve.models.loader import default_model_path
+    g = _plan_json(capsys, default_model_path(), "--gpu", "rtx4090-24gb", "--gpus-per-node", "4")
+    assert g["model"]["source"] == "gguf" and g["model"]["file_bytes"] > 0 and "Q4_1" in g["model"]["tensor_types"]
+    assert g["model"]["params_total"] == g["model"]["params"]          # config-derived count == GGUF tensors' count
+    assert {r["tp"] for r in g["invalid_layouts"]} == {2, 4}             # SmolLM2: 9 heads, 3 KV heads
+
+
+def test_plan_errors_are_one_line():
+    bad = _cli("plan", "gpt-17")
+    assert bad.returncode == 2 and "error: model 'gpt-17'" in bad.stderr and "Traceback" not in bad.stderr
+    link = _cli("plan", "qwen3-8b", "--interconnect", "carrier-pigeon")
+    assert link.returncode == 2 and "--interconnect 'carrier-pigeon'" in link.stderr

@@ -1,0 +1,116 @@
+"""Parameter counts, weight bytes and KV bytes of catalog models against numbers worked out by
+hand from their published config.json (and the seed numbers of issue 7)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shardserve.bench.shapes import SHAPES, param_counts
+from shardserve.planner.catalog import MODELS, catalog_key, model_config
+from shardserve.planner.memory import WEIGHT_BYTES, ModelShape, config_dtype
+
+GiB, KiB = 2**30, 2**10
+
+
+def test_llama_3_1_70b_seed_numbers():
+    m = ModelShape(model_config("llama-3.1-70b"))
+    h, layers, vocab = 8192, 80, 128256
+    attn = h * (64 + 2 * 8) * 128 + 64 * 128 * h          # q, k, v, o
+    per_layer = attn + 3 * h * 28672 + 2 * h               # + gate/up/down + two RMSNorms
+    total = layers * per_layer + 2 * vocab * h + h         # + embeddings, LM head, final norm
+    assert total == 70_553_706_496
+    assert m.param_counts()["total"] == total == m.param_counts()["active"]
+    weights = m.weight_bytes("bf16", 1, range(layers), True, True)
+    assert weights == 2 * total and round(weights / 1e9, 1) == 141.1             # "~140 GB"
+    assert m.kv_bytes_per_token("bf16") == 2 * 8 * 128 * 2 * 80 == 320 * KiB     # "~320 KB per token"
+    assert m.kv_bytes_per_token("bf16") * 131072 == 40 * GiB                      # "~40 GB per 128K request"
+    assert m.kv_bytes_per_token("fp8") == 160 * KiB
+
+
+def test_llama_3_1_405b_and_8b():
+    big = ModelShape(model_config("llama-3.1-405b"))
+    assert big.param_counts()["total"] / 1e9 == pytest.approx(405.85, abs=0.01)
+    assert round(big.weight_bytes("bf16", 1, range(126), True, True) / 1e9) == 812     # "~810 GB"
+    small = ModelShape(model_config("Meta-Llama-3.1-8B-Instruct"))                       # HF-style names resolve
+    assert small.param_counts()["total"] == 8_030_261_248
+    assert small.kv_bytes_per_token("bf16") == 128 * KiB
+
+
+def test_weight_bytes_per_rank_splits_layers_and_vocab():
+    m = ModelShape(model_config("llama-3.1-70b"))
+    h, layers, vocab = 8192, 80, 128256
+    per_layer = 855_654_400
+    # TP=2: everything splits in half except the RMSNorms; the vocabulary splits into padded halves.
+    tp2 = (layers * (per_layer - 2 * h) / 2 + layers * 2 * h + 2 * math.ceil(vocab / 2) * h + h) * 2
+    assert m.weight_bytes("bf16", 2, range(80), True, True) == pytest.approx(tp2)
+    # PP=2, stage 0: 40 layers + embeddings; stage 1: 40 layers + final norm + LM head.
+    assert m.weight_bytes("bf16", 1, range(0, 40), True, False) == (40 * per_layer + vocab * h) * 2
+    assert m.weight_bytes("bf16", 1, range(40, 80), False, True) == (40 * per_layer + vocab * h + h) * 2
+    # A decode step reads the LM head but only looks rows up in the embedding table.
+    assert m.weight_bytes("bf16", 1, range(80), True, True, batch=1) == (80 * per_layer + vocab * h + h) * 2
+
+
+def test_quantized_weights_keep_embeddings_16_bit():
+    m = ModelShape(model_config("llama-3.1-70b"))
+    linear = 80 * (855_654_400 - 2 * 8192)
+    rest = 80 * 2 * 8192 + 2 * 128256 * 8192 + 8192
+    assert m.weight_bytes("fp8", 1, range(80), True, True) == pytest.approx(linear * 1 + rest * 2)
+    assert m.weight_bytes("int4", 1, range(80), True, True) == pytest.approx(linear * (0.5 + 2 / 128) + rest * 2)
+    assert round(m.weight_bytes("int4", 1, range(80), True, True) / 1e9, 1) == 39.5
+
+
+def test_moe_total_and_active_qwen3_30b_a3b():
+    m = ModelShape(model_config("qwen3-30b-a3b"))
+    h = 2048
+    attn = h * (32 + 2 * 4) * 128 + 32 * 128 * h + 2 * 128     # + per-head q/k norms
+    experts = 128 * 3 * h * 768
+    layer = attn + 2 * h + experts + 128 * h                   # + norms, experts, router
+    embed = 151936 * h
+    counts = m.param_counts()
+    assert counts["total"] == 48 * layer + 2 * embed + h == 30_532_122_624
+    assert counts["active"] == 48 * (layer - experts + experts * 8 // 128) + 2 * embed + h == 3_353_032_704
+    assert m.kv_bytes_per_token("bf16") == 2 * 4 * 128 * 2 * 48
+    # Decode at batch 1 reads 8 of 128 experts; at a large batch nearly all of them.
+    one = m.weight_bytes("bf16", 1, range(48), True, True, batch=1)
+    assert one == pytest.approx(2 * (48 * (layer - experts + experts * 8 / 128) + embed + h))
+    assert m.weight_bytes("bf16", 1, range(48), True, True, batch=256) > 0.99 * 2 * (48 * layer + embed + h)
+
+
+def test_mixtral_and_qwen3_235b_match_published_sizes():
+    mix = ModelShape(model_config("mixtral-8x7b")).param_counts()
+    assert (mix["total"] / 1e9, mix["active"] / 1e9) == pytest.approx((46.70, 12.88), abs=0.01)
+    big = ModelShape(model_config("qwen3-235b-a22b")).param_counts()
+    assert (big["total"] / 1e9, big["active"] / 1e9) == pytest.approx((235.09, 22.19), abs=0.01)
+
+
+def test_deepseek_v3_mla_and_moe():
+    cfg = model_config("deepseek-ai/DeepSeek-V3")
+    m = ModelShape(cfg)
+    assert m.mla and m.experts == 256 and m.moe_layers.count(True) == 58     # first 3 layers dense
+    counts = m.param_counts()
+    assert counts["total"] / 1e9 == pytest.approx(671.0, abs=0.1)             # without the MTP layer
+    assert counts["active"] / 1e9 == pytest.approx(37.5, abs=0.1)
+    # MLA caches the latent plus the rotary key per layer, for every TP rank alike.
+    assert m.kv_bytes_per_token("bf16") == (512 + 64) * 2 * 61 == 70272
+    assert m.kv_bytes_per_token_layer("bf16", tp=8) == m.kv_bytes_per_token_layer("bf16", tp=1)
+    assert config_dtype(cfg) == "fp8"                                         # the published weights
+    assert m.tp_problem(8) is None and m.tp_problem(3) is not None
+
+
+def test_gqa_kv_heads_replicate_when_tp_exceeds_them():
+    m = ModelShape(model_config("llama-3.1-70b"))                 # 8 KV heads
+    assert m.kv_bytes_per_token_layer("bf16", tp=4) == 2 * 2 * 128 * 2
+    assert m.kv_bytes_per_token_layer("bf16", tp=16) == 2 * 1 * 128 * 2   # one (replicated) head per rank
+    assert m.tp_problem(16) is None                                 # 16 % 8 == 0: vLLM-style replication
+    assert "KV heads" in ModelShape(dict(model_config("llama-3.1-70b"), num_key_value_heads=6)).tp_problem(4)
+    assert "attention heads" in m.tp_problem(3)
+
+
+def test_bench_shapes_come_from_the_catalog():
+    assert {"llama-3-8b", "llama-3-70b", "qwen3-0.6b", "qwen3-8b"} <= set(SHAPES)
+    assert all(SHAPES[n] is MODELS[n] for n in SHAPES)                        # one copy of each config
+    assert "deepseek-v3" not in SHAPES                                       # the engine cannot build it
+    assert param_counts(SHAPES["llama-3-70b"])["total"] == 70_553_706_496
+    assert catalog_key("Qwen/Qwen3-8B") == "qwen3-8b" and catalog_key("gpt-5") is None
+    assert WEIGHT_BYTES["fp8"] == 1.0
