@@ -87,8 +87,10 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device,
-                     timeout_s: float = 120.0) -> None:
-    """Join the engine's process group and build the TP and PP groups. Every rank calls this."""
+                     timeout_s: float = 120.0, fast_all_reduce: bool = True) -> None:
+    """Join the engine's process group and build the TP and PP groups. Every rank calls this.
+    fast_all_reduce: small TP all-reduces on GPUs of one host go one-shot over symmetric memory
+    (distributed/comm.py) rather than through NCCL."""
     import torch.distributed as dist
     global _TP, _PP, _WORLD
     world = tp_size * pp_size
@@ -114,11 +116,15 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, de
         if t == tp_rank:
             _PP = GroupInfo(pp_rank, pp_size, ranks, group)
     os.environ.setdefault("SHARDSERVE_RANK", str(rank))
+    from shardserve.distributed import comm
+    comm.init_fast_all_reduce(device, fast_all_reduce)
 
 
 def destroy_distributed() -> None:
     import torch.distributed as dist
     global _TP, _PP, _WORLD
+    from shardserve.distributed import comm
+    comm.init_fast_all_reduce(torch.device("cpu"), enabled=False)
     if dist.is_initialized():
         dist.destroy_process_group()
     _TP, _PP, _WORLD = GroupInfo(), GroupInfo(), GroupInfo()

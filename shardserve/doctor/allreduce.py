@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, init: str, device_type: str, sizes: list[int]
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    init_distributed(rank, world, 1, init, device, timeout_s=60.0)
+    init_distributed(rank, world, 1, init, device, timeout_s=60.0, fast_all_reduce=False)   # NCCL itself
     points = []
     try:
         for nbytes in sizes:
