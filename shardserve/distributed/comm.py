@@ -57,10 +57,11 @@ class OneShotAllReduce:
 _ONE_SHOT: OneShotAllReduce | None = None
 
 
-def init_fast_all_reduce(device: torch.device, enabled: bool = True) -> None:
-    """After the groups exist, on every rank: set up the one-shot path for TP all-reduces."""
+def init_fast_all_reduce(device: torch.device | None) -> None:
+    """After the groups exist, on every rank: set up the one-shot path for TP all-reduces (None:
+    NCCL/gloo only, as after the groups are destroyed)."""
     global _ONE_SHOT
-    _ONE_SHOT = OneShotAllReduce.create(get_tp_group(), device) if enabled else None
+    _ONE_SHOT = OneShotAllReduce.create(get_tp_group(), device) if device is not None else None
     if _ONE_SHOT is not None:
         logger.info("TP all-reduces up to %d KiB: one-shot over symmetric memory", OneShotAllReduce.MAX_BYTES >> 10)
 

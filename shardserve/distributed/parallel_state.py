@@ -117,14 +117,14 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, de
             _PP = GroupInfo(pp_rank, pp_size, ranks, group)
     os.environ.setdefault("SHARDSERVE_RANK", str(rank))
     from shardserve.distributed import comm
-    comm.init_fast_all_reduce(device, fast_all_reduce)
+    comm.init_fast_all_reduce(device if fast_all_reduce else None)
 
 
 def destroy_distributed() -> None:
     import torch.distributed as dist
     global _TP, _PP, _WORLD
     from shardserve.distributed import comm
-    comm.init_fast_all_reduce(torch.device("cpu"), enabled=False)
+    comm.init_fast_all_reduce(None)
     if dist.is_initialized():
         dist.destroy_process_group()
     _TP, _PP, _WORLD = GroupInfo(), GroupInfo(), GroupInfo()

@@ -96,6 +96,20 @@ def format_report(host: str, checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
+def _record_allreduce(check: str, key: str, link: str, run: dict[str, Any], where: str, nccl: bool,
+                      all_nvlink: bool | None, checks: list[Check], report: dict[str, Any],
+                      profile: dict[str, Any]) -> None:
+    """One all-reduce run (local or across --peers): its check, its result and fitted link in the
+    report and profile, and on GPUs the transport NCCL used, read from its INFO log."""
+    checks.append(check_allreduce(check, run, where))
+    if run["result"]:
+        report[key] = run["result"]
+        profile["links"][link] = _link_profile(run["result"], where)
+    if nccl:
+        report[f"nccl_{key}"] = parse_nccl_log(run["log"])
+        checks.append(check_transport(report[f"nccl_{key}"], all_nvlink))
+
+
 def run_doctor(json_path: str | None = None, peers: str | None = None, node_rank: int | None = None,
                timeout: float = 60.0, system: System | None = None, info: dict[str, Any] | None = None) -> int:
     s, host = system or System(), socket.gethostname()
@@ -124,32 +138,19 @@ def run_doctor(json_path: str | None = None, peers: str | None = None, node_rank
     if ngpu == 1:
         checks.append(Check("allreduce", SKIP, "one GPU: nothing to all-reduce with"))
     else:
-        device, world = ("cuda", ngpu) if ngpu else ("cpu", 2)
         where = f"on {ngpu} local GPUs" if ngpu else "as 2 CPU processes on loopback"
-        run = allreduce.run_local(device, world, timeout, nccl_debug=bool(ngpu))
-        checks.append(check_allreduce("allreduce", run, where))
-        if run["result"]:
-            report["local"] = run["result"]
-            profile["links"]["intra_node"] = _link_profile(run["result"], where)
-        if ngpu:
-            report["nccl_local"] = parse_nccl_log(run["log"])
-            checks.append(check_transport(report["nccl_local"], topo.get("all_nvlink")))
+        run = allreduce.run_local("cuda" if ngpu else "cpu", ngpu or 2, timeout, nccl_debug=bool(ngpu))
+        _record_allreduce("allreduce", "local", "intra_node", run, where, bool(ngpu), topo.get("all_nvlink"),
+                          checks, report, profile)
     if not ngpu or ngpu == 1:
         checks.append(Check("transport", SKIP, "NCCL transport detection needs 2 or more GPUs"))
     if peer_list:
         h0, p0 = peer_list[0]
-        device = "cuda" if ngpu else "cpu"
         where = f"across {len(peer_list)} nodes (this is node {node_rank})"
-        run = allreduce.run_ranks([node_rank], len(peer_list), f"tcp://{h0}:{p0}", device,
+        run = allreduce.run_ranks([node_rank], len(peer_list), f"tcp://{h0}:{p0}", "cuda" if ngpu else "cpu",
                                   allreduce.GPU_SIZES if ngpu else allreduce.CPU_SIZES, timeout,
                                   {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,ENV"} if ngpu else None)
-        checks.append(check_allreduce("peers", run, where))
-        if run["result"]:
-            report["peers"] = run["result"]
-            profile["links"]["inter_node"] = _link_profile(run["result"], where)
-        if ngpu:
-            report["nccl_peers"] = parse_nccl_log(run["log"])
-            checks.append(check_transport(report["nccl_peers"], None))
+        _record_allreduce("peers", "peers", "inter_node", run, where, bool(ngpu), None, checks, report, profile)
     else:
         checks.append(Check("peers", SKIP, "no --peers: cross-node all-reduce not run"))
     print(format_report(host, checks))

@@ -105,8 +105,9 @@ def resolve_model(spec: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     A catalog name, an HF config.json, a checkpoint directory or a GGUF file (metadata only: the
     tensors' shapes are read from the header, their data is never touched)."""
     from shardserve.models import loader
-    if catalog_key(spec) is not None and not os.path.exists(spec):
-        return catalog_key(spec), model_config(spec), {"source": "catalog"}
+    key = catalog_key(spec)
+    if key is not None and not os.path.exists(spec):
+        return key, model_config(spec), {"source": "catalog"}
     if not os.path.exists(spec):
         raise ValueError(f"model {spec!r} is neither a file, a directory nor a built-in name; "
                          f"built in: {', '.join(MODELS)}")

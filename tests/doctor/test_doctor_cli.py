@@ -14,13 +14,17 @@ import torch
 from shardserve.cli import main
 from shardserve.doctor import allreduce
 
+# These assert what doctor reports where there is no GPU (gloo, no NCCL); test_doctor_gpu.py covers GPUs.
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the no-GPU report; a GPU machine "
+                              "runs tests/doctor/test_doctor_gpu.py instead")
+
 
 def _cli(*args: str, timeout: int = 180) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "shardserve.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+@cpu_only
 def test_doctor_on_a_cpu_machine_writes_a_profile_plan_uses(tmp_path, capsys):
     path = tmp_path / "doctor.json"
     proc = _cli("doctor", "--json", str(path))
@@ -73,7 +77,7 @@ def test_benchmark_failure_is_reported_not_hung():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+@cpu_only
 def test_doctor_peers_on_loopback(tmp_path):
     peers = f"127.0.0.1:{allreduce.free_port()},127.0.0.1:0"
     procs = [_cli("doctor", "--peers", peers, "--node-rank", str(r), "--json", str(tmp_path / f"{r}.json"))

@@ -312,8 +312,7 @@ pv_block(const int BF16, const int GN, const int ND, const float *p, int64_t ls,
 /* One (query, KV head) task: the G query heads sharing the KV head over keys rows[0 .. n). */
 static inline __attribute__((always_inline)) void
 attend(const int BF16, const float *q, const void *k_cache, const void *v_cache, const int64_t *rows, int64_t n,
-       float *scores, float *o, int64_t G, int64_t D, float scale) {
-    const int64_t ls = (n + 3) & ~(int64_t)3;   /* rows past n repeat a real row; their scores are unused */
+       int64_t ls, float *scores, float *o, int64_t G, int64_t D, float scale) {
     float inv[G];
     for (int64_t g0 = 0; g0 < G; g0 += 3) {
         const int gn = G - g0 < 3 ? (int)(G - g0) : 3;
@@ -373,7 +372,8 @@ void paged_attention(const float *q, int64_t q_stride, const void *k_cache, cons
         for (int64_t hk = 0; hk < Hk; hk++) {
             const int64_t L = seq_lens[b];
             const int64_t start = (window > 0 && L > window) ? L - window : 0, n = L - start;
-            const int64_t ls = (n + 3) & ~(int64_t)3;
+            const int64_t ls = (n + 3) & ~(int64_t)3;   /* n rounded up to whole 4-key blocks; rows past n
+                                                          repeat a real row and their scores are unused */
             const int32_t *table = block_tables + b * bt_stride;
             int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * ls + sizeof(float) * G * ls);
             float *scores = (float *)(rows + ls);
@@ -384,9 +384,9 @@ void paged_attention(const float *q, int64_t q_stride, const void *k_cache, cons
             const float *qb = q + b * q_stride + hk * G * D;
             float *ob = out + b * out_stride + hk * G * D;
             if (kv_bf16)
-                attend(1, qb, k_cache, v_cache, rows, n, scores, ob, G, D, scale);
+                attend(1, qb, k_cache, v_cache, rows, n, ls, scores, ob, G, D, scale);
             else
-                attend(0, qb, k_cache, v_cache, rows, n, scores, ob, G, D, scale);
+                attend(0, qb, k_cache, v_cache, rows, n, ls, scores, ob, G, D, scale);
             free(rows);
         }
 }
