@@ -43,6 +43,16 @@ class RouterMetrics:
                                       ["backend"], registry=reg)
         self.fusion_latency = Histogram("router_fusion_latency_seconds", "Whole fusion requests.", registry=reg,
                                         buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self._children: dict[tuple, Any] = {}
+
+    def child(self, metric, *labels: str):
+        """metric.labels(*labels), kept: prometheus_client's lookup takes a lock and validates
+        the labels on every call, which shows on the router's per-request path."""
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
 
 def _plugin(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -59,7 +69,7 @@ class Router:
         self.config, self.evaluator = config, evaluator
         self.metrics = RouterMetrics()
         self.pool = BackendPool(config)
-        self.pool.latency_observer = lambda b, s: self.metrics.backend_latency.labels(b).observe(s)
+        self.pool.latency_observer = lambda b, s: self.metrics.child(self.metrics.backend_latency, b).observe(s)
         self.fusion = FusionRunner(self.pool, lambda b: self.metrics.panel_failures.labels(b).inc())
 
     def route(self, body: dict[str, Any], static_only: bool = False) -> Route:
@@ -175,7 +185,7 @@ async def _chat(router: Router, body: dict[str, Any], depth_header: bytes):
     except ValueError:
         depth = 0
     route = router.route(body)
-    router.metrics.requests.labels(route.decision or "none", route.algorithm).inc()
+    router.metrics.child(router.metrics.requests, route.decision or "none", route.algorithm).inc()
     selected = route.backend if route.algorithm == "static" else route.fusion.judge_model
     headers = {"x-vsr-selected-model": selected, "x-vsr-selected-decision": route.decision or "none",
                "x-vsr-selected-algorithm": route.algorithm}
@@ -197,7 +207,7 @@ async def _completions(router: Router, body: dict[str, Any], depth_header: bytes
         raise APIError(400, "fusion panels answer /v1/chat/completions only", "model")
     text = prompt if isinstance(prompt, str) else " ".join(p for p in prompt if isinstance(p, str))
     route = router.route({**body, "messages": [{"role": "user", "content": text}]}, static_only=True)
-    router.metrics.requests.labels(route.decision or "none", route.algorithm).inc()
+    router.metrics.child(router.metrics.requests, route.decision or "none", route.algorithm).inc()
     headers = {"x-vsr-selected-model": route.backend, "x-vsr-selected-decision": route.decision or "none",
                "x-vsr-selected-algorithm": route.algorithm}
     return await _static(router, route, body, headers, path="/completions")
@@ -220,6 +230,20 @@ async def _json_object(receive) -> dict[str, Any]:
     return body
 
 
+class _RawReply:
+    """A whole non-streaming answer as the two ASGI messages it is (starlette's Response takes more
+    steps to the same messages, on every relayed request)."""
+
+    def __init__(self, status: int, body: bytes, content_type: str, headers: dict[str, str]) -> None:
+        self.status, self.body = status, body
+        self.headers = [(b"content-type", content_type.encode("latin-1")), (b"content-length", b"%d" % len(body)),
+                        *((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())]
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
 def _backend_error(e: BackendError) -> APIError:
     status = e.status if e.status is not None and 400 <= e.status < 500 else 502
     return APIError(status, f"backend {e.backend} failed: {e.message}")
@@ -237,7 +261,7 @@ async def _static(router: Router, route: Route, body: dict[str, Any], headers: d
             r = await router.pool.chat_raw(route.backend, forward, path=path)
             if not r.content.lstrip()[:1] == b"{":   # a cheap sanity check, not a full parse
                 raise BackendError(route.backend, f"invalid response (not JSON): {r.content[:100]!r}")
-            return Response(r.content, status_code=r.status_code, headers=headers, media_type=r.content_type)
+            return _RawReply(r.status_code, r.content, r.content_type, headers)
         events = await router.pool.chat_stream(route.backend, forward, path=path)
     except BackendError as e:
         raise _backend_error(e) from e

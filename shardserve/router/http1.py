@@ -6,6 +6,7 @@ proxied request; this is the part of it a JSON round trip needs. TLS and streams
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import defaultdict, deque
 from urllib.parse import urlsplit
 
@@ -72,11 +73,9 @@ class Http1Pool:
 
     async def post(self, url: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes, str]:
         """(status, body, content type). Raises ConnectionFailed or asyncio.TimeoutError."""
-        parts = urlsplit(url)
-        key = (parts.hostname or "localhost", parts.port or 80)
+        key, start = _request_start(url)
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        request = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-                   f"Content-Length: {len(body)}\r\n{head}\r\n").encode("latin-1") + body
+        request = f"{start}Content-Length: {len(body)}\r\n{head}\r\n".encode("latin-1") + body
         idle = self.idle[key]
         while idle:   # a kept-alive connection the server dropped meanwhile fails before any byte: next one
             conn = idle.pop()
@@ -97,13 +96,18 @@ class Http1Pool:
     async def _exchange(self, conn: _Exchange, request: bytes, key: tuple[str, int],
                         timeout: float) -> tuple[int, bytes, str]:
         conn._reset()
-        conn.done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        conn.done = done = loop.create_future()
         conn.transport.write(request)
+        # A timer on the future rather than asyncio.wait_for, which wraps it in more machinery per call.
+        timer = loop.call_later(timeout, lambda: done.done() or done.set_exception(asyncio.TimeoutError()))
         try:
-            await asyncio.wait_for(conn.done, timeout)
+            await done
         except BaseException:   # timeout or cancellation: the connection is mid-response, drop it
             conn.transport.close()
             raise
+        finally:
+            timer.cancel()
         if not conn.closed:
             self.idle[key].append(conn)
         return conn.status, b"".join(conn.body), conn.content_type
@@ -113,3 +117,12 @@ class Http1Pool:
             for conn in conns:
                 conn.transport.close()
         self.idle.clear()
+
+
+@functools.lru_cache(maxsize=256)
+def _request_start(url: str) -> tuple[tuple[str, int], str]:
+    """(host, port) and the request line plus fixed headers for a POST to url; parsed once per url."""
+    parts = urlsplit(url)
+    start = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+             "Content-Type: application/json\r\n")
+    return (parts.hostname or "localhost", parts.port or 80), start
