@@ -31,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="largest logprobs a request may ask for; -1: no limit (default: %(default)s)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (default: off)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule and prepare step N+1 while step N runs on the device "
+                             "(default: on for CUDA without pipeline parallelism)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights with the checkpoint's shapes, for benchmarks "
                         "(default: %(default)s)")
@@ -61,7 +64,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       enable_prefix_caching=ns.enable_prefix_caching,
                       gpu_memory_utilization=ns.gpu_memory_utilization, kv_cache_memory=ns.kv_cache_memory,
                       seed=ns.seed, max_logprobs=ns.max_logprobs, load_format=ns.load_format,
-                      enforce_eager=ns.enforce_eager,
+                      enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
                       tensor_parallel_size=ns.tensor_parallel_size,
                       pipeline_parallel_size=ns.pipeline_parallel_size, data_parallel_size=ns.data_parallel_size,
                       distributed_executor_backend=ns.distributed_executor_backend,

@@ -209,6 +209,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False     # schedule step N+1 while step N runs (engine.py)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -43,6 +43,7 @@ class EngineArgs:
     load_format: str = "auto"
     enforce_eager: bool = False
     max_logprobs: int = 20
+    async_scheduling: bool | None = None   # None: on for CUDA without pipeline stages
 
     def create_engine_config(self) -> EngineConfig:
         if self.load_format not in ("auto", "dummy"):
@@ -69,13 +70,22 @@ class EngineArgs:
         check_parallel_layout(hf_config, parallel)
         batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
-                                    max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill)
+                                    max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                                    async_scheduling=self._async_scheduling(device))
         kv_memory = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                             gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory=kv_memory,
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
                             prefix_caching_hash_algo=self.prefix_caching_hash_algo)
         return EngineConfig(model_config, cache, parallel, scheduler, device)
+
+    def _async_scheduling(self, device) -> bool:
+        if self.async_scheduling is None:   # a CPU computes in the caller's thread: nothing to overlap
+            return device.type == "cuda" and self.pipeline_parallel_size == 1
+        if self.async_scheduling and self.pipeline_parallel_size > 1:
+            raise ValueError("async_scheduling needs pipeline_parallel_size=1 (pipeline stages already keep "
+                             "several steps in flight)")
+        return self.async_scheduling
 
     def _max_model_len(self, hf_config: dict) -> int:
         limit = int(hf_config.get("max_position_embeddings") or 2048)

@@ -64,6 +64,7 @@ class LLMEngine:
         self.schedulers = [Scheduler(config.scheduler_config, config.cache_config, per_ve, block_offset=v * per_ve)
                            for v in range(pp)]
         self.in_flight: deque[tuple[Scheduler, SchedulerOutput]] = deque()
+        self.async_scheduling = config.scheduler_config.async_scheduling and len(self.schedulers) == 1
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -178,13 +179,30 @@ class LLMEngine:
         return self.finish_step()
 
     def submit_step(self) -> None:
-        """Schedule and hand a batch to the workers for every scheduler without one in flight."""
+        """Schedule and hand a batch to the workers for every scheduler without one in flight (with
+        async scheduling: until two batches are in flight)."""
+        if self.async_scheduling:
+            return self._submit_ahead()
         busy = {id(sc) for sc, _ in self.in_flight}
         for scheduler in self.schedulers:
             if id(scheduler) not in busy and scheduler.has_unfinished_requests():
                 sched = scheduler.schedule()
                 self.executor.submit_execute(sched)
                 self.in_flight.append((scheduler, sched))
+
+    def _submit_ahead(self) -> None:
+        """Keep a second step in flight: it is scheduled, sent and prepared while the device runs the
+        first. Its decodes take their input tokens from the device (the first step's samples); the
+        price is that a request stopped by the first step's token (EOS, a stop string) computes one
+        token more, which is dropped."""
+        sc = self.scheduler
+        while len(self.in_flight) < 2 and sc.has_unfinished_requests():
+            sched = sc.schedule()
+            if sched.is_empty and self.in_flight:   # every running request awaits its token
+                sc.finished_req_ids |= sched.finished_req_ids   # tell the workers with the next step
+                return
+            self.executor.submit_execute(sched)
+            self.in_flight.append((sc, sched))
 
     def finish_step(self) -> list[RequestOutput]:
         """Collect the oldest batch in flight and turn its tokens into outputs."""

@@ -78,7 +78,7 @@ class OutputProcessor:
                     state.prompt_logprobs = [None]
                 # The rows end at the last computed prompt position. A preempted request recomputes
                 # its prompt and sends rows again: they replace, not follow, what we already hold.
-                end = min(req.num_computed_tokens, len(state.prompt_token_ids) - 1)
+                end = min(up.computed_end, len(state.prompt_token_ids) - 1)
                 del state.prompt_logprobs[end - len(up.prompt_logprobs) + 1:]
                 state.prompt_logprobs.extend(self._logprob_dict(r) for r in up.prompt_logprobs)
             if up.new_token_ids:

@@ -2,7 +2,10 @@
 
 The scheduler thinks in tokens only: `num_computed_tokens` catches up with `num_tokens`. A prompt
 is a request whose computed count lags far behind; a decode lags by one; a prefix hit starts ahead;
-a preempted request drops back to zero and recomputes (its output tokens included).
+a preempted request drops back to zero and recomputes (its output tokens included). The computed
+count moves when a step is scheduled; a step that reaches the last token will sample one more, not
+yet known (`num_output_placeholders`) until its result comes back. With async scheduling the next
+step is scheduled before that, and the workers feed the sampled token in from the device.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_output_placeholders: int = 0     # tokens being sampled by steps in flight
     num_cached_tokens: int = -1          # prefix-cache hit on first scheduling (-1: not yet)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

@@ -28,6 +28,7 @@ class RequestUpdate:
     finished: bool
     logprobs: tuple[list[int], list[float], list[int]] | None = None
     prompt_logprobs: list[tuple[list[int], list[float], list[int]]] | None = None
+    computed_end: int = 0   # with prompt_logprobs: tokens computed once this step ran
 
 
 class Scheduler:
@@ -85,7 +86,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            known_or_pending = req.num_tokens + req.num_output_placeholders
+            if (known_or_pending <= req.num_computed_tokens
+                    or known_or_pending >= req.max_total_tokens(self.max_model_len)):
+                i += 1   # its last token is still being sampled (async scheduling): nothing to run yet
+                continue
+            num_new = min(known_or_pending - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req.request_id, req.all_token_ids, req.num_computed_tokens,
                                          num_new) is None:
                 victim = self.running.pop()
@@ -96,6 +102,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 break
             self._schedule_running(req, num_new, out)
+            self._advance(req, num_new)
             budget -= num_new
             i += 1
 
@@ -126,6 +133,7 @@ class Scheduler:
             req.num_synced_tokens = req.num_tokens
             req.num_synced_blocks = len(self.kv.req_blocks[req.request_id])
             out.num_scheduled_tokens[req.request_id] = num_new
+            self._advance(req, num_new)
             budget -= num_new
 
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
@@ -141,13 +149,20 @@ class Scheduler:
         req.num_synced_blocks = len(block_ids)
         out.num_scheduled_tokens[req.request_id] = num_new
 
+    @staticmethod
+    def _advance(req: Request, num_new: int) -> None:
+        """Count the scheduled tokens as computed; a chunk that reaches the end samples a token."""
+        req.num_computed_tokens += num_new
+        if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+            req.num_output_placeholders += 1
+
     def _block_ids(self, req_id: str) -> list[int]:
         return [b + self.block_offset for b in self.kv.block_ids(req_id)]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_output_placeholders = 0
         req.num_synced_tokens = req.num_synced_blocks = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -157,22 +172,35 @@ class Scheduler:
     # ---- after the model ran ---------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         updates = []
-        for req_id, num in sched.num_scheduled_tokens.items():
+        for req_id in sched.num_scheduled_tokens:
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue   # aborted while the step ran
-            req.num_computed_tokens += num
-            prompt_lps = result.prompt_logprobs.get(req_id)
+            if req is None:
+                continue   # finished or aborted while the step ran
+            running = req.status == RequestStatus.RUNNING
+            prompt_lps = result.prompt_logprobs.get(req_id) if running else None
             token = result.sampled_token_ids.get(req_id)
+            end = _computed_end(sched, req_id) if prompt_lps else 0
             if token is None:
                 if prompt_lps:
-                    updates.append(RequestUpdate(req, [], False, prompt_logprobs=prompt_lps))
+                    updates.append(RequestUpdate(req, [], False, prompt_logprobs=prompt_lps, computed_end=end))
                 continue
+            # A request preempted while this step ran still gets its token: it was computed from
+            # the right context, and the recompute will include it.
+            if running:
+                req.num_output_placeholders -= 1
             req.append_token(token)
             status = req.check_stop_token(self.max_model_len)
             if status is not None:
-                self.running.remove(req)
+                (self.running if running else self.waiting).remove(req)
                 self._free(req, status)
             updates.append(RequestUpdate(req, [token], status is not None,
-                                         result.logprobs.get(req_id), prompt_lps))
+                                         result.logprobs.get(req_id), prompt_lps, end))
         return updates
+
+
+def _computed_end(sched: SchedulerOutput, req_id: str) -> int:
+    """Where a request's computed tokens stood after `sched` ran (the scheduler's own count may
+    already include the next step's chunk)."""
+    start = next(r.num_computed_tokens for r in (*sched.scheduled_new_reqs, *sched.scheduled_cached_reqs)
+                 if r.req_id == req_id)
+    return start + sched.num_scheduled_tokens[req_id]

@@ -5,6 +5,7 @@ told to stop or until the engine goes away."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import sys
 import threading
@@ -62,6 +63,30 @@ def main() -> None:
     except BaseException as e:   # start-up failures (rendezvous timeouts included) reach the engine
         conn.send(_error(e))
         return
+    _serve(conn, worker)
+    worker.shutdown()
+
+
+def _serve(conn, worker) -> None:
+    """Answer the engine's RPCs in order. A step is launched here and answered by the reply thread
+    once the device has its results, so the next step can arrive and be prepared meanwhile (async
+    scheduling keeps two in flight)."""
+    from shardserve.worker.model_runner import PendingOutput
+    replies: queue.Queue = queue.Queue()
+
+    def reply() -> None:
+        while (item := replies.get()) is not None:
+            try:
+                message = ("ok", item.get()) if isinstance(item, PendingOutput) else item
+            except BaseException as e:
+                message = _error(e)
+            try:
+                conn.send(message)
+            except OSError:   # the engine is gone
+                return
+
+    thread = threading.Thread(target=reply, name="worker-replies", daemon=True)
+    thread.start()
     while True:
         try:
             method, args, kwargs = conn.recv()
@@ -70,10 +95,12 @@ def main() -> None:
         if method == "shutdown":
             break
         try:
-            conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
+            replies.put(worker.launch(*args) if method == "execute_model"
+                        else ("ok", getattr(worker, method)(*args, **kwargs)))
         except BaseException as e:
-            conn.send(_error(e))
-    worker.shutdown()
+            replies.put(_error(e))
+    replies.put(None)
+    thread.join(timeout=30)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Per-request state kept by a worker between steps, and the flattening of one step's requests into
-model inputs (token ids, positions, slot mapping, block tables)."""
+model inputs (token ids, positions, slot mapping, block tables).
+
+With async scheduling a step can be scheduled before the previous one's sampled tokens are known:
+a decode's last input is then a placeholder the model runner fills from the device."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,6 +43,16 @@ def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput)
         state.num_computed_tokens = cached.num_computed_tokens
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values (list, numpy array or CPU tensor) on `device`, without waiting for the work queued
+    there: staged through pinned memory and copied non-blocking. A plain copy to a GPU waits for its
+    whole stream, which would serialise the next step's preparation behind the running one."""
+    t = values if isinstance(values, torch.Tensor) else torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class StepInputs:
     req_ids: list[str]               # decodes first, then prefill chunks
@@ -49,6 +62,8 @@ class StepInputs:
     token_offsets: list[int]         # per request: index of its first token in the flat batch
     sample_req_ids: list[str]        # requests whose chunk ends at their last token
     sample_indices: torch.Tensor     # flat index of each one's last token
+    outputs_before_sample: list[int]  # per sampled request: output tokens before the one drawn now
+    placeholders: list[tuple[int, str]]   # (flat index, request): input is the previous step's sample
 
 
 def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput, block_size: int,
@@ -62,27 +77,35 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
     slot_mapping = np.empty(total, dtype=np.int64)
     max_blocks = max(len(states[r].block_ids) for r in req_ids)
     block_tables = np.zeros((len(req_ids), max_blocks), dtype=np.int32)
-    query_lens, context_lens, offsets, sample_req_ids, sample_idx = [], [], [], [], []
+    query_lens, context_lens, offsets, sample_req_ids, sample_idx, outputs_before = [], [], [], [], [], []
+    placeholders = []
     start = 0
     for i, req_id in enumerate(req_ids):
         state = states[req_id]
         n, ctx = scheduled[req_id], state.num_computed_tokens
+        known = len(state.token_ids)
         blocks = np.asarray(state.block_ids, dtype=np.int64)
         block_tables[i, :len(blocks)] = blocks
         pos = np.arange(ctx, ctx + n)
-        input_ids[start:start + n] = state.token_ids[ctx:ctx + n]
+        input_ids[start:start + min(n, known - ctx)] = state.token_ids[ctx:ctx + n]
+        if ctx + n > known:   # only the last token can still be in flight (one step ahead at most)
+            assert ctx + n == known + 1, f"{req_id}: {ctx + n - known} tokens not known yet"
+            input_ids[start + n - 1] = 0
+            placeholders.append((start + n - 1, req_id))
         positions[start:start + n] = pos
         slot_mapping[start:start + n] = blocks[pos // block_size] * block_size + pos % block_size
         query_lens.append(n)
         context_lens.append(ctx)
         offsets.append(start)
-        if ctx + n == len(state.token_ids):
+        if ctx + n >= known:
             sample_req_ids.append(req_id)
             sample_idx.append(start + n - 1)
+            outputs_before.append(ctx + n - state.num_prompt_tokens)
         start += n
     attn = CommonAttentionMetadata(
         num_decodes=num_decodes, query_lens=query_lens, context_lens=context_lens,
-        block_tables=torch.from_numpy(block_tables).to(device),
-        slot_mapping=torch.from_numpy(slot_mapping).to(device), block_size=block_size)
-    return StepInputs(req_ids, torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
-                      attn, offsets, sample_req_ids, torch.tensor(sample_idx, dtype=torch.long, device=device))
+        block_tables=to_device(block_tables, torch.int32, device),
+        slot_mapping=to_device(slot_mapping, torch.int64, device), block_size=block_size)
+    return StepInputs(req_ids, to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device),
+                      attn, offsets, sample_req_ids, to_device(sample_idx, torch.long, device), outputs_before,
+                      placeholders)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from shardserve.config import EngineConfig
 from shardserve.distributed.comm import pp_recv_prev, pp_send_next
@@ -16,7 +18,7 @@ from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
 from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
 from shardserve.models.loader import load_model
 from shardserve.worker.cuda_graphs import DecodeGraphs
-from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
+from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, to_device, update_states
 from shardserve.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,19 @@ def _rows_to_lists(ids: torch.Tensor, lps: torch.Tensor, ranks: torch.Tensor, k:
     """First column is the chosen token; keep it plus the request's own top-k."""
     width = ids.shape[-1] if k == -1 else 1 + k
     return ids[:width].tolist(), lps[:width].tolist(), ranks[:width].tolist()
+
+
+class PendingOutput:
+    """A step's output that may still be on its way from the device: get() waits (once) for it."""
+
+    def __init__(self, output: ModelRunnerOutput, finish: Callable[[], None] | None = None) -> None:
+        self._output, self._finish = output, finish
+
+    def get(self) -> ModelRunnerOutput:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return self._output
 
 
 class ModelRunner:
@@ -48,6 +63,10 @@ class ModelRunner:
         # The cache holds what attention multiplies: the compute dtype (fp32 where a CPU lacks
         # bf16 units; converting every gathered block each step would cost more than it saves).
         self.kv_cache_dtype = self.mc.compute_dtype
+        # The last step's sampled tokens, on the device, by request: async scheduling runs the next
+        # step before they reach the scheduler, so its inputs take them from here.
+        self.prev_sampled: torch.Tensor | None = None
+        self.prev_rows: dict[str, int] = {}
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -171,14 +190,21 @@ class ModelRunner:
                                        num_blocks * self.block_size)
 
     # ---- one step --------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(sched).get()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> PendingOutput:
+        """Queue one step on the device and return without waiting for it (on a GPU; a CPU step
+        runs here): the caller can prepare the next step while this one computes."""
         update_states(self.states, sched)
         out = ModelRunnerOutput()
         if sched.is_empty:
-            return out
+            return PendingOutput(out)
         self._zero_fresh_blocks(sched)
         inputs = prepare_inputs(self.states, sched, self.block_size, self.device)
+        if inputs.placeholders:
+            self._fill_placeholders(inputs)
         pp = get_pp_group()
         intermediate = None
         if not pp.is_first:   # activations from the previous stage: [tokens, hidden] twice
@@ -187,31 +213,76 @@ class ModelRunner:
         attn = inputs.attn
         if (self.graphs is not None and attn.num_decodes == len(inputs.req_ids)
                 and self.graphs.fits(attn.num_decodes)):
-            lens = torch.tensor([c + 1 for c in attn.context_lens], dtype=torch.int32)
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, attn.slot_mapping, attn.block_tables,
-                                     lens.to(self.device, non_blocking=True))
+            lens = to_device([c + 1 for c in attn.context_lens], torch.int32, self.device)
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, attn.slot_mapping, attn.block_tables, lens)
         else:
             ctx = AttentionContext(self.backend, self.backend.build(attn, self.device))
             hidden = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)
         if not pp.is_last:
             pp_send_next(list(hidden))
-            return out
+            return PendingOutput(out)
         self._prompt_logprobs(inputs, hidden, out)
         if not inputs.sample_req_ids:
-            return out
+            return PendingOutput(out)
         states = [self.states[r] for r in inputs.sample_req_ids]
         logits = self.model.compute_logits(hidden[inputs.sample_indices])   # a TP collective
-        if get_tp_group().rank != 0:
-            return out   # only the driver samples; the scheduler sends every rank the tokens
-        md = build_sampling_metadata(states, self.mc.vocab_size, self.eos_token_ids, self.device)
+        tp = get_tp_group()
+        if tp.rank != 0:   # only the driver samples; the scheduler sends every rank the tokens...
+            if self.config.scheduler_config.async_scheduling and tp.world_size > 1:   # ...or the driver does
+                self._remember_samples(inputs.sample_req_ids, torch.empty(len(states), dtype=torch.long,
+                                                                          device=self.device))
+            return PendingOutput(out)
+        md = build_sampling_metadata(states, inputs.outputs_before_sample, self.mc.vocab_size, self.eos_token_ids,
+                                     self.device, self._pending_tokens(inputs, states))
         sampled, lp_rows = self.sampler(logits, md)
-        sampled_list = sampled.tolist()
-        for row, (req_id, state) in enumerate(zip(inputs.sample_req_ids, states)):
-            out.sampled_token_ids[req_id] = sampled_list[row]
-            k = state.sampling_params.logprobs
-            if k is not None and lp_rows is not None:
-                out.logprobs[req_id] = _rows_to_lists(lp_rows[0][row], lp_rows[1][row], lp_rows[2][row], k)
-        return out
+        self._remember_samples(inputs.sample_req_ids, sampled)
+        return self._pending_output(out, inputs.sample_req_ids, states, sampled, lp_rows)
+
+    def _remember_samples(self, req_ids: list[str], sampled: torch.Tensor) -> None:
+        tp = get_tp_group()
+        if self.config.scheduler_config.async_scheduling and tp.world_size > 1:
+            dist.broadcast(sampled, src=tp.ranks[0], group=tp.group)   # every rank embeds the next inputs
+        self.prev_sampled, self.prev_rows = sampled, {r: i for i, r in enumerate(req_ids)}
+
+    def _fill_placeholders(self, inputs: StepInputs) -> None:
+        """Inputs that are the tokens the previous step sampled, taken from its device tensor."""
+        try:
+            rows = [self.prev_rows[r] for _, r in inputs.placeholders]
+        except KeyError as e:
+            raise RuntimeError(f"request {e.args[0]} needs a token from the previous step, which did not "
+                               "sample for it") from None
+        flat = to_device([i for i, _ in inputs.placeholders], torch.long, self.device)
+        tokens = self.prev_sampled.index_select(0, to_device(rows, torch.long, self.device))
+        inputs.input_ids.index_copy_(0, flat, tokens)
+
+    def _pending_tokens(self, inputs: StepInputs, states: list[CachedRequestState]):
+        """(sample rows, token ids) of outputs still in flight, for penalties to count."""
+        if not inputs.placeholders or not any(s.sampling_params.uses_penalties for s in states):
+            return None
+        row_of = {r: i for i, r in enumerate(inputs.sample_req_ids)}
+        rows = to_device([row_of[r] for _, r in inputs.placeholders], torch.long, self.device)
+        flat = to_device([i for i, _ in inputs.placeholders], torch.long, self.device)
+        return rows, inputs.input_ids.index_select(0, flat)
+
+    def _pending_output(self, out: ModelRunnerOutput, req_ids: list[str], states: list[CachedRequestState],
+                        sampled: torch.Tensor, lp_rows) -> PendingOutput:
+        """Copy the results to the host behind the step's work and fill `out` once they are there."""
+        event = None
+        if self.device.type == "cuda":   # non-blocking copies to the host land in pinned memory
+            sampled = sampled.to("cpu", non_blocking=True)
+            lp_rows = None if lp_rows is None else tuple(t.to("cpu", non_blocking=True) for t in lp_rows)
+            event = torch.cuda.Event()
+            event.record()
+
+        def finish() -> None:
+            if event is not None:
+                event.synchronize()
+            for row, (req_id, token, state) in enumerate(zip(req_ids, sampled.tolist(), states)):
+                out.sampled_token_ids[req_id] = token
+                k = state.sampling_params.logprobs
+                if k is not None and lp_rows is not None:
+                    out.logprobs[req_id] = _rows_to_lists(lp_rows[0][row], lp_rows[1][row], lp_rows[2][row], k)
+        return PendingOutput(out, finish)
 
     def _zero_fresh_blocks(self, sched: SchedulerOutput) -> None:
         fresh = [b for r in sched.scheduled_new_reqs for b in r.block_ids[r.num_computed_tokens // self.block_size:]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from shardserve.layers.sampler import SamplingMetadata
-from shardserve.worker.input_batch import CachedRequestState
+from shardserve.worker.input_batch import CachedRequestState, to_device
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -17,13 +17,17 @@ def request_generator(seed: int, position: int, device: torch.device) -> torch.G
     return gen
 
 
-def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int, eos_token_ids: frozenset[int],
-                            device: torch.device) -> SamplingMetadata:
+def build_sampling_metadata(states: list[CachedRequestState], outputs_before: list[int], vocab_size: int,
+                            eos_token_ids: frozenset[int], device: torch.device,
+                            pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplingMetadata:
+    """outputs_before[row]: output tokens the request has before this draw, those still in flight
+    included. pending: (rows, token ids on the device) of such in-flight tokens, which the worker's
+    token lists do not hold yet but penalties must count."""
     params = [s.sampling_params for s in states]
     n = len(params)
 
     def column(values, dtype=torch.float32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+        return to_device(values, dtype, device)
 
     greedy = [p.greedy for p in params]
     md = SamplingMetadata(temperature=column([p.temperature for p in params]),
@@ -35,10 +39,10 @@ def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int, e
         md.top_k = column([p.top_k for p in params], torch.long)
     if any(p.min_p > 0.0 for p in sampling):
         md.min_p = column([p.min_p for p in params])
-    for row, (state, p) in enumerate(zip(states, params)):
+    for row, (p, before) in enumerate(zip(params, outputs_before)):
         if p.seed is not None and not p.greedy:
-            md.generators[row] = request_generator(p.seed, state.num_output_tokens, device)
-        if state.num_output_tokens < p.min_tokens:
+            md.generators[row] = request_generator(p.seed, before, device)
+        if before < p.min_tokens:
             blocked = sorted(set(p.stop_token_ids) | eos_token_ids)
             if blocked:
                 md.blocked_tokens.append((row, blocked))
@@ -46,10 +50,12 @@ def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int, e
         counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
         prompt_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
         for row, state in enumerate(states):
-            out = torch.tensor(state.token_ids[state.num_prompt_tokens:], dtype=torch.long, device=device)
+            out = column(state.token_ids[state.num_prompt_tokens:], torch.long)
             counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
-            prompt = torch.tensor(state.token_ids[:state.num_prompt_tokens], dtype=torch.long, device=device)
-            prompt_mask[row, prompt] = True
+            prompt_mask[row, column(state.token_ids[:state.num_prompt_tokens], torch.long)] = True
+        if pending is not None:
+            rows, tokens = pending
+            counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
         md.output_token_counts, md.prompt_token_mask = counts, prompt_mask
         md.presence_penalty = column([p.presence_penalty for p in params])
         md.frequency_penalty = column([p.frequency_penalty for p in params])

@@ -11,7 +11,7 @@ import torch
 from shardserve.config import EngineConfig
 from shardserve.distributed.parallel_state import destroy_distributed, init_distributed, set_pp_partition
 from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from shardserve.worker.model_runner import ModelRunner
+from shardserve.worker.model_runner import ModelRunner, PendingOutput
 
 
 class Worker:
@@ -45,6 +45,10 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)
+
+    def launch(self, sched: SchedulerOutput) -> PendingOutput:
+        """execute_model without waiting for the device; the result's get() does."""
+        return self.model_runner.launch(sched)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """This rank's parameter shapes (tests check that sharded matrices really are 1/TP)."""

@@ -47,8 +47,8 @@ class Harness:
             assert n >= 1
             assert st.token_ids == req.all_token_ids
             assert st.block_ids == s.kv.block_ids(req_id)
-            assert st.num_computed_tokens == req.num_computed_tokens
-            assert len(st.block_ids) * BS >= req.num_computed_tokens + n   # room for every new token
+            assert st.num_computed_tokens + n == req.num_computed_tokens   # counted when scheduled
+            assert len(st.block_ids) * BS >= st.num_computed_tokens + n   # room for every new token
         return out
 
     def model(self, out: SchedulerOutput, tokens: dict[str, int] | None = None) -> ModelRunnerOutput:
@@ -153,7 +153,7 @@ def test_prefix_hit_sets_num_computed_tokens():
     b = h.add("b", shared + [70, 71, 72], max_tokens=2)
     out = h.schedule()
     (new,) = out.scheduled_new_reqs
-    assert new.num_computed_tokens == 16 and b.num_computed_tokens == 16 and b.num_cached_tokens == 16
+    assert new.num_computed_tokens == 16 and b.num_computed_tokens == 16 + 3 and b.num_cached_tokens == 16
     assert out.num_scheduled_tokens == {"b": 3}
     assert h.sched.kv.prefix_cache_hits == 16
     assert h.sched.kv.prefix_cache_queries == 18 + 19
@@ -165,7 +165,7 @@ def test_identical_prompt_recomputes_its_last_token():
     h.run_until_done()
     b = h.add("b", prompt(1, 16), max_tokens=1)
     out = h.schedule()
-    assert b.num_computed_tokens == 12 and out.num_scheduled_tokens == {"b": 4}
+    assert b.num_cached_tokens == 12 and out.num_scheduled_tokens == {"b": 4}
 
 
 def test_prefix_hit_within_one_step_and_no_hit_without_caching():
@@ -174,7 +174,7 @@ def test_prefix_hit_within_one_step_and_no_hit_without_caching():
         h.add("a", prompt(1, 10), max_tokens=1)
         b = h.add("b", prompt(1, 10), max_tokens=1)
         out = h.schedule()
-        assert b.num_computed_tokens == expected
+        assert b.num_cached_tokens == expected
         assert out.num_scheduled_tokens == {"a": 10, "b": 10 - expected}
 
 
@@ -184,7 +184,7 @@ def test_prompt_logprobs_request_skips_prefix_cache():
     h.run_until_done()
     b = h.add("b", prompt(1, 16), max_tokens=1, prompt_logprobs=0)
     out = h.schedule()
-    assert b.num_computed_tokens == 0 and out.num_scheduled_tokens == {"b": 16}
+    assert b.num_cached_tokens == 0 and out.num_scheduled_tokens == {"b": 16}
 
 
 def test_chunked_prefill_with_prefix_hit():

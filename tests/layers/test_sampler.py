@@ -56,7 +56,7 @@ def test_build_sampling_metadata_counts_and_neutral_rows():
     penalised = state("a", [0, 0, 4, 1, 1, 3], 3, SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5,
                                                                  presence_penalty=0.25, temperature=0.0))
     plain = state("b", [0, 1, 3, 3], 2, SamplingParams(temperature=0.0))
-    md = build_sampling_metadata([penalised, plain], V, frozenset(), torch.device("cpu"))
+    md = build_sampling_metadata([penalised, plain], [3, 2], V, frozenset(), torch.device("cpu"))
     assert md.output_token_counts.tolist() == [[0, 2, 0, 1, 0], [0, 0, 0, 2, 0]]
     assert md.prompt_token_mask.tolist() == [[True, False, False, False, True], [True, True, False, False, False]]
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]] * 2)
@@ -65,11 +65,22 @@ def test_build_sampling_metadata_counts_and_neutral_rows():
     assert out[1].tolist() == logits[1].tolist()      # a row without penalties is untouched
 
 
+def test_penalties_count_tokens_still_in_flight():
+    """Async scheduling: a token sampled by the step before is not in the worker's list yet; the
+    runner hands it over as (row, token) and it counts like the others."""
+    params = SamplingParams(frequency_penalty=1.0, temperature=0.0)
+    a = CachedRequestState("a", [0, 1, 3], 2, params, [], 0)   # outputs [3] known, one more in flight
+    b = CachedRequestState("b", [0, 1, 3], 2, params, [], 0)
+    pending = (torch.tensor([0, 1]), torch.tensor([3, 2]))
+    md = build_sampling_metadata([a, b], [2, 2], V, frozenset(), torch.device("cpu"), pending)
+    assert md.output_token_counts.tolist() == [[0, 0, 0, 2, 0], [0, 0, 1, 1, 0]]
+
+
 def test_min_tokens_masks_eos_and_stop_ids_in_metadata():
     params = SamplingParams(min_tokens=2, stop_token_ids=[3], temperature=0.0)
     early = CachedRequestState("a", [0, 1, 4], 2, params, [], 0)         # 1 output token so far
     late = CachedRequestState("b", [0, 1, 4, 4], 2, params, [], 0)       # 2: no longer masked
-    md = build_sampling_metadata([early, late], V, frozenset({4}), torch.device("cpu"))
+    md = build_sampling_metadata([early, late], [1, 2], V, frozenset({4}), torch.device("cpu"))
     assert md.blocked_tokens == [(0, [3, 4])]
     logits = torch.tensor([[0.0, 0.0, 0.0, 5.0, 4.0]] * 2)
     assert Sampler()(logits, md)[0].tolist() == [0, 3]
