@@ -104,6 +104,9 @@ def add_bench_offline_args(p: argparse.ArgumentParser, latency: bool) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="CPU KV budget, e.g. 4GiB (default: 4GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="default: %(default)s")
     p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs for decode steps (default: off)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs (default: on for CUDA)")
     p.add_argument("--output-json", default=None, help="write the results here (default: none)")
     if latency:
         p.add_argument("--batch-size", type=int, default=8, help="default: %(default)s")
