@@ -21,9 +21,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-3-8b")
     p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     a = p.parse_args()
     llm = LLM(write_shape_dir(shape_config(a.shape), a.shape), load_format="dummy", skip_tokenizer_init=True,
-              device="cuda", dtype="bfloat16", show_progress=False)
+              device="cuda", dtype="bfloat16", show_progress=False, async_scheduling=a.async_scheduling)
     graphs = llm.engine.executor.worker.model_runner.graphs
     bs = next(s for s in graphs.sizes if s >= a.batch_size)
     g = graphs.graphs[bs]
@@ -45,7 +46,7 @@ def main() -> None:
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     step_ms = (time.perf_counter() - t - prefill) / 256 * 1000
-    print(f"batch {a.batch_size}: graph replay {replay_ms:.2f} ms (device), engine decode step {step_ms:.2f} ms, "
+    print(f"batch {a.batch_size}, async scheduling {'on' if a.async_scheduling else 'off'}: graph replay {replay_ms:.2f} ms (device), engine decode step {step_ms:.2f} ms, "
           f"host work around the replay {step_ms - replay_ms:.2f} ms")
 
 
