@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from shardserve.config import EngineConfig
@@ -128,9 +129,10 @@ class MultiprocExecutor(Executor):
     def _send_all(self, method: str, args: tuple, kwargs: dict[str, Any]) -> None:
         if not self.conns:
             raise RuntimeError("the engine's workers are stopped (after a failure or shutdown)")
+        message = ForkingPickler.dumps((method, args, kwargs))   # pickled once for every rank (what send() does)
         for rank, conn in enumerate(self.conns):
             try:
-                conn.send((method, args, kwargs))
+                conn.send_bytes(message)
             except (BrokenPipeError, OSError):
                 self._fail(rank)
 

@@ -17,8 +17,8 @@ LogprobRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # token ids, log
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor                 # [B]; rows with greedy=True ignore it
-    greedy: torch.Tensor                      # [B] bool
+    temperature: torch.Tensor | None          # [B]; rows with greedy=True ignore it; None when all_greedy
+    greedy: torch.Tensor | None               # [B] bool; None when all_greedy
     all_greedy: bool
     top_p: torch.Tensor | None = None         # [B], None when no row uses it
     top_k: torch.Tensor | None = None         # [B] long, 0 = off

@@ -64,6 +64,7 @@ class StepInputs:
     sample_indices: torch.Tensor     # flat index of each one's last token
     outputs_before_sample: list[int]  # per sampled request: output tokens before the one drawn now
     placeholders: list[tuple[int, str]]   # (flat index, request): input is the previous step's sample
+    seq_lens: torch.Tensor           # per request: tokens in its KV cache once this step ran
 
 
 def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput, block_size: int,
@@ -71,12 +72,14 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
     scheduled = sched.num_scheduled_tokens
     req_ids = sorted(scheduled, key=lambda r: scheduled[r] != 1)   # stable: decodes first
     num_decodes = sum(1 for r in req_ids if scheduled[r] == 1)
-    total = sched.total_num_scheduled_tokens
-    input_ids = np.empty(total, dtype=np.int64)
-    positions = np.empty(total, dtype=np.int64)
-    slot_mapping = np.empty(total, dtype=np.int64)
+    total, num_reqs = sched.total_num_scheduled_tokens, len(req_ids)
+    # The per-token and per-request columns share one host buffer and travel in one copy:
+    # input ids, positions, slots (T each), then sequence lengths (R), then sample indices.
+    flat = np.empty(3 * total + 2 * num_reqs, dtype=np.int64)
+    input_ids, positions, slot_mapping = flat[:total], flat[total:2 * total], flat[2 * total:3 * total]
+    seq_lens = flat[3 * total:3 * total + num_reqs]
     max_blocks = max(len(states[r].block_ids) for r in req_ids)
-    block_tables = np.zeros((len(req_ids), max_blocks), dtype=np.int32)
+    block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
     query_lens, context_lens, offsets, sample_req_ids, sample_idx, outputs_before = [], [], [], [], [], []
     placeholders = []
     start = 0
@@ -94,6 +97,7 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
             placeholders.append((start + n - 1, req_id))
         positions[start:start + n] = pos
         slot_mapping[start:start + n] = blocks[pos // block_size] * block_size + pos % block_size
+        seq_lens[i] = ctx + n
         query_lens.append(n)
         context_lens.append(ctx)
         offsets.append(start)
@@ -102,10 +106,13 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
             sample_idx.append(start + n - 1)
             outputs_before.append(ctx + n - state.num_prompt_tokens)
         start += n
+    end = 3 * total + num_reqs + len(sample_idx)
+    flat[3 * total + num_reqs:end] = sample_idx
+    on_device = to_device(flat[:end], torch.int64, device)
     attn = CommonAttentionMetadata(
         num_decodes=num_decodes, query_lens=query_lens, context_lens=context_lens,
-        block_tables=to_device(block_tables, torch.int32, device),
-        slot_mapping=to_device(slot_mapping, torch.int64, device), block_size=block_size)
-    return StepInputs(req_ids, to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device),
-                      attn, offsets, sample_req_ids, to_device(sample_idx, torch.long, device), outputs_before,
-                      placeholders)
+        block_tables=to_device(block_tables, torch.int32, device), slot_mapping=on_device[2 * total:3 * total],
+        block_size=block_size)
+    return StepInputs(req_ids, on_device[:total], on_device[total:2 * total], attn, offsets, sample_req_ids,
+                      on_device[3 * total + num_reqs:end], outputs_before, placeholders,
+                      on_device[3 * total:3 * total + num_reqs])

@@ -213,8 +213,8 @@ class ModelRunner:
         attn = inputs.attn
         if (self.graphs is not None and attn.num_decodes == len(inputs.req_ids)
                 and self.graphs.fits(attn.num_decodes)):
-            lens = to_device([c + 1 for c in attn.context_lens], torch.int32, self.device)
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, attn.slot_mapping, attn.block_tables, lens)
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, attn.slot_mapping, attn.block_tables,
+                                     inputs.seq_lens)
         else:
             ctx = AttentionContext(self.backend, self.backend.build(attn, self.device))
             hidden = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)
@@ -288,7 +288,7 @@ class ModelRunner:
         fresh = [b for r in sched.scheduled_new_reqs for b in r.block_ids[r.num_computed_tokens // self.block_size:]]
         fresh += [b for r in sched.scheduled_cached_reqs for b in r.new_block_ids]
         if fresh:
-            ids = torch.tensor(fresh, dtype=torch.long, device=self.device)
+            ids = to_device(fresh, torch.long, self.device)
             for cache in self.kv_caches:
                 self.backend.zero_blocks(cache, ids)
 

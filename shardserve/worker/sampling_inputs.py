@@ -30,8 +30,11 @@ def build_sampling_metadata(states: list[CachedRequestState], outputs_before: li
         return to_device(values, dtype, device)
 
     greedy = [p.greedy for p in params]
-    md = SamplingMetadata(temperature=column([p.temperature for p in params]),
-                          greedy=column(greedy, torch.bool), all_greedy=all(greedy))
+    if all(greedy):   # the sampler takes the argmax and reads neither column
+        md = SamplingMetadata(temperature=None, greedy=None, all_greedy=True)
+    else:
+        md = SamplingMetadata(temperature=column([p.temperature for p in params]),
+                              greedy=column(greedy, torch.bool), all_greedy=False)
     sampling = [p for p in params if not p.greedy]
     if any(p.top_p < 1.0 for p in sampling):
         md.top_p = column([p.top_p for p in params])

@@ -32,7 +32,8 @@ def _run(path: str, **kwargs):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU-only: NCCL TP=2 / PP=2 need two CUDA GPUs (run on an H200 x2 machine)")
 def test_nccl_tp2_and_pp2_match_tp1(checkpoint, monkeypatch):
-    base = _run(checkpoint)
+    base = _run(checkpoint)   # async scheduling is on by default on CUDA
+    assert [o.token_ids for o in _run(checkpoint, async_scheduling=False)] == [o.token_ids for o in base]
     pp2 = _run(checkpoint, pipeline_parallel_size=2)
     assert [o.token_ids for o in pp2] == [o.token_ids for o in base]
     tp2 = _run(checkpoint, tensor_parallel_size=2)
@@ -45,6 +46,9 @@ def test_nccl_tp2_and_pp2_match_tp1(checkpoint, monkeypatch):
     monkeypatch.setenv("SHARDSERVE_ONE_SHOT_ALLREDUCE", "0")
     assert [o.token_ids for o in _run(checkpoint, tensor_parallel_size=2)] == [o.token_ids for o in tp2]
     monkeypatch.delenv("SHARDSERVE_ONE_SHOT_ALLREDUCE")
+    # Async scheduling: rank 1 embeds the tokens rank 0 sampled, broadcast on the device.
+    assert [o.token_ids for o in _run(checkpoint, tensor_parallel_size=2, async_scheduling=False)] == \
+        [o.token_ids for o in tp2]
     for i, (a, b) in enumerate(zip(base, tp2)):
         j = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), 32)
         print(f"prompt {i}: TP=2 identical to TP=1 for {j}/32 tokens")

@@ -33,9 +33,10 @@ class CudaAttentionBackend(TorchAttentionBackend):
                            lens.to(device, non_blocking=True))
 
     def _write(self, k, v, k_cache, v_cache, md: TorchAttentionMetadata) -> None:
-        hk, blocks, block_size, dim = k_cache.shape
-        k_cache.view(hk, blocks * block_size, dim).index_copy_(1, md.slots, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.view(hk, blocks * block_size, dim).index_copy_(1, md.slots, v.transpose(0, 1).to(v_cache.dtype))
+        from shardserve.layers.attention.triton_decode import write_kv
+        if k.stride(2) != 1 or v.stride(2) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        write_kv(k, v, k_cache, v_cache, md.slots)
 
     def _decodes(self, spec, q, k_cache, v_cache, md: TorchAttentionMetadata, out) -> None:
         from shardserve.layers.attention.triton_decode import paged_decode_attention

@@ -1,6 +1,8 @@
 """Paged decode attention in Triton: one new token per request, K/V read in place through the
 block tables (no gather), GQA-aware (one program per (request, KV head) serves all query heads of
 its group), online softmax in fp32. Shapes are static given the batch, so it runs inside CUDA graphs.
+Each loop iteration takes several pages (about 64 tokens): with few requests there are only a few
+programs, and each iteration's chain of dependent loads is the cost, so fewer, wider ones win.
 
 KV layout (TorchAttentionBackend's): K and V each [num_kv_heads, num_blocks, block_size, head_dim].
 """
@@ -14,15 +16,15 @@ import triton.language as tl
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
                          stride_qt, stride_qh, stride_kh, stride_kb, stride_tb, stride_ot, stride_oh,
-                         scale, window,
+                         scale, window, max_pages,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+                         PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
+    j = tl.arange(0, PAGES * BLOCK_SIZE)   # token within the tile
     heads = hk * GROUP + g
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < GROUP, other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -31,16 +33,17 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
     first = 0
     if window > 0:
         first = tl.maximum(seq_len - window, 0)
-    for blk in range(first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):
-        block_id = tl.load(tables_ptr + b * stride_tb + blk).to(tl.int64)
-        base = hk * stride_kh + block_id * stride_kb + s[:, None] * HEAD_DIM + d[None, :]
+    for page0 in range(first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE), PAGES):
+        page = page0 + j // BLOCK_SIZE
+        block_id = tl.load(tables_ptr + b * stride_tb + page, mask=page < max_pages, other=0).to(tl.int64)
+        base = hk * stride_kh + block_id[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
         k = tl.load(k_ptr + base)
         v = tl.load(v_ptr + base)
         if IEEE:   # fp32 caches: no TF32 shortcut, the result must match the torch reference
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale    # [GROUP_PAD, BLOCK_SIZE]
-        pos = blk * BLOCK_SIZE + s
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale    # [GROUP_PAD, PAGES * BLOCK_SIZE]
+        pos = page0 * BLOCK_SIZE + j
         valid = (pos < seq_len) & (pos >= first)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -66,12 +69,39 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     hk, _, block_size, _ = k_cache.shape
     group = hq // hk
     grid = (batch, hk)
+    # Pages past a request's length hold masked-out keys: a table entry past the table's width
+    # reads block 0 instead, so no index runs off the table.
+    pages = max(1, 64 // block_size) if k_cache.dtype != torch.float32 else max(1, 32 // block_size)
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), scale, window or 0,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        IEEE=k_cache.dtype == torch.float32)
+        out.stride(0), out.stride(1), scale, window or 0, block_tables.shape[1],
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, PAGES=pages,
+        HEAD_DIM=dim, IEEE=k_cache.dtype == torch.float32)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     pool_slots, HEAD_DIM: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    slot = tl.load(slots_ptr + t)
+    dst = (h * pool_slots + slot) * HEAD_DIM + d
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty))
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty))
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """New tokens' k, v ([T, Hk, D], head rows packed) into the pool at `slots` (int64): one launch
+    for both, where indexed assignment takes one per tensor."""
+    tokens, hk, dim = k.shape
+    _, blocks, block_size, _ = k_cache.shape
+    _write_kv_kernel[(tokens, hk)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                   blocks * block_size, HEAD_DIM=dim)
 
 
 def supported(head_dim: int, block_size: int) -> bool:
