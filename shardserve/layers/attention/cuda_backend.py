@@ -1,7 +1,7 @@
-"""Paged attention on CUDA: decodes through the Triton kernel (K/V read in place through the block
-tables), new K/V written with one indexed store per cache, prefill chunks on torch's SDPA path.
-Everything a decode step does has static shapes, so decode steps can be captured in CUDA graphs
-(worker/cuda_graphs.py)."""
+"""Paged attention on CUDA through Triton kernels: decodes (K/V read in place through the block
+tables), every prefill chunk of a step in one launch (cached prefixes read in place too), and the
+new K/V written with one kernel. Everything a decode step does has static shapes, so decode steps
+can be captured in CUDA graphs (worker/cuda_graphs.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +31,15 @@ class CudaAttentionBackend(TorchAttentionBackend):
         lens = torch.tensor([c + 1 for c in common.context_lens[:d]], dtype=torch.int32)
         return CudaDecodes(common.block_tables[:d].to(device=device, dtype=torch.int32),
                            lens.to(device, non_blocking=True))
+
+    def _build_prefills(self, common: CommonAttentionMetadata, prefills, device: torch.device):
+        from shardserve.layers.attention.triton_prefill import build_prefill_tiles
+        return build_prefill_tiles([p.token_start for p in prefills], [p.query_len for p in prefills],
+                                   [p.context_len for p in prefills], common.block_tables[common.num_decodes:], device)
+
+    def _prefills(self, spec, q, k, v, k_cache, v_cache, md: TorchAttentionMetadata, out) -> None:
+        from shardserve.layers.attention.triton_prefill import paged_prefill_attention
+        paged_prefill_attention(q, k_cache, v_cache, md.prefill_batch, out, spec.scale, spec.sliding_window)
 
     def _write(self, k, v, k_cache, v_cache, md: TorchAttentionMetadata) -> None:
         from shardserve.layers.attention.triton_decode import write_kv

@@ -3,6 +3,8 @@
 Decodes are batched: every decode request's blocks are gathered through its block table into one
 padded [B, max_blocks] batch (padding points at the zero null block and is masked). Prefill
 chunks are handled one request at a time with torch's SDPA, reading any cached prefix from the pool.
+Subclasses replace the decode and prefill parts with kernels (`_build_decodes`/`_decodes`,
+`_build_prefills`/`_prefills`).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class TorchAttentionMetadata:
     num_decodes: int
     decodes: object                        # what _build_decodes made: decode groups here
     prefills: list[_Prefill]
+    prefill_batch: object = None           # what a subclass's _build_prefills made for its kernel
 
 
 _GROUP_MIN = 16   # below this many decodes one padded batch is cheapest
@@ -82,7 +85,12 @@ class TorchAttentionBackend(AttentionBackend):
                                      common.block_tables[i, :nblocks].long()))
             start += common.query_lens[i]
         slots = common.slot_mapping
-        return TorchAttentionMetadata(slots, slots // bs, slots % bs, d, self._build_decodes(common, device), prefills)
+        return TorchAttentionMetadata(slots, slots // bs, slots % bs, d, self._build_decodes(common, device), prefills,
+                                      self._build_prefills(common, prefills, device) if prefills else None)
+
+    def _build_prefills(self, common: CommonAttentionMetadata, prefills: list[_Prefill],
+                        device: torch.device) -> object:
+        return None   # the per-request loop below needs nothing more
 
     def _build_decodes(self, common: CommonAttentionMetadata, device: torch.device) -> object:
         d = common.num_decodes
@@ -101,6 +109,13 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if md.num_decodes:
             self._decodes(spec, q, k_cache, v_cache, md, out)
+        if md.prefills:
+            self._prefills(spec, q, k, v, k_cache, v_cache, md, out)
+        return out
+
+    def _prefills(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, md: TorchAttentionMetadata, out: torch.Tensor) -> None:
+        """Fill the prefill rows of out: one SDPA call per request."""
         for p in md.prefills:
             rows = slice(p.token_start, p.token_start + p.query_len)
             if p.context_len == 0 and spec.sliding_window is None:
@@ -114,7 +129,6 @@ class TorchAttentionBackend(AttentionBackend):
             k_pos = torch.arange(kv_len, device=q.device)
             mask = _allowed(q_pos.unsqueeze(1), k_pos.unsqueeze(0), spec.sliding_window)
             out[rows] = _sdpa(q[rows].transpose(0, 1), keys, values, spec, mask).transpose(0, 1)
-        return out
 
     @staticmethod
     def _write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

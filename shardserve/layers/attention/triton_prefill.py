@@ -1,0 +1,115 @@
+"""Paged prefill attention in Triton: every prefill chunk of a step in one launch, any cached prefix
+read in place from the pool through the block tables, causal (and sliding-window) masks, online
+softmax in fp32 (flash-attention's forward pass over pages).
+
+The new tokens' K/V are written to the pool before this runs, so a chunk's keys are all in the
+pool: positions 0 .. context + its own. The work is cut into tiles of BLOCK_M queries of one
+request; the host lists the tiles once per step (`PrefillTiles`), and the grid is (tile, query
+head). KV layout (TorchAttentionBackend's): K and V each [num_kv_heads, num_blocks, block_size, head_dim].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 64
+KEYS_PER_ITER = 64
+
+
+@triton.jit
+def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, tiles_ptr, num_tiles, num_reqs,
+                          stride_qt, stride_qh, stride_kh, stride_kb, stride_tb, stride_ot, stride_oh,
+                          scale, window, max_pages,
+                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    # tiles_ptr: [tile request (num_tiles), tile first query (num_tiles), then per request: first
+    # flat token, query length, context length (num_reqs each)]
+    r = tl.load(tiles_ptr + tile)
+    m0 = tl.load(tiles_ptr + num_tiles + tile)
+    q_start = tl.load(tiles_ptr + 2 * num_tiles + r)
+    q_len = tl.load(tiles_ptr + 2 * num_tiles + num_reqs + r)
+    ctx = tl.load(tiles_ptr + 2 * num_tiles + 2 * num_reqs + r)
+    hk = h // GROUP
+    m = m0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    j = tl.arange(0, PAGES * BLOCK_SIZE)
+    rows = m < q_len
+    q = tl.load(q_ptr + (q_start + m)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rows[:, None], other=0.0)
+    q_pos = ctx + m
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    end = ctx + tl.minimum(m0 + BLOCK_M, q_len)   # keys up to the tile's last query
+    first_page = 0
+    if window > 0:
+        first_page = tl.maximum(ctx + m0 - window + 1, 0) // BLOCK_SIZE
+    for page0 in range(first_page, tl.cdiv(end, BLOCK_SIZE), PAGES):
+        page = page0 + j // BLOCK_SIZE
+        block_id = tl.load(tables_ptr + r * stride_tb + page, mask=page < max_pages, other=0).to(tl.int64)
+        base = hk * stride_kh + block_id[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_ptr + base)
+        v = tl.load(v_ptr + base)
+        if IEEE:   # fp32 caches: no TF32 shortcut, the result must match the torch reference
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale   # [BLOCK_M, keys]
+        k_pos = page0 * BLOCK_SIZE + j
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if window > 0:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+        scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no key yet: nothing to rescale
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(scores - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rows[:, None])
+
+
+@dataclass
+class PrefillTiles:
+    """The step's prefill chunks cut into tiles, built on the host once per step for every layer."""
+
+    data: torch.Tensor           # int32, see the kernel's tiles_ptr
+    num_tiles: int
+    num_reqs: int
+    block_tables: torch.Tensor   # [num_reqs, max_blocks] int32: the prefill requests' rows
+
+
+def build_prefill_tiles(token_starts: list[int], query_lens: list[int], context_lens: list[int],
+                        block_tables: torch.Tensor, device: torch.device) -> PrefillTiles:
+    from shardserve.worker.input_batch import to_device
+    tile_req = [r for r, n in enumerate(query_lens) for _ in range(0, n, BLOCK_M)]
+    tile_m = [m for n in query_lens for m in range(0, n, BLOCK_M)]
+    data = np.asarray(tile_req + tile_m + token_starts + query_lens + context_lens, dtype=np.int32)
+    return PrefillTiles(to_device(data, torch.int32, device), len(tile_req), len(query_lens), block_tables)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: PrefillTiles,
+                            out: torch.Tensor, scale: float, window: int | None) -> None:
+    """q, out: [T, Hq, D] (the whole step's tokens; tiles index into them); caches
+    [Hk, blocks, block_size, D] contiguous."""
+    _, hq, dim = q.shape
+    hk, _, block_size, _ = k_cache.shape
+    tables = tiles.block_tables
+    ieee = k_cache.dtype == torch.float32
+    keys = KEYS_PER_ITER // 2 if ieee else KEYS_PER_ITER   # fp32 tiles take twice the shared memory
+    _paged_prefill_kernel[(tiles.num_tiles, hq)](
+        q, k_cache, v_cache, out, tables, tiles.data, tiles.num_tiles, tiles.num_reqs,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
+        out.stride(0), out.stride(1), scale, window or 0, tables.shape[1],
+        GROUP=hq // hk, BLOCK_M=BLOCK_M, BLOCK_SIZE=block_size, PAGES=max(1, keys // block_size),
+        HEAD_DIM=dim, IEEE=ieee, num_stages=2 if ieee else 3)
