@@ -105,6 +105,9 @@ def add_bench_offline_args(p: argparse.ArgumentParser, latency: bool) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="default: %(default)s")
     p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs for decode steps (default: off)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=not latency,
+                   help="latency sends the same prompts every iteration, so caching would turn every prefill after "
+                        "the first into a cache hit (default: %(default)s)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on for CUDA)")
     p.add_argument("--output-json", default=None, help="write the results here (default: none)")

@@ -45,7 +45,8 @@ def make_llm(ns, path: str, random_weights: bool):
     kw = dict(dtype=ns.dtype, device=ns.device, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
               max_num_batched_tokens=ns.max_num_batched_tokens, seed=ns.seed,
               tensor_parallel_size=ns.tensor_parallel_size, gpu_memory_utilization=ns.gpu_memory_utilization,
-              enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling)
+              enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
+              enable_prefix_caching=ns.enable_prefix_caching)
     if ns.kv_cache_memory:
         kw["kv_cache_memory"] = ns.kv_cache_memory
     if random_weights:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "window", "max_pages"])   # they change between eager steps
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
                          stride_qt, stride_qh, stride_kh, stride_kb, stride_tb, stride_ot, stride_oh,
                          scale, window, max_pages,

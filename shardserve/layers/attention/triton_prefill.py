@@ -20,7 +20,9 @@ BLOCK_M = 64
 KEYS_PER_ITER = 64
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialised on (Triton would compile a
+# new variant for each value of 1 or multiple of 16, a stall of a second in the middle of serving).
+@triton.jit(do_not_specialize=["num_tiles", "num_reqs", "stride_tb", "window", "max_pages"])
 def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, tiles_ptr, num_tiles, num_reqs,
                           stride_qt, stride_qh, stride_kh, stride_kb, stride_tb, stride_ot, stride_oh,
                           scale, window, max_pages,
