@@ -138,7 +138,8 @@ def run_latency(ns) -> dict[str, Any]:
         prefill = float(np.median([once(1) for _ in range(max(1, ns.num_iters // 3))]))
     finally:
         llm.engine.shutdown()
-    step = (float(np.median(e2e)) - prefill) / max(1, ns.output_len - 1)
+    # With one output token there is no decode step to time: the run measures prefill alone (TTFT).
+    step = (float(np.median(e2e)) - prefill) / (ns.output_len - 1) if ns.output_len > 1 else float("nan")
     context = ns.input_len + ns.output_len / 2   # average tokens attended over during decode
     kv = ns.batch_size * context * kv_bytes_per_token(config, lim["elem"]) / lim["tp"]
     roofline = (lim["weight_bytes_per_rank"] + kv) / lim["bandwidth"]
@@ -154,9 +155,11 @@ def run_latency(ns) -> dict[str, Any]:
     print(f"Avg latency: {result['avg_latency_s']:.4f} seconds")
     for p in (10, 25, 50, 75, 90, 99):
         print(f"{p}% percentile latency: {result[f'p{p}_latency_s']:.4f} seconds")
-    print(f"Decode step: {result['decode_step_ms']:.2f} ms; roofline {result['roofline_step_ms']:.2f} ms "
-          f"({result['weight_gb_per_rank']:.2f} GB weights + KV per rank at {result['bandwidth_gb_s']:.0f} GB/s "
-          f"measured): {result['step_vs_roofline']:.2f}x the roofline")
+    print(f"Prefill (time to first token): {1000 * prefill:.2f} ms")
+    if ns.output_len > 1:
+        print(f"Decode step: {result['decode_step_ms']:.2f} ms; roofline {result['roofline_step_ms']:.2f} ms "
+              f"({result['weight_gb_per_rank']:.2f} GB weights + KV per rank at {result['bandwidth_gb_s']:.0f} GB/s "
+              f"measured): {result['step_vs_roofline']:.2f}x the roofline")
     print(f"Model FLOPs utilisation: {100 * result['mfu']:.2f}% of {result['peak_tflops']:.1f} TFLOP/s "
           f"({lim['dtype']} matmul measured in this run)")
     return result
