@@ -222,6 +222,14 @@ static inline __m256 load_kv8(const void *base, int64_t index, int kv_bf16) {
     return kv_bf16 ? load_bf16x8((const uint16_t *)base + index) : _mm256_loadu_ps((const float *)base + index);
 }
 
+/* Keys and values sit in scattered pages of the pool: fetch a few rows ahead into L1 while the
+ * current ones are multiplied (the hardware prefetcher loses the stream at every page border). */
+static inline void prefetch_kv(const void *base, int64_t index, int64_t count, int kv_bf16) {
+    const char *p = (const char *)base + index * (kv_bf16 ? 2 : 4);
+    for (int64_t off = 0; off < count * (kv_bf16 ? 2 : 4); off += 64)
+        _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
 /* Write the new tokens' K and V ([T, Hk, D], row strides given) into their slots. */
 void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, void *k_cache, void *v_cache,
               int kv_bf16, const int64_t *slots, int64_t T, int64_t Hk, int64_t D, int64_t pool_slots) {
@@ -293,6 +301,8 @@ pv_block(const int BF16, const int GN, const int ND, const float *p, int64_t ls,
     __m256 a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23;
     PV_ALL(PV_IO, PV_ZERO)
     for (int64_t t = 0; t < n; t++) {
+        if (t + 8 < n)
+            prefetch_kv(v_cache, rows[t + 8] + d0, 8 * ND, BF16);
         const __m256 v0 = load_kv8(v_cache, rows[t] + d0, BF16);
         const __m256 v1 = ND > 1 ? load_kv8(v_cache, rows[t] + d0 + 8, BF16) : v0;
         const __m256 v2 = ND > 2 ? load_kv8(v_cache, rows[t] + d0 + 16, BF16) : v0;
@@ -317,6 +327,8 @@ attend(const int BF16, const float *q, const void *k_cache, const void *v_cache,
     for (int64_t g0 = 0; g0 < G; g0 += 3) {
         const int gn = G - g0 < 3 ? (int)(G - g0) : 3;
         for (int64_t t = 0; t < n; t += 4) {
+            for (int64_t i = t + 16; i < t + 20 && i < ls; i++)
+                prefetch_kv(k_cache, rows[i], D, BF16);
             if (gn == 3) dot4(BF16, 3, q + g0 * D, k_cache, rows + t, D, scores + g0 * ls + t, ls, scale);
             else if (gn == 2) dot4(BF16, 2, q + g0 * D, k_cache, rows + t, D, scores + g0 * ls + t, ls, scale);
             else dot4(BF16, 1, q + g0 * D, k_cache, rows + t, D, scores + g0 * ls + t, ls, scale);
@@ -377,10 +389,16 @@ void paged_attention(const float *q, int64_t q_stride, const void *k_cache, cons
             const int32_t *table = block_tables + b * bt_stride;
             int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * ls + sizeof(float) * G * ls);
             float *scores = (float *)(rows + ls);
-            for (int64_t t = 0; t < ls; t++) {
-                const int64_t pos = start + (t < n ? t : n - 1);
-                rows[t] = (hk * pool_slots + (int64_t)table[pos / block_size] * block_size + pos % block_size) * D;
+            /* Page by page, not a division per key: this loop was a quarter of a decode task. */
+            const int64_t head_row = hk * pool_slots;
+            for (int64_t t = 0, pos = start; t < n;) {
+                const int64_t page = pos / block_size, off = pos - page * block_size;
+                const int64_t base = (head_row + (int64_t)table[page] * block_size) * D;
+                for (int64_t o = off; o < block_size && t < n; o++, t++, pos++)
+                    rows[t] = base + o * D;
             }
+            for (int64_t t = n; t < ls; t++)
+                rows[t] = rows[n - 1];
             const float *qb = q + b * q_stride + hk * G * D;
             float *ob = out + b * out_stride + hk * G * D;
             if (kv_bf16)
