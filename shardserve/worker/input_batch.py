@@ -24,10 +24,6 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
 
 def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput) -> None:
     for req_id in sched.finished_req_ids:
