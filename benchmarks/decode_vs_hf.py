@@ -57,7 +57,8 @@ def main() -> None:
     ns = argparse.Namespace(random_weights=a.shape, model=None, dtype="bfloat16", device="cuda", max_model_len=None,
                             max_num_seqs=256, max_num_batched_tokens=None, seed=0, tensor_parallel_size=1,
                             gpu_memory_utilization=0.9, kv_cache_memory=None, batch_size=a.batch_size,
-                            input_len=a.input_len, output_len=a.output_len, num_iters_warmup=1, num_iters=a.iters)
+                            input_len=a.input_len, output_len=a.output_len, num_iters_warmup=1, num_iters=a.iters,
+                            enforce_eager=False, async_scheduling=None, enable_prefix_caching=False)
     ours = run_latency(ns)
     gc.collect()
     torch.cuda.empty_cache()
