@@ -13,6 +13,7 @@ import torch
 from shardserve.engine.scheduler_output import SchedulerOutput
 from shardserve.layers.attention import CommonAttentionMetadata
 from shardserve.sampling_params import SamplingParams
+from shardserve.transfer import to_device
 
 
 @dataclass
@@ -37,16 +38,6 @@ def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput)
         state.token_ids.extend(cached.new_token_ids)
         state.block_ids.extend(cached.new_block_ids)
         state.num_computed_tokens = cached.num_computed_tokens
-
-
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values (list, numpy array or CPU tensor) on `device`, without waiting for the work queued
-    there: staged through pinned memory and copied non-blocking. A plain copy to a GPU waits for its
-    whole stream, which would serialise the next step's preparation behind the running one."""
-    t = values if isinstance(values, torch.Tensor) else torch.as_tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

@@ -18,7 +18,8 @@ from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
 from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
 from shardserve.models.loader import load_model
 from shardserve.worker.cuda_graphs import DecodeGraphs
-from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, to_device, update_states
+from shardserve.transfer import to_device
+from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
 from shardserve.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from shardserve.layers.sampler import SamplingMetadata
-from shardserve.worker.input_batch import CachedRequestState, to_device
+from shardserve.transfer import to_device
+from shardserve.worker.input_batch import CachedRequestState
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.transfer import to_device
+
 BLOCK_M = 64
 KEYS_PER_ITER = 64
 
@@ -93,7 +95,6 @@ class PrefillTiles:
 
 def build_prefill_tiles(token_starts: list[int], query_lens: list[int], context_lens: list[int],
                         block_tables: torch.Tensor, device: torch.device) -> PrefillTiles:
-    from shardserve.worker.input_batch import to_device
     tile_req = [r for r, n in enumerate(query_lens) for _ in range(0, n, BLOCK_M)]
     tile_m = [m for n in query_lens for m in range(0, n, BLOCK_M)]
     data = np.asarray(tile_req + tile_m + token_starts + query_lens + context_lens, dtype=np.int32)
