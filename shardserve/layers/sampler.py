@@ -30,7 +30,8 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None = None
     output_token_counts: torch.Tensor | None = None   # [B, V] counts of generated tokens
     prompt_token_mask: torch.Tensor | None = None     # [B, V] bool: token occurs in the prompt
-    blocked_tokens: list[tuple[int, list[int]]] = field(default_factory=list)   # min_tokens
+    # min_tokens: (rows, token ids) pairs to mask, as device tensors (no host sync), or None
+    blocked_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     num_logprobs: int | None = None           # max over rows; -1 = whole vocabulary
 
 
@@ -88,8 +89,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, LogprobRows | None]:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.num_logprobs is not None else None
-        for row, token_ids in md.blocked_tokens:
-            logits[row, token_ids] = float("-inf")
+        if md.blocked_tokens is not None:
+            logits[md.blocked_tokens] = float("-inf")
         if md.output_token_counts is not None:
             logits = apply_penalties(logits, md)
         greedy_tokens = logits.argmax(dim=-1)

@@ -43,13 +43,16 @@ def build_sampling_metadata(states: list[CachedRequestState], outputs_before: li
         md.top_k = column([p.top_k for p in params], torch.long)
     if any(p.min_p > 0.0 for p in sampling):
         md.min_p = column([p.min_p for p in params])
+    blocked_rows, blocked_ids = [], []
     for row, (p, before) in enumerate(zip(params, outputs_before)):
         if p.seed is not None and not p.greedy:
             md.generators[row] = request_generator(p.seed, before, device)
         if before < p.min_tokens:
             blocked = sorted(set(p.stop_token_ids) | eos_token_ids)
-            if blocked:
-                md.blocked_tokens.append((row, blocked))
+            blocked_rows += [row] * len(blocked)
+            blocked_ids += blocked
+    if blocked_ids:
+        md.blocked_tokens = (column(blocked_rows, torch.long), column(blocked_ids, torch.long))
     if any(p.uses_penalties for p in params):
         counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
         prompt_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)

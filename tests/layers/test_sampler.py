@@ -81,7 +81,8 @@ def test_min_tokens_masks_eos_and_stop_ids_in_metadata():
     early = CachedRequestState("a", [0, 1, 4], 2, params, [], 0)         # 1 output token so far
     late = CachedRequestState("b", [0, 1, 4, 4], 2, params, [], 0)       # 2: no longer masked
     md = build_sampling_metadata([early, late], [1, 2], V, frozenset({4}), torch.device("cpu"))
-    assert md.blocked_tokens == [(0, [3, 4])]
+    rows, ids = md.blocked_tokens
+    assert rows.tolist() == [0, 0] and ids.tolist() == [3, 4]
     logits = torch.tensor([[0.0, 0.0, 0.0, 5.0, 4.0]] * 2)
     assert Sampler()(logits, md)[0].tolist() == [0, 3]
 
