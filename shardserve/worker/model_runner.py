@@ -68,6 +68,8 @@ class ModelRunner:
         # step before they reach the scheduler, so its inputs take them from here.
         self.prev_sampled: torch.Tensor | None = None
         self.prev_rows: dict[str, int] = {}
+        # Only TP rank 0 samples; under async scheduling it broadcasts the tokens to the others.
+        self.broadcast_samples = config.scheduler_config.async_scheduling and get_tp_group().world_size > 1
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -204,8 +206,7 @@ class ModelRunner:
             return PendingOutput(out)
         self._zero_fresh_blocks(sched)
         inputs = prepare_inputs(self.states, sched, self.block_size, self.device)
-        if inputs.placeholders:
-            self._fill_placeholders(inputs)
+        in_flight = self._fill_placeholders(inputs) if inputs.placeholders else None
         pp = get_pp_group()
         intermediate = None
         if not pp.is_first:   # activations from the previous stage: [tokens, hidden] twice
@@ -228,25 +229,26 @@ class ModelRunner:
         states = [self.states[r] for r in inputs.sample_req_ids]
         logits = self.model.compute_logits(hidden[inputs.sample_indices])   # a TP collective
         tp = get_tp_group()
-        if tp.rank != 0:   # only the driver samples; the scheduler sends every rank the tokens...
-            if self.config.scheduler_config.async_scheduling and tp.world_size > 1:   # ...or the driver does
+        if tp.rank != 0:   # only the driver samples; the scheduler (or the driver's broadcast) brings the tokens
+            if self.broadcast_samples:
                 self._remember_samples(inputs.sample_req_ids, torch.empty(len(states), dtype=torch.long,
                                                                           device=self.device))
             return PendingOutput(out)
         md = build_sampling_metadata(states, inputs.outputs_before_sample, self.mc.vocab_size, self.eos_token_ids,
-                                     self.device, self._pending_tokens(inputs, states))
+                                     self.device, self._pending_tokens(inputs, states, in_flight))
         sampled, lp_rows = self.sampler(logits, md)
         self._remember_samples(inputs.sample_req_ids, sampled)
         return self._pending_output(out, inputs.sample_req_ids, states, sampled, lp_rows)
 
     def _remember_samples(self, req_ids: list[str], sampled: torch.Tensor) -> None:
         tp = get_tp_group()
-        if self.config.scheduler_config.async_scheduling and tp.world_size > 1:
+        if self.broadcast_samples:
             dist.broadcast(sampled, src=tp.ranks[0], group=tp.group)   # every rank embeds the next inputs
         self.prev_sampled, self.prev_rows = sampled, {r: i for i, r in enumerate(req_ids)}
 
-    def _fill_placeholders(self, inputs: StepInputs) -> None:
-        """Inputs that are the tokens the previous step sampled, taken from its device tensor."""
+    def _fill_placeholders(self, inputs: StepInputs) -> torch.Tensor:
+        """Inputs that are the tokens the previous step sampled, taken from its device tensor.
+        Returns those tokens, in placeholder order."""
         try:
             rows = [self.prev_rows[r] for _, r in inputs.placeholders]
         except KeyError as e:
@@ -255,15 +257,14 @@ class ModelRunner:
         flat = to_device([i for i, _ in inputs.placeholders], torch.long, self.device)
         tokens = self.prev_sampled.index_select(0, to_device(rows, torch.long, self.device))
         inputs.input_ids.index_copy_(0, flat, tokens)
+        return tokens
 
-    def _pending_tokens(self, inputs: StepInputs, states: list[CachedRequestState]):
+    def _pending_tokens(self, inputs: StepInputs, states: list[CachedRequestState], in_flight: torch.Tensor | None):
         """(sample rows, token ids) of outputs still in flight, for penalties to count."""
-        if not inputs.placeholders or not any(s.sampling_params.uses_penalties for s in states):
+        if in_flight is None or not any(s.sampling_params.uses_penalties for s in states):
             return None
         row_of = {r: i for i, r in enumerate(inputs.sample_req_ids)}
-        rows = to_device([row_of[r] for _, r in inputs.placeholders], torch.long, self.device)
-        flat = to_device([i for i, _ in inputs.placeholders], torch.long, self.device)
-        return rows, inputs.input_ids.index_select(0, flat)
+        return to_device([row_of[r] for _, r in inputs.placeholders], torch.long, self.device), in_flight
 
     def _pending_output(self, out: ModelRunnerOutput, req_ids: list[str], states: list[CachedRequestState],
                         sampled: torch.Tensor, lp_rows) -> PendingOutput:
