@@ -9,3 +9,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """A tiny model runs far faster on one thread than on two contending for 2 busy cores. A module
+    opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -6,7 +6,6 @@ piece of the bookkeeping (placeholders, late stops, the one extra token) is exer
 from __future__ import annotations
 
 import pytest
-import torch
 
 from shardserve import LLM, SamplingParams
 from tests.tiny_models import make_tiny_checkpoint
@@ -15,12 +14,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 7, 8, 9, 10, 11, 200, 100, 42] * 3, list(range(1,
            [44, 45, 46], list(range(100, 170))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from shardserve import LLM, SamplingParams
 from tests.tiny_models import EOS_ID, make_tiny_checkpoint
@@ -17,13 +16,7 @@ PROMPT = {"prompt_token_ids": [1, 2, 3, 4, 5]}
 OTHER = {"prompt_token_ids": [40, 41, 42, 43, 44, 45, 46, 47, 48]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A tiny model runs far faster on one thread than on two contending for 2 busy cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
