@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.layers.attention.triton_paged import load_pages, online_softmax_step
+
 
 @triton.jit(do_not_specialize=["stride_tb", "window", "max_pages"])   # they change between eager steps
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
@@ -34,27 +36,11 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
     if window > 0:
         first = tl.maximum(seq_len - window, 0)
     for page0 in range(first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE), PAGES):
-        page = page0 + j // BLOCK_SIZE
-        block_id = tl.load(tables_ptr + b * stride_tb + page, mask=page < max_pages, other=0).to(tl.int64)
-        base = hk * stride_kh + block_id[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_ptr + base)
-        v = tl.load(v_ptr + base)
-        if IEEE:   # fp32 caches: no TF32 shortcut, the result must match the torch reference
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale    # [GROUP_PAD, PAGES * BLOCK_SIZE]
+        k, v = load_pages(k_ptr, v_ptr, tables_ptr + b * stride_tb, page0, max_pages, hk * stride_kh, stride_kb,
+                          BLOCK_SIZE=BLOCK_SIZE, PAGES=PAGES, HEAD_DIM=HEAD_DIM)
         pos = page0 * BLOCK_SIZE + j
         valid = (pos < seq_len) & (pos >= first)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, scale, IEEE=IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=g[:, None] < GROUP)

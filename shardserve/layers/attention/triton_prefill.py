@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.layers.attention.triton_paged import load_pages, online_softmax_step
 from shardserve.transfer import to_device
 
 BLOCK_M = 64
@@ -54,30 +55,13 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, tiles_ptr, n
     if window > 0:
         first_page = tl.maximum(ctx + m0 - window + 1, 0) // BLOCK_SIZE
     for page0 in range(first_page, tl.cdiv(end, BLOCK_SIZE), PAGES):
-        page = page0 + j // BLOCK_SIZE
-        block_id = tl.load(tables_ptr + r * stride_tb + page, mask=page < max_pages, other=0).to(tl.int64)
-        base = hk * stride_kh + block_id[:, None] * stride_kb + (j % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_ptr + base)
-        v = tl.load(v_ptr + base)
-        if IEEE:   # fp32 caches: no TF32 shortcut, the result must match the torch reference
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale   # [BLOCK_M, keys]
+        k, v = load_pages(k_ptr, v_ptr, tables_ptr + r * stride_tb, page0, max_pages, hk * stride_kh, stride_kb,
+                          BLOCK_SIZE=BLOCK_SIZE, PAGES=PAGES, HEAD_DIM=HEAD_DIM)
         k_pos = page0 * BLOCK_SIZE + j
         allowed = k_pos[None, :] <= q_pos[:, None]
         if window > 0:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-        scores = tl.where(allowed, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no key yet: nothing to rescale
-        alpha = tl.exp(m_i - m_ref)
-        p = tl.exp(scores - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale, IEEE=IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rows[:, None])
