@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.comm import tensor_model_parallel_all_reduce
-from shardserve.layers import cpu_ops
+from shardserve.layers import cpu_ops, triton_gemv
 from shardserve.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                    get_tensor_model_parallel_world_size)
 
@@ -37,9 +37,12 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for weights packed for the native CPU kernel (cpu_ops.use_bf16_weights)."""
+    """F.linear, except for weights packed for the native CPU kernel (cpu_ops.use_bf16_weights) and
+    a few rows on CUDA (a weight-streaming Triton kernel, layers/triton_gemv.py)."""
     if weight.dim() == 3:
         return cpu_ops.linear_bf16w(x, weight, bias)
+    if x.is_cuda and triton_gemv.handles(x, weight):
+        return triton_gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

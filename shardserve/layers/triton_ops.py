@@ -1,5 +1,5 @@
 """Fused small layers for CUDA in Triton: RMSNorm with the residual add, SiLU-and-mul, and rotary
-embedding applied in place to q and k. Each replaces several torch kernels per layer (a decode
+embedding applied in place to q and k (its kernels live in triton_rope.py). Each replaces several torch kernels per layer (a decode
 step on a GPU is made of hundreds of these tiny launches). They round where the torch code rounds
 (to bf16 after each op the torch path does in bf16), so the two paths agree within one bf16 ulp.
 """
@@ -52,35 +52,12 @@ def _kernels():
         s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
         tl.store(out_ptr + row * d + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_stride, k_stride, n_q, n_k,
-                      HALF: tl.constexpr):
-        t = tl.program_id(0)
-        h = tl.program_id(1)
-        i = tl.arange(0, HALF)
-        pos = tl.load(pos_ptr + t)
-        if h < n_q:
-            base = q_ptr + t * q_stride + h * 2 * HALF
-        else:
-            base = k_ptr + t * k_stride + (h - n_q) * 2 * HALF
-        x1 = tl.load(base + i)
-        x2 = tl.load(base + HALF + i)
-        dt = x1.dtype
-        c = tl.load(cos_ptr + pos * HALF + i).to(dt).to(tl.float32)
-        s = tl.load(sin_ptr + pos * HALF + i).to(dt).to(tl.float32)
-        a1 = (x1.to(tl.float32) * c).to(dt).to(tl.float32)
-        b1 = (x2.to(tl.float32) * s).to(dt).to(tl.float32)
-        a2 = (x2.to(tl.float32) * c).to(dt).to(tl.float32)
-        b2 = (x1.to(tl.float32) * s).to(dt).to(tl.float32)
-        tl.store(base + i, (a1 - b1).to(dt))
-        tl.store(base + HALF + i, (a2 + b2).to(dt))
-
-    return triton, rms_norm_kernel, silu_mul_kernel, rotary_kernel
+    return triton, rms_norm_kernel, silu_mul_kernel
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """rmsnorm(x) * weight; with residual, residual += x in place first (x, residual contiguous)."""
-    triton, kernel, _, _ = _kernels()
+    triton, kernel, _ = _kernels()
     n = x.shape[-1]
     out = torch.empty_like(x)
     rows = x.numel() // n
@@ -90,7 +67,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    triton, _, kernel, _ = _kernels()
+    triton, _, kernel = _kernels()
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     rows = x.numel() // (2 * d)
@@ -101,6 +78,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def rotary_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """NeoX-style rotation of q [T, Hq, D] and k [T, Hk, D] in place (head rows packed)."""
-    _, _, _, kernel = _kernels()
-    t, hq, dim = q.shape
-    kernel[(t, hq + k.shape[1])](positions, q, k, cos, sin, q.stride(0), k.stride(0), hq, k.shape[1], HALF=dim // 2)
+    from shardserve.layers import triton_rope
+    triton_rope.rotary_neox_(positions, q, k, cos, sin)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from shardserve.distributed.parallel_state import get_pp_group, get_pp_layer_range
+from shardserve.layers import triton_gemv
 from shardserve.layers.activation import SiluAndMul
 from shardserve.layers.attention import Attention, AttentionContext, AttentionSpec
 from shardserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -73,8 +74,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, ctx)
+        out = self.attn(q, k, v, ctx, rotary=(self.rotary_emb, positions))
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 
@@ -88,7 +88,11 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if gate_up.bias is None and x.is_cuda and triton_gemv.handles(x, gate_up.weight):
+            # a few rows on CUDA: one kernel for both projections and the activation
+            return self.down_proj(triton_gemv.gemv(x, gate_up.weight, gated=True))
+        return self.down_proj(self.act(gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

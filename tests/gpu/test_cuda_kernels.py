@@ -135,3 +135,61 @@ def test_triton_prefill_matches_torch_reference(dtype, head_dim, heads, kv_heads
         outs.append(backend.forward(spec, q, k, v, cache.clone(), backend.build(common, dev)).float())
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(outs[0], outs[1], atol=tol, rtol=tol), (outs[0] - outs[1]).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 8, 2), (128, 32, 8)])
+def test_rotary_fused_with_kv_write_matches_separate_kernels(dtype, head_dim, heads, kv_heads):
+    """One kernel (rotate q and k, store k and v) against the rotary kernel then the K/V write."""
+    from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
+    from shardserve.layers.rotary import RotaryEmbedding
+    from shardserve.layers.attention.triton_decode import write_kv
+    from shardserve.layers.triton_rope import rotary_neox_
+    torch.manual_seed(3)
+    dev, bs, pool, t = torch.device("cuda"), 16, 40, 9
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0).to(dev)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, device=dev).to(dtype)
+    cache = torch.zeros(2, kv_heads, pool, bs, head_dim, device=dev, dtype=dtype)
+    positions = torch.tensor([0, 1, 15, 16, 17, 300, 1000, 2047, 4095], device=dev)
+    slots = torch.randperm((pool - 1) * bs, device=dev)[:t] + bs
+
+    def views(x):
+        q, k, v = x.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim), v.reshape(t, kv_heads, head_dim)
+
+    want_qkv, want_cache = qkv.clone(), cache.clone()
+    q, k, v = views(want_qkv)
+    rotary_neox_(positions, q, k, rope.cos, rope.sin)
+    write_kv(k, v, want_cache[0], want_cache[1], slots)
+    got_qkv, got_cache = qkv.clone(), cache.clone()
+    q, k, v = views(got_qkv)
+    backend = CudaAttentionBackend()
+    assert backend.fuses_rotary(q, k, v)
+    tables = torch.arange(1, 2, dtype=torch.int32, device=dev).view(1, 1)
+    md = backend.build(CommonAttentionMetadata(0, [t], [0], tables, slots, bs), dev)
+    backend._write(q, k, v, got_cache[0], got_cache[1], md, (positions, rope.cos, rope.sin))
+    assert torch.equal(got_qkv, want_qkv)
+    assert torch.equal(got_cache, want_cache)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("n,k,gated,bias", [(6144, 4096, False, False), (1000, 896, False, True),
+                                            (4096, 14336, False, False), (3000, 1024, True, False)])
+def test_triton_gemv_matches_cublas(rows, n, k, gated, bias):
+    """The skinny-matmul kernel against F.linear (and SiLU-and-mul for the gated form): the same
+    result up to the order of an fp32 sum, i.e. within a bf16 ulp or two of the output."""
+    import torch.nn.functional as F
+    from shardserve.layers import triton_gemv
+    torch.manual_seed(rows)
+    dev, dt = "cuda", torch.bfloat16
+    w = torch.randn(2 * n if gated else n, k, device=dev, dtype=dt) * 0.03
+    b = torch.randn(n, device=dev, dtype=dt) if bias else None
+    x = torch.randn(rows, k, device=dev, dtype=dt)
+    assert triton_gemv.handles(x, w)
+    want = F.linear(x, w, b)
+    if gated:
+        want = F.silu(want[:, :n].float()).to(dt).float() * want[:, n:].float()
+    got = triton_gemv.gemv(x, w, b, gated=gated)
+    assert got.shape == (rows, n)
+    assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2), (got.float() - want.float()).abs().max()
+    assert not triton_gemv.handles(torch.randn(17, k, device=dev, dtype=dt), w)   # more rows: cuBLAS

@@ -58,8 +58,14 @@ class AttentionBackend(ABC):
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> object:
         """Per-step metadata shared by all layers."""
 
+    def fuses_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Can `forward` rotate q and k itself (its `rotary` argument) for these tensors?"""
+        return False
+
     @abstractmethod
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: object) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: object, rotary=None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] for the new tokens. Writes k, v into kv_cache at the slot
-        mapping, attends over each request's whole context, returns [T, Hq, D]."""
+        mapping, attends over each request's whole context, returns [T, Hq, D]. rotary, only where
+        `fuses_rotary` said so: (positions [T], cos, sin [max_position, D / 2]) to rotate q and k
+        (NeoX layout) in place before anything else."""

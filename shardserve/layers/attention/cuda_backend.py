@@ -41,8 +41,16 @@ class CudaAttentionBackend(TorchAttentionBackend):
         from shardserve.layers.attention.triton_prefill import paged_prefill_attention
         paged_prefill_attention(q, k_cache, v_cache, md.prefill_batch, out, spec.scale, spec.sliding_window)
 
-    def _write(self, k, v, k_cache, v_cache, md: TorchAttentionMetadata) -> None:
+    def fuses_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        from shardserve.layers.triton_rope import fusable
+        return fusable(q, k, v)
+
+    def _write(self, q, k, v, k_cache, v_cache, md: TorchAttentionMetadata, rotary) -> None:
         from shardserve.layers.attention.triton_decode import write_kv
+        if rotary is not None:   # one kernel: rotate q and k in place, store k and v
+            from shardserve.layers.triton_rope import rotary_and_write_kv
+            rotary_and_write_kv(rotary[0], q, k, v, rotary[1], rotary[2], k_cache, v_cache, md.slots)
+            return
         if k.stride(2) != 1 or v.stride(2) != 1:
             k, v = k.contiguous(), v.contiguous()
         write_kv(k, v, k_cache, v_cache, md.slots)

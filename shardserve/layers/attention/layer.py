@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from shardserve.layers.attention.backend import AttentionBackend, AttentionSpec
+from shardserve.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -24,5 +25,14 @@ class Attention(nn.Module):
         # Bound by the model runner once the KV pool is allocated; empty during weight loading.
         self.kv_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
+                rotary: tuple[RotaryEmbedding, torch.Tensor] | None = None) -> torch.Tensor:
+        """rotary: (rotary embedding, positions) to rotate q and k with first. A backend that can
+        fuses the rotation into its K/V write (one kernel on CUDA); otherwise it is applied here."""
+        if rotary is None:
+            return ctx.backend.forward(self.spec, q, k, v, self.kv_cache, ctx.metadata)
+        emb, positions = rotary
+        if ctx.backend.fuses_rotary(q, k, v):
+            return ctx.backend.forward(self.spec, q, k, v, self.kv_cache, ctx.metadata, (positions, emb.cos, emb.sin))
+        q, k = emb(positions, q, k)
         return ctx.backend.forward(self.spec, q, k, v, self.kv_cache, ctx.metadata)

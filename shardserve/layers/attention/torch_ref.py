@@ -103,9 +103,9 @@ class TorchAttentionBackend(AttentionBackend):
         return [_decode_group(common, order[i:i + size], device, all_rows=False) for i in range(0, d, size)]
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, md: TorchAttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, md: TorchAttentionMetadata, rotary=None) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        self._write(k, v, k_cache, v_cache, md)
+        self._write(q, k, v, k_cache, v_cache, md, rotary)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if md.num_decodes:
             self._decodes(spec, q, k_cache, v_cache, md, out)
@@ -130,9 +130,9 @@ class TorchAttentionBackend(AttentionBackend):
             mask = _allowed(q_pos.unsqueeze(1), k_pos.unsqueeze(0), spec.sliding_window)
             out[rows] = _sdpa(q[rows].transpose(0, 1), keys, values, spec, mask).transpose(0, 1)
 
-    @staticmethod
-    def _write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               md: TorchAttentionMetadata) -> None:
+    def _write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               md: TorchAttentionMetadata, rotary) -> None:
+        """New tokens' K/V into the pool (and, in a backend that fuses it, the rotation first)."""
         k_cache[:, md.write_blocks, md.write_offsets] = k.transpose(0, 1).to(k_cache.dtype)
         v_cache[:, md.write_blocks, md.write_offsets] = v.transpose(0, 1).to(v_cache.dtype)
 

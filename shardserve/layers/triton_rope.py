@@ -1,0 +1,92 @@
+"""Rotary embedding (NeoX / rotate-half layout) in Triton, for CUDA: on its own, rotating q and k in
+place, or fused with the attention's K/V write, where one launch rotates q, rotates k and stores it
+with v into the paged pool (a decode layer would otherwise spend two launches on them). Both round
+where the torch code rounds (cos/sin cast to the activations' dtype, each product rounded), so the
+paths agree bit for bit. Imported only where Triton runs (triton_ops.rotary_neox_, the CUDA backend).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(x1, x2, c, s):
+    """(x1 * c - x2 * s, x2 * c + x1 * s), each product rounded to x's dtype as torch computes it."""
+    dt = x1.dtype
+    c = c.to(dt).to(tl.float32)
+    s = s.to(dt).to(tl.float32)
+    a1 = (x1.to(tl.float32) * c).to(dt).to(tl.float32)
+    b1 = (x2.to(tl.float32) * s).to(dt).to(tl.float32)
+    a2 = (x2.to(tl.float32) * c).to(dt).to(tl.float32)
+    b2 = (x1.to(tl.float32) * s).to(dt).to(tl.float32)
+    return (a1 - b1).to(dt), (a2 + b2).to(dt)
+
+
+@triton.jit
+def _rotate_in_place(base, cos_row, sin_row, HALF: tl.constexpr):
+    i = tl.arange(0, HALF)
+    y1, y2 = _rotate(tl.load(base + i), tl.load(base + HALF + i), tl.load(cos_row + i), tl.load(sin_row + i))
+    tl.store(base + i, y1)
+    tl.store(base + HALF + i, y2)
+    return y1, y2
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_stride, k_stride, n_q, HALF: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + t)
+    if h < n_q:
+        base = q_ptr + t * q_stride + h * 2 * HALF
+    else:
+        base = k_ptr + t * k_stride + (h - n_q) * 2 * HALF
+    _rotate_in_place(base, cos_ptr + pos * HALF, sin_ptr + pos * HALF, HALF)
+
+
+@triton.jit(do_not_specialize=["pool_slots"])
+def _rotary_write_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+                            stride_qt, stride_kt, stride_vt, n_kv, pool_slots, HALF: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)   # KV heads first, then query heads
+    pos = tl.load(pos_ptr + t)
+    cos_row, sin_row = cos_ptr + pos * HALF, sin_ptr + pos * HALF
+    if h < n_kv:
+        i = tl.arange(0, HALF)
+        k1, k2 = _rotate_in_place(k_ptr + t * stride_kt + h * 2 * HALF, cos_row, sin_row, HALF)
+        dst = (h * pool_slots + tl.load(slots_ptr + t)) * 2 * HALF
+        dt = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst + i, k1.to(dt))
+        tl.store(k_cache_ptr + dst + HALF + i, k2.to(dt))
+        d = tl.arange(0, 2 * HALF)
+        tl.store(v_cache_ptr + dst + d, tl.load(v_ptr + t * stride_vt + h * 2 * HALF + d).to(dt))
+    else:
+        _rotate_in_place(q_ptr + t * stride_qt + (h - n_kv) * 2 * HALF, cos_row, sin_row, HALF)
+
+
+def fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Head rows packed and a power-of-two half (a Triton tile)."""
+    dim = q.shape[-1]
+    half = dim // 2
+    return (all(t.stride(-1) == 1 and t.stride(1) == dim for t in (q, k, v)) and half & (half - 1) == 0
+            and q.is_cuda)
+
+
+def rotary_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] in place (head rows packed)."""
+    t, hq, dim = q.shape
+    _rotary_kernel[(t, hq + k.shape[1])](positions, q, k, cos, sin, q.stride(0), k.stride(0), hq, HALF=dim // 2)
+
+
+def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slots: torch.Tensor) -> None:
+    """Rotate q and k in place and store the rotated k and v ([T, Hk, D], head rows packed) at
+    `slots` of the pool (each cache [Hk, blocks, block_size, D])."""
+    t, hq, dim = q.shape
+    hk, blocks, block_size, _ = k_cache.shape
+    _rotary_write_kv_kernel[(t, hk + hq)](positions, q, k, v, cos, sin, k_cache, v_cache, slots,
+                                         q.stride(0), k.stride(0), v.stride(0), hk, blocks * block_size,
+                                         HALF=dim // 2)
