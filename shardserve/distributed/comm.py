@@ -24,6 +24,7 @@ class OneShotAllReduce:
     def __init__(self, tp: GroupInfo, device: torch.device) -> None:
         self.group_name, self.device = tp.group.group_name, device
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self.copy_in_kernel = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
 
     @staticmethod
     def create(tp: GroupInfo, device: torch.device) -> "OneShotAllReduce | None":
@@ -50,6 +51,9 @@ class OneShotAllReduce:
             self.buffers[x.dtype] = buffer
         flat = x.view(-1)
         staged = buffer[:flat.numel()]
+        if self.copy_in_kernel:   # the reduction kernel stages the input itself: one launch, not two
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, flat, "sum", self.group_name, flat)
+            return
         staged.copy_(flat)
         torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, flat)
 

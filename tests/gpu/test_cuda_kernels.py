@@ -17,15 +17,19 @@ if not torch.cuda.is_available():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,heads,kv_heads,window", [(64, 8, 2, None), (128, 32, 8, None), (64, 6, 6, 40)])
 @pytest.mark.parametrize("bs", [16, 32])
-def test_triton_decode_matches_torch_reference(dtype, head_dim, heads, kv_heads, window, bs):
+@pytest.mark.parametrize("splits", [1, 3, None])   # None: as many as the kernel picks for this batch
+def test_triton_decode_matches_torch_reference(dtype, head_dim, heads, kv_heads, window, bs, splits, monkeypatch):
+    from shardserve.layers.attention import triton_decode
     from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
+    if splits is not None:
+        monkeypatch.setattr(triton_decode, "num_splits", lambda *a: splits)
     torch.manual_seed(0)
     dev, pool = torch.device("cuda"), 200
     spec = AttentionSpec(heads, kv_heads, head_dim, head_dim ** -0.5, window)
-    lens = [1, 17, 100, 333, 64]                      # context before the new token
+    lens = [1, 17, 100, 333, 64, 2000]                # context before the new token
     perm = torch.randperm(pool - 1) + 1               # scattered blocks, never the null block
     # A table width that is not a multiple of the pages the kernel takes per step.
-    tables, used = torch.zeros(len(lens), 23, dtype=torch.int32), 0
+    tables, used = torch.zeros(len(lens), 131, dtype=torch.int32), 0
     for i, n in enumerate(lens):
         nb = -(-(n + 1) // bs)
         tables[i, :nb] = perm[used:used + nb]

@@ -3,10 +3,14 @@ block tables (no gather), GQA-aware (one program per (request, KV head) serves a
 its group), online softmax in fp32. Shapes are static given the batch, so it runs inside CUDA graphs.
 Each loop iteration takes several pages (about 64 tokens): with few requests there are only a few
 programs, and each iteration's chain of dependent loads is the cost, so fewer, wider ones win.
+With few requests each request's keys are also split over several programs (flash-decoding), and
+a small second kernel merges the splits.
 
 KV layout (TorchAttentionBackend's): K and V each [num_kv_heads, num_blocks, block_size, head_dim].
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -15,14 +19,15 @@ import triton.language as tl
 from shardserve.layers.attention.triton_paged import load_pages, online_softmax_step
 
 
-@triton.jit(do_not_specialize=["stride_tb", "window", "max_pages"])   # they change between eager steps
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
+@triton.jit(do_not_specialize=["stride_tb", "window", "max_pages", "num_splits"])   # they change between steps
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr,
                          stride_qt, stride_qh, stride_kh, stride_kb, stride_tb, stride_ot, stride_oh,
-                         scale, window, max_pages,
+                         scale, window, max_pages, num_splits,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -35,35 +40,88 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
     first = 0
     if window > 0:
         first = tl.maximum(seq_len - window, 0)
-    for page0 in range(first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE), PAGES):
+    # This split's pages: an equal share of the request's, in whole tiles (a split may get none).
+    first_page, end_page = first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)
+    share = tl.cdiv(tl.cdiv(end_page - first_page, num_splits), PAGES) * PAGES
+    start = first_page + split * share
+    for page0 in range(start, tl.minimum(start + share, end_page), PAGES):
         k, v = load_pages(k_ptr, v_ptr, tables_ptr + b * stride_tb, page0, max_pages, hk * stride_kh, stride_kb,
                           BLOCK_SIZE=BLOCK_SIZE, PAGES=PAGES, HEAD_DIM=HEAD_DIM)
         pos = page0 * BLOCK_SIZE + j
         valid = (pos < seq_len) & (pos >= first)
         m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, scale, IEEE=IEEE)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=g[:, None] < GROUP)
+    if num_splits == 1:
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUP)
+    else:   # unnormalised partial output and its (max, sum) per head, for _merge_splits_kernel
+        row = (b * (tl.num_programs(1) * GROUP) + heads) * num_splits + split   # [batch, heads, splits]
+        tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g[:, None] < GROUP)
+        tl.store(stats_ptr + row * 2, m_i, mask=g < GROUP)
+        tl.store(stats_ptr + row * 2 + 1, l_i, mask=g < GROUP)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(part_ptr, stats_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+                         MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One (request, query head): rescale each split's partial output to the common max and sum."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, MAX_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    row = (b * tl.num_programs(1) + h) * num_splits + s
+    ok = s < num_splits
+    m = tl.load(stats_ptr + row * 2, mask=ok, other=float("-inf"))
+    l = tl.load(stats_ptr + row * 2 + 1, mask=ok, other=0.0)
+    part = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))   # a split with no keys weighs nothing
+    out = tl.sum(part * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+MAX_SPLITS = 16
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+    """Splits of each request's keys: enough programs to give every multiprocessor about two,
+    whatever the batch (few requests with long contexts would otherwise run on a few SMs, one
+    long chain of loads each), and none once the batch alone fills the GPU. Decided from shapes
+    only, so a captured graph's split count holds for any lengths."""
+    return max(1, min(MAX_SPLITS, 2 * _multiprocessors(device) // (batch * kv_heads)))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
-                           scale: float, window: int | None) -> None:
+                           scale: float, window: int | None, splits: int | None = None) -> None:
     """q, out: [B, Hq, D] (head rows packed); caches [Hk, blocks, block_size, D] contiguous;
-    block_tables [B, max_blocks] int32; seq_lens [B] int32 (tokens including the new one)."""
+    block_tables [B, max_blocks] int32; seq_lens [B] int32 (tokens including the new one).
+    With several splits (flash-decoding), each split of a request's keys is one program and a
+    second kernel merges their partial results."""
     batch, hq, dim = q.shape
     hk, _, block_size, _ = k_cache.shape
     group = hq // hk
-    grid = (batch, hk)
+    splits = splits or num_splits(batch, hk, q.device)
     # Pages past a request's length hold masked-out keys: a table entry past the table's width
     # reads block 0 instead, so no index runs off the table.
     pages = max(1, 64 // block_size) if k_cache.dtype != torch.float32 else max(1, 32 // block_size)
-    _paged_decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, out,
+    part = stats = out   # unused with one split
+    if splits > 1:
+        part = torch.empty(batch, hq, splits, dim, dtype=torch.float32, device=q.device)
+        stats = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(batch, hk, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part, stats,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), scale, window or 0, block_tables.shape[1],
+        out.stride(0), out.stride(1), scale, window or 0, block_tables.shape[1], splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, PAGES=pages,
         HEAD_DIM=dim, IEEE=k_cache.dtype == torch.float32)
+    if splits > 1:
+        _merge_splits_kernel[(batch, hq)](part, stats, out, out.stride(0), out.stride(1), splits,
+                                          MAX_SPLITS=MAX_SPLITS, HEAD_DIM=dim)
 
 
 @triton.jit

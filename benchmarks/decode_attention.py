@@ -1,0 +1,60 @@
+"""Paged decode attention on one GPU (issue 6): the Triton kernel with each request's keys split
+over several programs (flash-decoding, the default for small batches) against one program per
+(request, KV head), across batch sizes and context lengths, Llama-3-8B's attention shape (32 query
+heads, 8 KV heads, head_dim 128, bf16, 16-token blocks).
+
+    python3 benchmarks/decode_attention.py [--json out.json]
+
+Each case runs 32 calls (one per layer, over 4 separate pools so the reads come from HBM) in a
+CUDA graph; reported: us per call and the K/V bytes read per second.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.gemv_vs_cublas import time_graph   # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    from shardserve.layers.attention.triton_decode import num_splits, paged_decode_attention
+    dev, dt, hq, hk, dim, bs = torch.device("cuda"), torch.bfloat16, 32, 8, 128, 16
+    results = []
+    for batch, ctx in [(1, 256), (1, 2048), (1, 8192), (1, 32768), (8, 2048), (8, 8192), (32, 1024), (32, 4096)]:
+        blocks_per_seq = -(-ctx // bs)
+        pool_blocks = batch * blocks_per_seq + 1
+        pools = [torch.randn(2, hk, pool_blocks, bs, dim, device=dev, dtype=dt) for _ in range(4)]
+        tables = (torch.randperm(pool_blocks - 1, device=dev)[:batch * blocks_per_seq] + 1).int().view(batch, -1)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(batch, hq, dim, device=dev, dtype=dt)
+        out = torch.empty_like(q)
+        kv_bytes = 2 * batch * ctx * hk * dim * 2
+        row = {"batch": batch, "context": ctx}
+        for name, splits in (("one_program", 1), ("split", num_splits(batch, hk, dev))):
+            def call(i, splits=splits):
+                p = pools[i % 4]
+                paged_decode_attention(q, p[0], p[1], tables, lens, out, dim ** -0.5, None, splits=splits)
+            t = time_graph(call, 32)
+            row[name + "_us"], row[name + "_splits"] = t * 1e6, splits
+        row["speedup"] = row["one_program_us"] / row["split_us"]
+        results.append(row)
+        print(f"batch {batch:3d} context {ctx:6d}: one program per head {row['one_program_us']:8.1f} us, "
+              f"{row['split_splits']:2d} splits {row['split_us']:8.1f} us ({kv_bytes / row['split_us'] / 1e6:.2f} TB/s), "
+              f"{row['speedup']:.2f}x", flush=True)
+        pools = None
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(dev), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
