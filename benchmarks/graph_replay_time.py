@@ -1,62 +1,36 @@
-"""Where a decode step's time goes on a GPU: one CUDA-graph replay of the model (device time alone)
-against a whole engine step at the same batch (replay + input preparation + sampling + bookkeeping).
+"""Where a decode step's time goes on GPUs: one CUDA-graph replay of the model (device time alone,
+on every rank) against a whole engine step at the same batch (replay + LM head + sampling + input
+preparation + bookkeeping), and with --profile the kernels of one replay.
 
-    python3 benchmarks/graph_replay_time.py --shape llama-3-8b --batch-size 1
+    python3 benchmarks/graph_replay_time.py --shape llama-3-8b --batch-size 1 [-tp 2] [--profile]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shardserve import LLM, SamplingParams   # noqa: E402
 from shardserve.bench.shapes import shape_config, write_shape_dir   # noqa: E402
 
 
-def profile_replay(graphs, bs: int) -> None:
-    """Kernel times of a replay whose requests each attend over 256 tokens (of the null block: a
-    replay needs no real requests, and attention's cost depends on lengths, not contents)."""
-    with torch.inference_mode():
-        graphs.seq_lens[:bs].fill_(256)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            graphs.graphs[bs].replay()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    total = sum(e.device_time_total for e in events) / 10
-    print(f"kernels per replay: {sum(e.count for e in events) // 10}, {total / 1000:.3f} ms of kernel time")
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:15]:
-        print(f"  {e.device_time_total / 10 / 1000:7.3f} ms  {e.count // 10:4d}x  {e.key[:90]}")
-    with torch.inference_mode():
-        graphs.seq_lens[:bs].fill_(1)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-3-8b")
     p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--profile", action="store_true", help="also print the kernels of one replay, 256 tokens of context")
+    p.add_argument("--profile", action="store_true", help="also list the kernels of one replay (rank 0)")
+    p.add_argument("--json", help="write the measurements here")
     a = p.parse_args()
     llm = LLM(write_shape_dir(shape_config(a.shape), a.shape), load_format="dummy", skip_tokenizer_init=True,
-              device="cuda", dtype="bfloat16", show_progress=False, async_scheduling=a.async_scheduling)
-    graphs = llm.engine.executor.worker.model_runner.graphs
-    bs = next(s for s in graphs.sizes if s >= a.batch_size)
-    g = graphs.graphs[bs]
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(50):
-        g.replay()
-    torch.cuda.synchronize()
-    replay_ms = (time.perf_counter() - t) / 50 * 1000
-    if a.profile:
-        profile_replay(graphs, bs)
+              device="cuda", dtype="bfloat16", show_progress=False, async_scheduling=a.async_scheduling,
+              tensor_parallel_size=a.tensor_parallel_size, max_model_len=a.max_model_len)
+    ranks = llm.engine.executor.collective_rpc("profile_decode_graph", (a.batch_size, 256))
     prompts = [[7] * 128] * a.batch_size
     params = SamplingParams(temperature=0, max_tokens=257, ignore_eos=True, detokenize=False)
     llm.generate(prompts, SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)
@@ -67,8 +41,19 @@ def main() -> None:
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     step_ms = (time.perf_counter() - t - prefill) / 256 * 1000
-    print(f"batch {a.batch_size}, async scheduling {'on' if a.async_scheduling else 'off'}: graph replay {replay_ms:.2f} ms (device), engine decode step {step_ms:.2f} ms, "
-          f"host work around the replay {step_ms - replay_ms:.2f} ms")
+    replay_ms = max(r["replay_ms"] for r in ranks)
+    print(f"{a.shape} TP={a.tensor_parallel_size} batch {a.batch_size}, async scheduling "
+          f"{'on' if a.async_scheduling else 'off'}: graph replay {replay_ms:.2f} ms (device, slowest rank; 256 tokens "
+          f"of context), engine decode step {step_ms:.2f} ms, the rest {step_ms - replay_ms:.2f} ms")
+    if a.profile:
+        r = ranks[0]
+        print(f"rank 0: {r['kernels_per_replay']} kernels per replay, {r['kernel_ms']:.3f} ms of kernel time")
+        for k in r["kernels"][:15]:
+            print(f"  {k['ms']:7.3f} ms  {k['count']:4d}x  {k['name'][:90]}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"ranks": ranks, "engine_step_ms": step_ms, "args": vars(a)}, f, indent=1)
+    llm.engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -55,6 +55,11 @@ class Worker:
         return {n: (p.out_features, p.shape[1]) if p.dim() == 3 else tuple(p.shape)   # packed: logical shape
                 for n, p in self.model_runner.model.named_parameters()}
 
+    def profile_decode_graph(self, batch_size: int, context: int = 256) -> dict:
+        """The decode graph for batch_size replayed alone: its time and kernels (worker/graph_profile.py)."""
+        from shardserve.worker.graph_profile import profile_decode_graph
+        return profile_decode_graph(self.model_runner.graphs, batch_size, context)
+
     def environment(self, names: list[str]) -> dict[str, str | None]:
         """What this worker's process sees for the given variables (e.g. NCCL_* on every node)."""
         return {n: os.environ.get(n) for n in names}

@@ -1,4 +1,5 @@
-"""Edge cases at the engine's door: stop-token text, bad stop ids, request-id reuse, n > 1 ids."""
+"""Edge cases at the engine's door: stop-token text, bad stop ids, request-id reuse, n > 1 ids, and a
+GPU-only probe asked of a CPU engine."""
 from __future__ import annotations
 
 import pytest
@@ -85,3 +86,10 @@ def test_without_tokenizer_eos_comes_from_the_config(tmp_path):
         assert engine.eos_token_ids == frozenset({EOS_ID})
     finally:
         engine.shutdown()
+
+
+def test_decode_graph_profile_on_cpu_says_why_it_cannot(llm):
+    """benchmarks/graph_replay_time.py's per-rank probe: a CPU engine has no graphs to replay."""
+    with pytest.raises(RuntimeError, match="no decode graphs"):
+        llm.engine.executor.collective_rpc("profile_decode_graph", (1,))
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

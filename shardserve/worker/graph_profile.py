@@ -1,0 +1,40 @@
+"""Where a decode step's device time goes: one captured decode graph replayed on its own, timed
+with CUDA events, and its kernels listed by the torch profiler. Every rank runs it at once (through
+`collective_rpc("profile_decode_graph")`), since TP graphs meet at their all-reduces. Used by
+benchmarks/graph_replay_time.py; no requests are needed, as attention's cost depends on lengths,
+not contents (every row reads the null block `context` times)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def profile_decode_graph(graphs, batch_size: int, context: int = 256, replays: int = 20) -> dict[str, Any]:
+    if graphs is None:
+        raise RuntimeError("no decode graphs on this rank (CPU, --enforce-eager, or pipeline parallelism)")
+    bs = next(s for s in graphs.sizes if s >= batch_size)
+    graph = graphs.graphs[bs]
+    with torch.inference_mode():
+        graphs.seq_lens[:bs].fill_(context)
+    try:
+        for _ in range(3):
+            graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                graph.replay()
+            torch.cuda.synchronize()
+    finally:
+        with torch.inference_mode():
+            graphs.seq_lens[:bs].fill_(1)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels = sorted(((e.key, e.device_time_total / 10 / 1000, e.count // 10) for e in events), key=lambda k: -k[1])
+    return {"graph_batch": bs, "context": context, "replay_ms": start.elapsed_time(end) / replays,
+            "kernels_per_replay": sum(k[2] for k in kernels), "kernel_ms": sum(k[1] for k in kernels),
+            "kernels": [{"name": n, "ms": ms, "count": c} for n, ms, c in kernels]}
