@@ -41,7 +41,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     a few rows on CUDA (a weight-streaming Triton kernel, layers/triton_gemv.py)."""
     if weight.dim() == 3:
         return cpu_ops.linear_bf16w(x, weight, bias)
-    if x.is_cuda and triton_gemv.handles(x, weight):
+    if triton_gemv.handles(x, weight):
         return triton_gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 

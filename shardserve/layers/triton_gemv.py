@@ -5,8 +5,9 @@ an 8B model's QKV and O weights at batch 1 at 3.1-3.3 TB/s of the H200's ~4.3, a
 programs, which adds a reduction kernel per call. Here each program owns a strip of output
 features, streams its rows of the weight once, start to end, and writes finished outputs: one
 kernel, no partial sums in memory. The activation rows (up to 16) ride along as one tensor-core
-tile (plain FMAs were slower at every shape tried, even for one row). The gated form computes silu(x Wg^T) * (x Wu^T) for a stacked gate_up weight, so the MLP's
-activation costs no kernel and its [rows, 2 * inter] intermediate never reaches memory.
+tile (plain FMAs were slower at every shape tried, even for one row). The gated form computes
+silu(x Wg^T) * (x Wu^T) for a stacked gate_up weight, so the MLP's activation costs no kernel and
+its [rows, 2 * inter] intermediate never reaches memory.
 
 Rounding follows the torch path (fp32 accumulation, bf16 after each op torch does in bf16), so
 results agree with cuBLAS's within the last bf16 bit of a sum's reordering.
@@ -68,7 +69,7 @@ def _block_k(k: int, widest: int = 512) -> int | None:
 def _tiles(n: int, k: int, gated: bool) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K), from a sweep on an H200 over the Llama-3 8B/70B shapes at TP 1 and 2
     (benchmarks/gemv_vs_cublas.py --sweep): wide strips for wide outputs, and a narrower K step
-    where a program already streams two weights (gated) or 64 rows at once."""
+    where a program already streams two weights (gated) or 64 weight rows at once."""
     if n >= 5120:
         return 64, _block_k(k, 128 if gated else 256)
     return 32, _block_k(k, 128 if gated else 512)
@@ -87,6 +88,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """x [rows, K] @ weight[N, K]^T (+ bias); gated: weight is [2 * N, K] (gate rows then up rows)
     and the result is silu(gate) * up, [rows, N]. The tile and pipeline settings default to the
     tuned ones; the sweep passes others."""
+    if gated and bias is not None:
+        raise ValueError("the gated form takes no bias")
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     tile_n, tile_k = _tiles(n, k, gated)

@@ -1,7 +1,8 @@
 """Fused small layers for CUDA in Triton: RMSNorm with the residual add, SiLU-and-mul, and rotary
-embedding applied in place to q and k (its kernels live in triton_rope.py). Each replaces several torch kernels per layer (a decode
-step on a GPU is made of hundreds of these tiny launches). They round where the torch code rounds
-(to bf16 after each op the torch path does in bf16), so the two paths agree within one bf16 ulp.
+embedding applied in place to q and k (its kernels live in triton_rope.py). Each replaces several
+torch kernels per layer (a decode step on a GPU is made of hundreds of these tiny launches). They
+round where the torch code rounds (to bf16 after each op the torch path does in bf16), so the two
+paths agree within one bf16 ulp.
 """
 from __future__ import annotations
 

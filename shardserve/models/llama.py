@@ -89,7 +89,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if gate_up.bias is None and x.is_cuda and triton_gemv.handles(x, gate_up.weight):
+        if gate_up.bias is None and triton_gemv.handles(x, gate_up.weight):
             # a few rows on CUDA: one kernel for both projections and the activation
             return self.down_proj(triton_gemv.gemv(x, gate_up.weight, gated=True))
         return self.down_proj(self.act(gate_up(x)))

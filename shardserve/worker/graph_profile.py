@@ -2,7 +2,8 @@
 with CUDA events, and its kernels listed by the torch profiler. Every rank runs it at once (through
 `collective_rpc("profile_decode_graph")`), since TP graphs meet at their all-reduces. Used by
 benchmarks/graph_replay_time.py; no requests are needed, as attention's cost depends on lengths,
-not contents (every row reads the null block `context` times)."""
+not contents: every row reads the null block `context` times and writes its K/V into the scratch
+slot, so no request's cache is touched."""
 from __future__ import annotations
 
 from typing import Any
@@ -17,6 +18,8 @@ def profile_decode_graph(graphs, batch_size: int, context: int = 256, replays: i
     graph = graphs.graphs[bs]
     with torch.inference_mode():
         graphs.seq_lens[:bs].fill_(context)
+        graphs.slots[:bs].fill_(graphs.scratch_slot)
+        graphs.block_tables[:bs].zero_()
     try:
         for _ in range(3):
             graph.replay()
