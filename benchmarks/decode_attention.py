@@ -11,7 +11,6 @@ CUDA graph; reported: us per call and the K/V bytes read per second.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -19,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gemv_vs_cublas import time_graph   # noqa: E402
+from shardserve.bench.report import save   # noqa: E402
 
 
 def main() -> None:
@@ -51,9 +51,7 @@ def main() -> None:
               f"{row['speedup']:.2f}x", flush=True)
         pools = None
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(dev), "results": results}, f, indent=1)
+    save({"device": torch.cuda.get_device_name(dev), "results": results}, args.json)
 
 
 if __name__ == "__main__":

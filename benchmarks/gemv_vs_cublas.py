@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -22,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from shardserve.bench.report import save   # noqa: E402
+from shardserve.worker.graph_profile import replay_ms   # noqa: E402
 
 # name: (N, K, gated) — N is the output features (per gate/up half when gated)
 SHAPES = {
@@ -46,14 +47,7 @@ def time_graph(fn, copies: int, replays: int = 10) -> float:
     with torch.cuda.graph(graph):
         for i in range(copies):
             fn(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / replays / copies
+    return replay_ms(graph, replays) / 1e3 / copies
 
 
 def main() -> None:
@@ -111,9 +105,7 @@ def main() -> None:
                   f"max err {err:.2e} {cfg}", flush=True)
         weights = None
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    save(results, args.json)
 
 
 if __name__ == "__main__":

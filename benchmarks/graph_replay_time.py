@@ -7,13 +7,13 @@ preparation + bookkeeping), and with --profile the kernels of one replay.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shardserve import LLM, SamplingParams   # noqa: E402
+from shardserve.bench.report import save   # noqa: E402
 from shardserve.bench.shapes import shape_config, write_shape_dir   # noqa: E402
 
 
@@ -50,9 +50,7 @@ def main() -> None:
         print(f"rank 0: {r['kernels_per_replay']} kernels per replay, {r['kernel_ms']:.3f} ms of kernel time")
         for k in r["kernels"][:15]:
             print(f"  {k['ms']:7.3f} ms  {k['count']:4d}x  {k['name'][:90]}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"ranks": ranks, "engine_step_ms": step_ms, "args": vars(a)}, f, indent=1)
+    save({"ranks": ranks, "engine_step_ms": step_ms, "args": vars(a)}, a.json)
     llm.engine.shutdown()
 
 

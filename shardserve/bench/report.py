@@ -7,6 +7,11 @@ from typing import Any
 
 def report(result: dict[str, Any], path: str | None) -> None:
     print(json.dumps(result, indent=2), flush=True)
+    save(result, path)
+
+
+def save(result: dict[str, Any], path: str | None) -> None:
+    """Write the result as JSON (for scripts that print their own summary lines); no path: nothing."""
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)

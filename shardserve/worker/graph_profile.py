@@ -11,6 +11,18 @@ from typing import Any
 import torch
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Milliseconds per replay of a captured graph, between two CUDA events (after one warm replay)."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def profile_decode_graph(graphs, batch_size: int, context: int = 256, replays: int = 20) -> dict[str, Any]:
     if graphs is None:
         raise RuntimeError("no decode graphs on this rank (CPU, --enforce-eager, or pipeline parallelism)")
@@ -21,14 +33,7 @@ def profile_decode_graph(graphs, batch_size: int, context: int = 256, replays: i
         graphs.slots[:bs].fill_(graphs.scratch_slot)
         graphs.block_tables[:bs].zero_()
     try:
-        for _ in range(3):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
+        ms = replay_ms(graph, replays)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 graph.replay()
@@ -38,6 +43,6 @@ def profile_decode_graph(graphs, batch_size: int, context: int = 256, replays: i
             graphs.seq_lens[:bs].fill_(1)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     kernels = sorted(((e.key, e.device_time_total / 10 / 1000, e.count // 10) for e in events), key=lambda k: -k[1])
-    return {"graph_batch": bs, "context": context, "replay_ms": start.elapsed_time(end) / replays,
+    return {"graph_batch": bs, "context": context, "replay_ms": ms,
             "kernels_per_replay": sum(k[2] for k in kernels), "kernel_ms": sum(k[1] for k in kernels),
             "kernels": [{"name": n, "ms": ms, "count": c} for n, ms, c in kernels]}

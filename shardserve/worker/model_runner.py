@@ -254,8 +254,8 @@ class ModelRunner:
         except KeyError as e:
             raise RuntimeError(f"request {e.args[0]} needs a token from the previous step, which did not "
                                "sample for it") from None
-        flat = to_device([i for i, _ in inputs.placeholders], torch.long, self.device)
-        tokens = self.prev_sampled.index_select(0, to_device(rows, torch.long, self.device))
+        flat, rows = to_device([[i for i, _ in inputs.placeholders], rows], torch.long, self.device)   # one copy
+        tokens = self.prev_sampled.index_select(0, rows)
         inputs.input_ids.index_copy_(0, flat, tokens)
         return tokens
 
