@@ -21,6 +21,7 @@ from typing import Any
 
 from shardserve.config import EngineConfig
 from shardserve.executor.base import Executor
+from shardserve.executor.worker_proc import no_delay
 
 _POLL_S = 0.5
 
@@ -102,7 +103,7 @@ class MultiprocExecutor(Executor):
         sock.settimeout(_POLL_S)
         while True:
             try:
-                return listener.accept()
+                return no_delay(listener.accept())
             except (socket.timeout, TimeoutError):
                 for rank, proc in self.procs.items():
                     if proc.poll() is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -29,12 +30,24 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+def no_delay(conn):
+    """Turn Nagle's algorithm off on a connection's TCP socket, and return the connection.
+
+    With it on, a message sent while the peer has not yet acknowledged the previous one waits for
+    that acknowledgement, which the peer piggybacks on its next reply. The sampling worker replies
+    only when a step's tokens are ready, so the next step's message reached it a whole step late and
+    the GPUs idled between steps (8B at TP=2: 3.8 ms per step instead of 3.2)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:   # same socket; closing the dup keeps it
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
 def _connect(host: str, port: int, authkey: bytes, rank: int, timeout_s: float = 300.0):
     """Dial the engine, retrying while it starts (a headless node may come up first)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return Client((host, port), authkey=authkey)
+            return no_delay(Client((host, port), authkey=authkey))
         except (ConnectionRefusedError, OSError) as e:
             if time.monotonic() > deadline:
                 raise SystemExit(f"worker rank {rank}: no engine answered at {host}:{port} within "
