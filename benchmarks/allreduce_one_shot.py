@@ -5,6 +5,9 @@
 
 Per mode: checks the sum equals NCCL's bit for bit, captures 64 all-reduces of 8 KiB (one decode
 token's bf16 hidden state for an 8B model; 64 = two per layer) in one graph, replays it 20 times.
+With the fast path on it also times what a layer really does after each all-reduce, the residual add
+and RMSNorm: the one-shot kernel followed by the norm kernel, against the single fused kernel
+(distributed/fused_allreduce.py), both captured the same way.
 """
 from __future__ import annotations
 
@@ -19,6 +22,40 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CALLS, REPLAYS, NUMEL = 64, 20, 4096
 
 
+def time_graph(fn) -> float:
+    """us per call: CALLS calls of fn captured in one graph, replayed REPLAYS times."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm-up outside the capture (sets up buffers and channels)
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    for _ in range(REPLAYS):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / REPLAYS / CALLS * 1e6
+
+
+def norm_after_all_reduce(rank: int, device: torch.device) -> None:
+    from shardserve.distributed import comm
+    from shardserve.layers import triton_ops
+    x = torch.randn(1, NUMEL, dtype=torch.bfloat16, device=device)
+    res, w = torch.randn_like(x), torch.randn(NUMEL, dtype=torch.bfloat16, device=device)
+    separate = time_graph(lambda: triton_ops.rms_norm(comm.tensor_model_parallel_all_reduce(x), w, 1e-5, res))
+    fused = time_graph(lambda: comm.fused_all_reduce_add_rms_norm(x, res, w, 1e-5))
+    if rank == 0:
+        print(f"all-reduce + add + RMSNorm: one-shot then norm {separate:.1f} us, fused {fused:.1f} us "
+              f"({separate / fused:.2f}x)", flush=True)
+
+
 def worker(rank: int, fast: bool, port: int) -> None:
     from shardserve.distributed import comm
     from shardserve.distributed.parallel_state import init_distributed
@@ -30,28 +67,14 @@ def worker(rank: int, fast: bool, port: int) -> None:
     torch.distributed.all_reduce(want)
     got = x.clone()
     comm.tensor_model_parallel_all_reduce(got)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # warm-up outside the capture (sets up buffers and channels)
-        for _ in range(3):
-            comm.tensor_model_parallel_all_reduce(x.clone())
-    torch.cuda.current_stream().wait_stream(side)
-    z, graph = x.clone(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            comm.tensor_model_parallel_all_reduce(z)
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.distributed.barrier()
-    start = time.perf_counter()
-    for _ in range(REPLAYS):
-        graph.replay()
-    torch.cuda.synchronize()
-    us = (time.perf_counter() - start) / REPLAYS / CALLS * 1e6
+    z = x.clone()
+    us = time_graph(lambda: comm.tensor_model_parallel_all_reduce(z))
     if rank == 0:
         name = "one-shot (symmetric memory)" if comm._ONE_SHOT is not None else "NCCL"
         print(f"{name}: {us:.1f} us per 8 KiB all-reduce inside a graph; equal to NCCL's sum: {torch.equal(got, want)}",
               flush=True)
+    if comm._FUSED_NORM is not None:
+        norm_after_all_reduce(rank, device)
     torch.distributed.barrier()
     os._exit(0)   # no teardown: destroying NCCL / symmetric-memory state can stall; the OS frees it
 

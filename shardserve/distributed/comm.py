@@ -59,15 +59,29 @@ class OneShotAllReduce:
 
 
 _ONE_SHOT: OneShotAllReduce | None = None
+_FUSED_NORM = None   # fused_allreduce.AllReduceAddRMSNorm where it can run
 
 
 def init_fast_all_reduce(device: torch.device | None) -> None:
-    """After the groups exist, on every rank: set up the one-shot path for TP all-reduces (None:
-    NCCL/gloo only, as after the groups are destroyed)."""
-    global _ONE_SHOT
+    """After the groups exist, on every rank: set up the one-shot path for TP all-reduces and the
+    fused all-reduce + add + norm for decode rows (None: NCCL/gloo only, as after the groups are
+    destroyed)."""
+    global _ONE_SHOT, _FUSED_NORM
     _ONE_SHOT = OneShotAllReduce.create(get_tp_group(), device) if device is not None else None
+    _FUSED_NORM = None
     if _ONE_SHOT is not None:
         logger.info("TP all-reduces up to %d KiB: one-shot over symmetric memory", OneShotAllReduce.MAX_BYTES >> 10)
+        from shardserve.distributed.fused_allreduce import AllReduceAddRMSNorm
+        _FUSED_NORM = AllReduceAddRMSNorm.create(get_tp_group(), device)
+
+
+def fused_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                  eps: float) -> torch.Tensor | None:
+    """rmsnorm(allreduce(x) + residual) * weight in one kernel, residual updated in place; None
+    where the fused path does not take these tensors (the caller reduces, then norms)."""
+    if _FUSED_NORM is None or not _FUSED_NORM.handles(x, residual):
+        return None
+    return _FUSED_NORM(x, residual, weight, eps)
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:

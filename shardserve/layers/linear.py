@@ -94,8 +94,12 @@ class RowParallelLinear(LinearBase):
             loaded = loaded.narrow(1, self.tp_rank * size, size)
         default_weight_loader(param, loaded)   # the bias is replicated
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's partial sum, left for the next RMSNorm to all-reduce (no bias)."""
         out = linear(x, self.weight)
+        if not reduce:
+            assert self.bias is None, "a partial sum cannot take the bias (it is added once, after the reduction)"
+            return out
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         if self.bias is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardserve.distributed import comm
 from shardserve.layers.fused import ops_for
 
 
@@ -19,8 +20,14 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: bool = False):
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual).
+        reduce: x is a TP rank's partial sum, all-reduced first (in the same kernel where it can)."""
+        if reduce:
+            out = comm.fused_all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
+            if out is not None:
+                return out, residual
+            x = comm.tensor_model_parallel_all_reduce(x)
         ops = ops_for(x, self.weight) if x.is_contiguous() else None
         if ops is not None:
             if residual is None:

@@ -12,7 +12,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from shardserve.distributed.parallel_state import get_pp_group, get_pp_layer_range
+from shardserve.distributed.comm import tensor_model_parallel_all_reduce
+from shardserve.distributed.parallel_state import get_pp_group, get_pp_layer_range, get_tensor_model_parallel_world_size
 from shardserve.layers import triton_gemv
 from shardserve.layers.activation import SiluAndMul
 from shardserve.layers.attention import Attention, AttentionContext, AttentionSpec
@@ -65,7 +66,8 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
                                             self.head_dim ** -0.5, sliding_window_for_layer(cfg, layer)))
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: AttentionContext,
+                reduce: bool = True) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -75,7 +77,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn(q, k, v, ctx, rotary=(self.rotary_emb, positions))
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return self.o_proj(out.reshape(out.shape[0], -1), reduce=reduce)
 
 
 class LlamaMLP(nn.Module):
@@ -87,12 +89,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         gate_up = self.gate_up_proj
         if gate_up.bias is None and triton_gemv.handles(x, gate_up.weight):
             # a few rows on CUDA: one kernel for both projections and the activation
-            return self.down_proj(triton_gemv.gemv(x, gate_up.weight, gated=True))
-        return self.down_proj(self.act(gate_up(x)))
+            return self.down_proj(triton_gemv.gemv(x, gate_up.weight, gated=True), reduce=reduce)
+        return self.down_proj(self.act(gate_up(x)), reduce=reduce)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -103,16 +105,22 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer, arch)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.mlp = LlamaMLP(cfg)
+        # With TP, the o_proj and down_proj outputs stay partial sums and the norm after each
+        # all-reduces them (one kernel with the add and the norm where it can: fused_allreduce.py).
+        self.defers_reduction = (get_tensor_model_parallel_world_size() > 1 and self.self_attn.o_proj.bias is None
+                                 and self.mlp.down_proj.bias is None)
 
-    def forward(self, positions, hidden, residual, ctx):
+    def forward(self, positions, hidden, residual, ctx, partial: bool = False):
+        """partial: `hidden` is the previous layer's unreduced output (see defers_reduction)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm(hidden, residual, reduce=partial)
+        defer = self.defers_reduction
+        hidden = self.self_attn(positions, hidden, ctx, reduce=not defer)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, reduce=defer)
+        return self.mlp(hidden, reduce=not defer), residual
 
 
 class LlamaModel(nn.Module):
@@ -135,11 +143,14 @@ class LlamaModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate
+        partial = False
         for layer in self.layers[self.start:self.end]:
-            hidden, residual = layer(positions, hidden, residual, ctx)
-        if not self.is_last:
+            hidden, residual = layer(positions, hidden, residual, ctx, partial)
+            partial = layer.defers_reduction
+        if not self.is_last:   # the next stage gets finished sums
+            hidden = tensor_model_parallel_all_reduce(hidden) if partial else hidden
             return hidden, residual if residual is not None else torch.zeros_like(hidden)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual, reduce=partial)
         return hidden
 
 

@@ -1,0 +1,122 @@
+"""A decode step's `all-reduce -> residual add -> RMSNorm` as one kernel, for TP ranks on one host.
+
+Each TP layer ends in a row-parallel matmul whose partial sums are all-reduced and then normed with
+the residual. Done apart, that is two launches (the one-shot all-reduce with its two cross-GPU
+barriers, then the norm) for a few KiB. Here one kernel does both, and needs no barrier at all:
+
+- Every rank stores its partial row straight into each peer's buffer over NVLink (symmetric
+  memory), then reads its own buffer until every rank's values have landed. "Not landed yet" is
+  one bit pattern: negative zero, which senders write as +0.0 (the same number), so a reader can
+  wait on each element alone, with no flag to order against the data ("Lamport" style).
+- After reading, a rank puts the pattern back into its buffer, ready for the next use.
+- Two buffer slots alternate between consecutive calls: a peer can run at most one call ahead
+  (the call after that needs this rank's next values), so it never writes into the slot this rank
+  is still reading or resetting. The call count lives on the device, so CUDA graphs keep it.
+- Sums are taken in fp32 in rank order, the same on every rank (TP ranks must hold identical
+  hidden states); with two ranks that is exactly the sum NCCL and the one-shot kernel give. The
+  add and the norm round like `layers/triton_ops.rms_norm`, so the result is bit-identical to the
+  separate all-reduce and norm.
+
+Up to MAX_ROWS rows (a decode batch; larger batches take the separate path) and MAX_HIDDEN
+features. SHARDSERVE_FUSED_ALLREDUCE=0 turns it off (for A/B runs).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from shardserve.distributed.parallel_state import GroupInfo
+
+MAX_ROWS = 16
+MAX_HIDDEN = 16384
+_NOT_LANDED = -32768   # 0x8000 as int16: negative zero in bf16 and fp16
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, peers_ptr, calls_ptr, rank, n_cols,
+                                       num_rows, eps, WORLD: tl.constexpr, MAX_ROWS: tl.constexpr,
+                                       MAX_HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        call = tl.load(calls_ptr, volatile=True)
+        slot = call % 2
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        bits = x.to(tl.int16, bitcast=True)
+        bits = tl.where(bits == -32768, tl.zeros_like(bits), bits)   # -0.0 -> +0.0: the pattern stays free
+        mine = ((slot * WORLD + rank) * MAX_ROWS + row) * MAX_HIDDEN
+        for p in tl.static_range(WORLD):
+            peer = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int16))
+            tl.store(peer + mine + cols, bits, mask=mask)
+        own = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int16))
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for p in tl.static_range(WORLD):   # rank order: the same sum on every rank
+            theirs = own + ((slot * WORLD + p) * MAX_ROWS + row) * MAX_HIDDEN + cols
+            v = tl.load(theirs, mask=mask, other=0, volatile=True)
+            while tl.sum((v == -32768).to(tl.int32), axis=0) > 0:
+                v = tl.load(theirs, mask=mask, other=0, volatile=True)
+            acc += v.to(x.dtype, bitcast=True).to(tl.float32)
+            tl.store(theirs, tl.full([BLOCK], -32768, tl.int16), mask=mask)
+        # residual = allreduce(x) + residual, then the norm: rounded as triton_ops.rms_norm rounds
+        s = acc.to(x.dtype).to(tl.float32)
+        r = (s + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(res_ptr + row * n_cols + cols, r, mask=mask)
+        rf = r.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(rf * rf, axis=0) / n_cols + eps)
+        normed = (rf * inv).to(x.dtype).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+        # The last row's program to finish advances the call count (every program has read it by then).
+        tl.debug_barrier()
+        done = tl.atomic_add(calls_ptr + 1, 1)
+        if done == num_rows - 1:
+            tl.store(calls_ptr + 1, 0)
+            tl.store(calls_ptr, call + 1)
+
+    return triton, all_reduce_add_rms_norm_kernel
+
+
+class AllReduceAddRMSNorm:
+    """rmsnorm(allreduce(x) + residual) * weight in one kernel; residual is updated in place."""
+
+    def __init__(self, tp: GroupInfo, device: torch.device) -> None:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+        self.world, self.rank = tp.world_size, tp.rank
+        self.buffer = symm_mem.empty(2 * self.world * MAX_ROWS * MAX_HIDDEN, dtype=torch.int16, device=device)
+        self.buffer.fill_(_NOT_LANDED)
+        handle = symm_mem.rendezvous(self.buffer, tp.group.group_name)
+        self.peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self.calls = torch.zeros(2, dtype=torch.int32, device=device)   # call count, programs done
+        torch.cuda.synchronize(device)
+        dist.barrier(group=tp.group)   # every buffer holds the pattern before anyone writes
+
+    @staticmethod
+    def create(tp: GroupInfo, device: torch.device) -> "AllReduceAddRMSNorm | None":
+        """Every TP rank calls this (it is a collective) once the one-shot path exists; None where
+        the fused path is switched off or Triton is missing."""
+        from shardserve.layers import triton_ops
+        if os.environ.get("SHARDSERVE_FUSED_ALLREDUCE") == "0" or not triton_ops.available():
+            return None
+        return AllReduceAddRMSNorm(tp, device)
+
+    def handles(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
+                and x.shape[0] <= MAX_ROWS and x.shape[1] <= MAX_HIDDEN and x.is_contiguous()
+                and residual.is_contiguous() and residual.dtype == x.dtype and residual.shape == x.shape)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        triton, kernel = _kernel()
+        rows, n = x.shape
+        out = torch.empty_like(x)
+        kernel[(rows,)](x, residual, weight, out, self.peers, self.calls, self.rank, n, rows, eps,
+                        WORLD=self.world, MAX_ROWS=MAX_ROWS, MAX_HIDDEN=MAX_HIDDEN,
+                        BLOCK=triton.next_power_of_2(n), num_warps=8)
+        return out
