@@ -7,7 +7,7 @@ Per mode: checks the sum equals NCCL's bit for bit, captures 64 all-reduces of 8
 token's bf16 hidden state for an 8B model; 64 = two per layer) in one graph, replays it 20 times.
 With the fast path on it also times what a layer really does after each all-reduce, the residual add
 and RMSNorm: the one-shot kernel followed by the norm kernel, against the single fused kernel
-(distributed/fused_allreduce.py), both captured the same way.
+(distributed/fused_allreduce.py, opt-in in the engine, turned on here), both captured the same way.
 """
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ def worker(rank: int, fast: bool, port: int) -> None:
 
 
 if __name__ == "__main__":
+    os.environ["SHARDSERVE_FUSED_ALLREDUCE"] = "1"   # the fused kernel is measured here (workers inherit it)
     for i, fast in enumerate((True, False)):
         mp.spawn(worker, args=(fast, 29566 + i), nprocs=2)
     print("done")

@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from shardserve.layers import pdl
+
 MAX_ROWS = 16   # one tensor-core tile of activation rows; larger batches go to cuBLAS
 ENABLED = os.environ.get("SHARDSERVE_TRITON_GEMV", "1") != "0"   # off: cuBLAS everywhere (for A/B runs)
 
@@ -31,7 +33,10 @@ def _kernel():
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stride_w, stride_o,
                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
@@ -99,5 +104,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _kernel()[grid](x, weight, bias if bias is not None else weight, out, rows, n, k,
                     x.stride(0), weight.stride(0), out.stride(0),
                     HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
-                    BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+                    BLOCK_K=block_k, PDL=pdl.enabled(x), num_warps=num_warps, num_stages=num_stages,
+                    launch_pdl=pdl.enabled(x))
     return out

@@ -11,6 +11,7 @@ import importlib.util
 
 import torch
 
+from shardserve.layers import pdl
 
 @functools.cache
 def available() -> bool:
@@ -27,7 +28,11 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+        if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -63,7 +68,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x)
     rows = x.numel() // n
     kernel[(rows,)](x, residual if residual is not None else x, weight, out, n, eps,
-                    HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n))
+                    HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), PDL=pdl.enabled(x),
+                    launch_pdl=pdl.enabled(x))
     return out
 
 

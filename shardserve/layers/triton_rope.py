@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.layers import pdl
+
 
 @triton.jit
 def _rotate(x1, x2, c, s):
@@ -34,7 +36,11 @@ def _rotate_in_place(base, cos_row, sin_row, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_stride, k_stride, n_q, HALF: tl.constexpr):
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_stride, k_stride, n_q, HALF: tl.constexpr,
+                   PDL: tl.constexpr):
+    if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + t)
@@ -47,7 +53,11 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_stride, k_stride, 
 
 @triton.jit(do_not_specialize=["pool_slots"])
 def _rotary_write_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-                            stride_qt, stride_kt, stride_vt, n_kv, pool_slots, HALF: tl.constexpr):
+                            stride_qt, stride_kt, stride_vt, n_kv, pool_slots, HALF: tl.constexpr,
+                            PDL: tl.constexpr):
+    if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     h = tl.program_id(1)   # KV heads first, then query heads
     pos = tl.load(pos_ptr + t)
@@ -77,7 +87,8 @@ def rotary_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos:
                  sin: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place (head rows packed)."""
     t, hq, dim = q.shape
-    _rotary_kernel[(t, hq + k.shape[1])](positions, q, k, cos, sin, q.stride(0), k.stride(0), hq, HALF=dim // 2)
+    _rotary_kernel[(t, hq + k.shape[1])](positions, q, k, cos, sin, q.stride(0), k.stride(0), hq, HALF=dim // 2,
+                                         PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q))
 
 
 def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -89,4 +100,4 @@ def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     hk, blocks, block_size, _ = k_cache.shape
     _rotary_write_kv_kernel[(t, hk + hq)](positions, q, k, v, cos, sin, k_cache, v_cache, slots,
                                          q.stride(0), k.stride(0), v.stride(0), hk, blocks * block_size,
-                                         HALF=dim // 2)
+                                         HALF=dim // 2, PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q))

@@ -1,7 +1,7 @@
 """On two GPUs over NCCL: PP=2 gives exactly the TP=1 greedy tokens on a random-weight
 Llama-3-8B-shaped model in bf16; TP=2 gives them too, except where TP=1 itself sees a near-tie
 (TP splits each GEMM and sums partial results in another order, which moves bf16 roundings).
-The fused all-reduce + residual add + RMSNorm kernel equals the separate kernels bit for bit."""
+The opt-in fused all-reduce + residual add + RMSNorm kernel equals the separate kernels bit for bit."""
 from __future__ import annotations
 
 import gc
@@ -43,9 +43,8 @@ def test_nccl_tp2_and_pp2_match_tp1(checkpoint, monkeypatch):
     # as eager, so the same tokens.
     assert [o.token_ids for o in _run(checkpoint, tensor_parallel_size=2, enforce_eager=True)] == \
         [o.token_ids for o in tp2]
-    # Small all-reduces go one-shot over symmetric memory, and after o_proj and down_proj one kernel
-    # all-reduces, adds the residual and norms; with two ranks a + b is the same sum NCCL computes,
-    # so turning the fast paths off changes no token.
+    # Small all-reduces go one-shot over symmetric memory; with two ranks a + b is the same sum NCCL
+    # computes, so turning the fast path off changes no token.
     monkeypatch.setenv("SHARDSERVE_ONE_SHOT_ALLREDUCE", "0")
     assert [o.token_ids for o in _run(checkpoint, tensor_parallel_size=2)] == [o.token_ids for o in tp2]
     monkeypatch.delenv("SHARDSERVE_ONE_SHOT_ALLREDUCE")
@@ -78,7 +77,7 @@ def _fused_norm_worker(rank: int, port: int) -> None:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     init_distributed(rank, 2, 1, f"tcp://127.0.0.1:{port}", device)
-    assert comm._FUSED_NORM is not None, "the fused all-reduce + norm should be on for two GPUs of one host"
+    assert comm._FUSED_NORM is not None, "SHARDSERVE_FUSED_ALLREDUCE=1 turns the fused path on for two GPUs of one host"
     eps = 1e-5
 
     def separate(x, res, w):
@@ -129,10 +128,11 @@ def _fused_norm_worker(rank: int, port: int) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU-only: the fused all-reduce needs two CUDA GPUs of one host (run on an H200 x2 machine)")
-def test_fused_all_reduce_add_norm_matches_separate_kernels():
+def test_fused_all_reduce_add_norm_matches_separate_kernels(monkeypatch):
     """All-reduce + residual add + RMSNorm in one kernel equals the one-shot all-reduce followed by
     the norm kernel bit for bit (rows 1/3/16, hidden 4096/5120/8192, a -0.0 in the input), eagerly
     and over 40 chained calls replayed from a CUDA graph."""
     import torch.multiprocessing as mp
     from shardserve.executor.multiproc import free_port
+    monkeypatch.setenv("SHARDSERVE_FUSED_ALLREDUCE", "1")   # opt-in (distributed/fused_allreduce.py)
     mp.spawn(_fused_norm_worker, args=(free_port(),), nprocs=2)

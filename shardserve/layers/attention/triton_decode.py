@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.layers import pdl
 from shardserve.layers.attention.triton_paged import load_pages, online_softmax_step
 
 
@@ -24,7 +25,10 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
                          stride_qt, stride_qh, stride_kh, stride_kb, stride_tb, stride_ot, stride_oh,
                          scale, window, max_pages, num_splits,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+                         PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -62,8 +66,11 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(part_ptr, stats_ptr, out_ptr, stride_ot, stride_oh, num_splits,
-                         MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                         MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     """One (request, query head): rescale each split's partial output to the common max and sum."""
+    if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS)
@@ -118,15 +125,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or 0, block_tables.shape[1], splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, PAGES=pages,
-        HEAD_DIM=dim, IEEE=k_cache.dtype == torch.float32)
+        HEAD_DIM=dim, IEEE=k_cache.dtype == torch.float32, PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q))
     if splits > 1:
         _merge_splits_kernel[(batch, hq)](part, stats, out, out.stride(0), out.stride(1), splits,
-                                          MAX_SPLITS=MAX_SPLITS, HEAD_DIM=dim)
+                                          MAX_SPLITS=MAX_SPLITS, HEAD_DIM=dim, PDL=pdl.enabled(q),
+                                          launch_pdl=pdl.enabled(q))
 
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                     pool_slots, HEAD_DIM: tl.constexpr):
+                     pool_slots, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -145,7 +156,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     tokens, hk, dim = k.shape
     _, blocks, block_size, _ = k_cache.shape
     _write_kv_kernel[(tokens, hk)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                   blocks * block_size, HEAD_DIM=dim)
+                                   blocks * block_size, HEAD_DIM=dim, PDL=pdl.enabled(k), launch_pdl=pdl.enabled(k))
 
 
 def supported(head_dim: int, block_size: int) -> bool:

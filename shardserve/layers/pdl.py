@@ -1,0 +1,36 @@
+"""Programmatic dependent launch (PDL, Hopper and newer) for the decode path's Triton kernels.
+
+A decode step is hundreds of small dependent kernels; between two of them the GPU normally drains
+the first before it starts launching the second. Launched with PDL, a kernel's programs can be
+scheduled while the previous kernel is still running: each of our kernels first lets the next one
+launch (`gdc_launch_dependents`), then waits until the previous one has finished and its writes
+are visible (`gdc_wait`), and only then reads or writes memory. So every kernel still sees its
+inputs complete, while the launch of the next overlaps the tail of the current. Measured on an H200
+with 8B TP=2 shapes (7 kernels x 32 layers in a CUDA graph): 2.36 -> 2.17 ms. CUDA graphs keep the
+programmatic edges. The kernels take `PDL` as a constexpr and begin with:
+
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+SHARDSERVE_PDL=0 launches them the ordinary way (for A/B runs).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENABLED = os.environ.get("SHARDSERVE_PDL", "1") != "0"
+
+
+@functools.cache
+def _capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Whether kernels working on `t` launch with PDL (a CUDA device of compute capability 9+)."""
+    return ENABLED and t.is_cuda and _capable(t.device.index if t.device.index is not None
+                                              else torch.cuda.current_device())
