@@ -126,5 +126,5 @@ class AllReduceAddRMSNorm:
         out = torch.empty_like(x)
         kernel[(rows,)](x, residual, weight, out, self.peers, self.calls, self.rank, n, rows, eps,
                         WORLD=self.world, MAX_ROWS=MAX_ROWS, MAX_HIDDEN=MAX_HIDDEN,
-                        BLOCK=triton.next_power_of_2(n), PDL=pdl.enabled(x), num_warps=8, launch_pdl=pdl.enabled(x))
+                        BLOCK=triton.next_power_of_2(n), num_warps=8, **pdl.launch_args(x))
         return out

@@ -34,3 +34,9 @@ def enabled(t: torch.Tensor) -> bool:
     """Whether kernels working on `t` launch with PDL (a CUDA device of compute capability 9+)."""
     return ENABLED and t.is_cuda and _capable(t.device.index if t.device.index is not None
                                               else torch.cuda.current_device())
+
+
+def launch_args(t: torch.Tensor) -> dict[str, bool]:
+    """The kernel's PDL constexpr and Triton's launch option, for a kernel working on `t`."""
+    on = enabled(t)
+    return {"PDL": on, "launch_pdl": on}

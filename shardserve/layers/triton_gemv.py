@@ -104,6 +104,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _kernel()[grid](x, weight, bias if bias is not None else weight, out, rows, n, k,
                     x.stride(0), weight.stride(0), out.stride(0),
                     HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
-                    BLOCK_K=block_k, PDL=pdl.enabled(x), num_warps=num_warps, num_stages=num_stages,
-                    launch_pdl=pdl.enabled(x))
+                    BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(x))
     return out

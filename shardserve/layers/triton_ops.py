@@ -13,6 +13,7 @@ import torch
 
 from shardserve.layers import pdl
 
+
 @functools.cache
 def available() -> bool:
     return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
@@ -68,8 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x)
     rows = x.numel() // n
     kernel[(rows,)](x, residual if residual is not None else x, weight, out, n, eps,
-                    HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), PDL=pdl.enabled(x),
-                    launch_pdl=pdl.enabled(x))
+                    HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), **pdl.launch_args(x))
     return out
 
 

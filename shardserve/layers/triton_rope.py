@@ -88,7 +88,7 @@ def rotary_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place (head rows packed)."""
     t, hq, dim = q.shape
     _rotary_kernel[(t, hq + k.shape[1])](positions, q, k, cos, sin, q.stride(0), k.stride(0), hq, HALF=dim // 2,
-                                         PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q))
+                                         **pdl.launch_args(q))
 
 
 def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -100,4 +100,4 @@ def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     hk, blocks, block_size, _ = k_cache.shape
     _rotary_write_kv_kernel[(t, hk + hq)](positions, q, k, v, cos, sin, k_cache, v_cache, slots,
                                          q.stride(0), k.stride(0), v.stride(0), hk, blocks * block_size,
-                                         HALF=dim // 2, PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q))
+                                         HALF=dim // 2, **pdl.launch_args(q))

@@ -125,11 +125,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or 0, block_tables.shape[1], splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, PAGES=pages,
-        HEAD_DIM=dim, IEEE=k_cache.dtype == torch.float32, PDL=pdl.enabled(q), launch_pdl=pdl.enabled(q))
+        HEAD_DIM=dim, IEEE=k_cache.dtype == torch.float32, **pdl.launch_args(q))
     if splits > 1:
         _merge_splits_kernel[(batch, hq)](part, stats, out, out.stride(0), out.stride(1), splits,
-                                          MAX_SPLITS=MAX_SPLITS, HEAD_DIM=dim, PDL=pdl.enabled(q),
-                                          launch_pdl=pdl.enabled(q))
+                                          MAX_SPLITS=MAX_SPLITS, HEAD_DIM=dim, **pdl.launch_args(q))
 
 
 @triton.jit
@@ -156,7 +155,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     tokens, hk, dim = k.shape
     _, blocks, block_size, _ = k_cache.shape
     _write_kv_kernel[(tokens, hk)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                   blocks * block_size, HEAD_DIM=dim, PDL=pdl.enabled(k), launch_pdl=pdl.enabled(k))
+                                   blocks * block_size, HEAD_DIM=dim, **pdl.launch_args(k))
 
 
 def supported(head_dim: int, block_size: int) -> bool:
