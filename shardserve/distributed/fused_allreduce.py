@@ -20,9 +20,9 @@ barriers, then the norm) for a few KiB. Here one kernel does both, and needs no 
 Up to MAX_ROWS rows (a decode batch; larger batches take the separate path) and MAX_HIDDEN
 features. Opt-in for now: SHARDSERVE_FUSED_ALLREDUCE=1 turns it on. The kernel equals the separate
 kernels bit for bit in tests/gpu (40 chained calls, eager and replayed from a graph), but in the
-8B TP=2 model test the eager and graph runs gave different tokens from the 18th on with it turned on,
-a divergence not yet traced (see the issue 6 notes in benchmarks/BENCHMARKS.md); until it is, the
-default stays the one-shot all-reduce followed by the norm kernel.
+8B TP=2 model test a run with it gave different tokens from the 18th on than a run with NCCL
+all-reduces, a divergence not yet traced (see the issue 6 notes in benchmarks/BENCHMARKS.md); until
+it is, the default stays the one-shot all-reduce followed by the norm kernel.
 """
 from __future__ import annotations
 
