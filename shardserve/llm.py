@@ -43,6 +43,15 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
+    def start_profile(self) -> None:
+        """Start torch.profiler on every worker (needs SHARDSERVE_TORCH_PROFILER_DIR or
+        VLLM_TORCH_PROFILER_DIR set; worker/profiler.py)."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """Stop the workers' profilers; returns the trace files written, one per worker."""
+        return self.engine.stop_profile()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -24,8 +24,13 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
     percentiles = sorted({50, *(float(p) if "." in p else int(p) for p in ns.metric_percentiles.split(","))})
     print(f"Benchmarking {model} at {base_url}{ns.endpoint}: {ns.num_prompts} prompts, request rate "
           f"{ns.request_rate}, max concurrency {ns.max_concurrency}")
+    if ns.profile:
+        _post_profile(base_url, "/start_profile", headers)
     results, duration = asyncio.run(bench.run_benchmark(base_url, ns.endpoint, model, requests, ns.request_rate,
                                                         ns.max_concurrency, ns.ignore_eos, ns.seed, ns.api_key))
+    if ns.profile:
+        for path in _post_profile(base_url, "/stop_profile", headers)["traces"]:
+            print(f"profile trace: {path}")
     summary = bench.summarize(results, duration, percentiles)
     bench.print_summary(summary, percentiles)
     if ns.save_result:
@@ -35,6 +40,22 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
         bench.save_result(summary, {k: v for k, v in vars(ns).items() if k != "func"}, results, path)
         print(f"saved {path}")
     return 0 if summary["completed"] else 1
+
+
+def _post_profile(base_url: str, route: str, headers: dict[str, str]) -> dict:
+    import json
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(urllib.request.Request(base_url + route, data=b"", headers=headers,
+                                                           method="POST"), timeout=600) as r:
+            body = r.read()
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            raise ValueError(f"{base_url} has no {route}: start the server with SHARDSERVE_TORCH_PROFILER_DIR "
+                             "(or VLLM_TORCH_PROFILER_DIR) set to use --profile") from None
+        raise
+    return json.loads(body) if body else {}
 
 
 def _bench_tokenizer(path: str | None, model: str):
@@ -58,6 +79,8 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer for random prompts: HF directory or GGUF "
                    "(default: the embedded SmolLM2's when benchmarking it)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    p.add_argument("--profile", action="store_true", help="torch-profile the server's workers during the run "
+                   "(POST /start_profile and /stop_profile; the server needs SHARDSERVE_TORCH_PROFILER_DIR set)")
     p.add_argument("--dataset-name", default="random", choices=["random"])
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)

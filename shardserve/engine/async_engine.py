@@ -122,6 +122,19 @@ class AsyncLLMEngine:
         if self._streams.pop(request_id, None) is not None:
             self.engine.abort_request(request_id)
 
+    async def start_profile(self) -> None:
+        await self._call(asyncio.get_running_loop(), self._profile, "start_profile")
+
+    async def stop_profile(self) -> list[str]:
+        """The trace files written, one per worker."""
+        return await self._call(asyncio.get_running_loop(), self._profile, "stop_profile")
+
+    def _profile(self, method: str):
+        # Workers answer RPCs in order after their steps, so the steps in flight finish first
+        # (their outputs go out as usual); the next loop iteration submits again.
+        self._deliver(self.engine.finish_in_flight())
+        return getattr(self.engine, method)()
+
     # ---- the loop thread -------------------------------------------------------------------
     def _run_commands(self, block: bool) -> None:
         try:
@@ -151,14 +164,7 @@ class AsyncLLMEngine:
                         self.engine.check_health()
                         next_check = time.monotonic() + HEALTH_CHECK_INTERVAL_S
                     continue
-                outputs = self.engine.step()
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        continue
-                    if out.finished:
-                        del self._streams[out.request_id]
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                self._deliver(self.engine.step())
         except BaseException as e:   # the engine is unusable now: tell every waiter, keep the reason
             logger.exception("engine loop died")
             self._error = e
@@ -167,6 +173,15 @@ class AsyncLLMEngine:
             self._streams.clear()
         finally:
             self._fail_pending_commands()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
     def _fail_pending_commands(self) -> None:
         reason = EngineDeadError(f"the engine is not running: {self._error or 'shut down'}")

@@ -72,6 +72,20 @@ class DataParallelEngine:
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.replicas)
 
+    def finish_in_flight(self) -> list[RequestOutput]:
+        outputs = [out for engine in self.replicas for out in engine.finish_in_flight()]
+        for out in outputs:
+            if out.finished:
+                self.owner.pop(out.request_id, None)
+        return outputs
+
+    def start_profile(self) -> None:
+        for engine in self.replicas:
+            engine.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        return [path for engine in self.replicas for path in engine.stop_profile()]
+
     def stats(self) -> EngineStats:
         parts = [e.stats() for e in self.replicas]
         return EngineStats(sum(p.num_running for p in parts), sum(p.num_waiting for p in parts),

@@ -23,6 +23,7 @@ from shardserve.executor.base import make_executor
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
 from shardserve.tokenizer.tokenizer import Tokenizer
+from shardserve.worker.profiler import require_profiler_dir
 
 logger = logging.getLogger("shardserve")
 
@@ -67,6 +68,7 @@ class LLMEngine:
         self.async_scheduling = config.scheduler_config.async_scheduling and len(self.schedulers) == 1
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.profiling = False   # the workers' torch profilers (start_profile / stop_profile)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -218,6 +220,35 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.in_flight) or any(sc.has_unfinished_requests() for sc in self.schedulers)
+
+    def finish_in_flight(self) -> list[RequestOutput]:
+        """Collect every batch in flight (without submitting more): the workers are then idle, so
+        a control RPC's answer cannot be mistaken for a step's."""
+        outputs = []
+        while self.in_flight:
+            outputs += self.finish_step()
+        return outputs
+
+    # ---- profiling (worker/profiler.py) ----------------------------------------------------
+    def start_profile(self) -> None:
+        directory = require_profiler_dir()
+        if self.profiling:   # checked here: a worker's error would stop the engine
+            raise ValueError("the profiler is already running: stop it first")
+        self._require_no_steps_in_flight()
+        self.executor.collective_rpc("start_profile", (directory,))
+        self.profiling = True
+
+    def stop_profile(self) -> list[str]:
+        """Stops every worker's profiler; returns the trace files, in rank order."""
+        if not self.profiling:
+            raise ValueError("the profiler is not running: start it first")
+        self._require_no_steps_in_flight()
+        self.profiling = False
+        return self.executor.collective_rpc("stop_profile")
+
+    def _require_no_steps_in_flight(self) -> None:
+        if self.in_flight:
+            raise RuntimeError("steps are in flight: call finish_in_flight() first")
 
     def stats(self) -> EngineStats:
         kvs = [sc.kv for sc in self.schedulers]

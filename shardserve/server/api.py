@@ -22,6 +22,7 @@ from shardserve.server.protocol import (APIError, ChatCompletionRequest, Complet
 from shardserve.server.serving import ServerSettings
 from shardserve.server.serving_chat import ChatServing
 from shardserve.server.serving_completion import CompletionServing
+from shardserve.worker.profiler import profiler_dir
 
 logger = logging.getLogger("shardserve")
 
@@ -177,5 +178,21 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    if profiler_dir() is not None:   # as vLLM: the routes exist only when a trace directory is set
+        @app.post("/start_profile")
+        async def start_profile():
+            try:
+                await engine.start_profile()
+            except ValueError as e:   # already running
+                raise APIError(400, str(e)) from None
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile():
+            try:
+                return {"traces": await engine.stop_profile()}
+            except ValueError as e:   # not running
+                raise APIError(400, str(e)) from None
 
     return app

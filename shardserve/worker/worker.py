@@ -12,6 +12,7 @@ from shardserve.config import EngineConfig
 from shardserve.distributed.parallel_state import destroy_distributed, init_distributed, set_pp_partition
 from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shardserve.worker.model_runner import ModelRunner, PendingOutput
+from shardserve.worker.profiler import StepProfiler
 
 
 class Worker:
@@ -30,6 +31,7 @@ class Worker:
                              config.device, pc.distributed_timeout_s)
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, eos_token_ids, show_progress)
+        self.profiler = StepProfiler(rank, config.device)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -59,6 +61,13 @@ class Worker:
         """The decode graph for batch_size replayed alone: its time and kernels (worker/graph_profile.py)."""
         from shardserve.worker.graph_profile import profile_decode_graph
         return profile_decode_graph(self.model_runner.graphs, batch_size, context)
+
+    def start_profile(self, directory: str) -> None:
+        self.profiler.start(directory)
+
+    def stop_profile(self) -> str:
+        """Ends the trace started by start_profile; returns the file it was written to."""
+        return self.profiler.stop()
 
     def environment(self, names: list[str]) -> dict[str, str | None]:
         """What this worker's process sees for the given variables (e.g. NCCL_* on every node)."""

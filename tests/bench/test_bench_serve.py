@@ -3,12 +3,13 @@ counted, not fatal; the summary's arithmetic on hand-made results."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from shardserve.bench.serve import RequestResult, summarize
 from shardserve.cli import main
-from tests.server.server_process import ServerProcess
+from tests.server.server_process import ServerProcess, get, post
 from tests.tiny_models import make_tiny_checkpoint
 
 
@@ -46,6 +47,32 @@ def test_failed_requests_are_counted(tiny_server, capsys):
     assert rc == 1
     out = capsys.readouterr().out
     assert "Failed requests:                        2" in out and "HTTP 404" in out
+
+
+def test_profile_needs_a_server_with_a_trace_directory(tiny_server, capsys):
+    srv, path = tiny_server
+    rc = main(["bench", "serve", "--base-url", srv.url, "--tokenizer", path, "--num-prompts", "1",
+               "--random-input-len", "4", "--random-output-len", "2", "--profile"])
+    assert rc == 2 and "SHARDSERVE_TORCH_PROFILER_DIR" in capsys.readouterr().err
+
+
+def test_profile_traces_the_servers_workers(tmp_path, capsys):
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama")
+    traces = tmp_path / "traces"
+    srv = ServerProcess([path, "--kv-cache-memory", "16MiB"], str(tmp_path / "server.log"),
+                        env={"SHARDSERVE_TORCH_PROFILER_DIR": str(traces)})
+    try:
+        status, body, _ = post(srv.url + "/stop_profile", {})
+        assert status == 400 and "not running" in body["error"]["message"]
+        rc = main(["bench", "serve", "--base-url", srv.url, "--tokenizer", path, "--num-prompts", "3",
+                   "--random-input-len", "6", "--random-output-len", "3", "--ignore-eos", "--profile"])
+        assert rc == 0
+        printed = [line.split(": ", 1)[1] for line in capsys.readouterr().out.splitlines()
+                   if line.startswith("profile trace: ")]
+        assert len(printed) == 1 and os.path.dirname(printed[0]) == str(traces) and os.path.getsize(printed[0]) > 0
+        assert get(srv.url + "/health")[0] == 200   # profiling stopped cleanly; the server goes on
+    finally:
+        srv.stop()
 
 
 def test_summary_arithmetic():
