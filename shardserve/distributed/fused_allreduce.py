@@ -14,15 +14,17 @@ barriers, then the norm) for a few KiB. Here one kernel does both, and needs no 
   is still reading or resetting. The call count lives on the device, so CUDA graphs keep it.
 - Sums are taken in fp32 in rank order, the same on every rank (TP ranks must hold identical
   hidden states); with two ranks that is exactly the sum NCCL and the one-shot kernel give. The
-  add and the norm round like `layers/triton_ops.rms_norm`, so the result is bit-identical to the
-  separate all-reduce and norm.
+  add and the norm are `layers/triton_ops`'s own helper at its warp count (which sets the order
+  the sum of squares is reduced in), so the result is bit-identical to the separate all-reduce
+  and norm.
 
 Up to MAX_ROWS rows (a decode batch; larger batches take the separate path) and MAX_HIDDEN
 features. Opt-in for now: SHARDSERVE_FUSED_ALLREDUCE=1 turns it on. The kernel equals the separate
 kernels bit for bit in tests/gpu (40 chained calls, eager and replayed from a graph), but in the
 8B TP=2 model test a run with it gave different tokens from the 18th on than a run with NCCL
-all-reduces, a divergence not yet traced (see the issue 6 notes in benchmarks/BENCHMARKS.md); until
-it is, the default stays the one-shot all-reduce followed by the norm kernel.
+all-reduces. It then reduced the norm at 8 warps against the norm kernel's 4 (the likely cause,
+since changed; see the issue 6 notes in benchmarks/BENCHMARKS.md); until that test passes, the
+default stays the one-shot all-reduce followed by the norm kernel.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import os
 import torch
 
 from shardserve.distributed.parallel_state import GroupInfo
-from shardserve.layers import pdl
+from shardserve.layers import pdl, triton_ops
 
 MAX_ROWS = 16
 MAX_HIDDEN = 16384
@@ -43,6 +45,8 @@ _NOT_LANDED = -32768   # 0x8000 as int16: negative zero in bf16 and fp16
 def _kernel():
     import triton
     import triton.language as tl
+
+    add_rms_norm = triton_ops._kernels().add_rms_norm
 
     @triton.jit
     def all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, peers_ptr, calls_ptr, rank, n_cols,
@@ -72,15 +76,8 @@ def _kernel():
                 v = tl.load(theirs, mask=mask, other=0, volatile=True)
             acc += v.to(x.dtype, bitcast=True).to(tl.float32)
             tl.store(theirs, tl.full([BLOCK], -32768, tl.int16), mask=mask)
-        # residual = allreduce(x) + residual, then the norm: rounded as triton_ops.rms_norm rounds
-        s = acc.to(x.dtype).to(tl.float32)
-        r = (s + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        tl.store(res_ptr + row * n_cols + cols, r, mask=mask)
-        rf = r.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(rf * rf, axis=0) / n_cols + eps)
-        normed = (rf * inv).to(x.dtype).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+        # residual = allreduce(x) + residual, then the norm: the code triton_ops.rms_norm runs
+        add_rms_norm(acc.to(x.dtype), res_ptr, w_ptr, out_ptr, row, cols, mask, n_cols, eps, HAS_RES=True)
         # The last row's program to finish advances the call count (every program has read it by then).
         tl.debug_barrier()
         done = tl.atomic_add(calls_ptr + 1, 1)
@@ -110,7 +107,6 @@ class AllReduceAddRMSNorm:
     def create(tp: GroupInfo, device: torch.device) -> "AllReduceAddRMSNorm | None":
         """Every TP rank calls this (it is a collective) once the one-shot path exists; None unless
         SHARDSERVE_FUSED_ALLREDUCE=1, or where Triton is missing."""
-        from shardserve.layers import triton_ops
         if os.environ.get("SHARDSERVE_FUSED_ALLREDUCE", "0") != "1" or not triton_ops.available():
             return None
         return AllReduceAddRMSNorm(tp, device)
@@ -126,5 +122,5 @@ class AllReduceAddRMSNorm:
         out = torch.empty_like(x)
         kernel[(rows,)](x, residual, weight, out, self.peers, self.calls, self.rank, n, rows, eps,
                         WORLD=self.world, MAX_ROWS=MAX_ROWS, MAX_HIDDEN=MAX_HIDDEN,
-                        BLOCK=triton.next_power_of_2(n), num_warps=8, **pdl.launch_args(x))
+                        BLOCK=triton.next_power_of_2(n), num_warps=triton_ops.NORM_WARPS, **pdl.launch_args(x))
         return out

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from types import SimpleNamespace
 
 import torch
 
 from shardserve.layers import pdl
+
+
+# Warps of every RMSNorm launch: the sum of squares is reduced in an order set by the warp count, so
+# kernels that norm the same rows (this one, distributed/fused_allreduce.py) share it to agree bit
+# for bit.
+NORM_WARPS = 4
 
 
 @functools.cache
@@ -24,9 +31,24 @@ def handles(*tensors: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _kernels():
+def _kernels() -> SimpleNamespace:
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def add_rms_norm(x, res_ptr, w_ptr, out_ptr, row, cols, mask, n_cols, eps, HAS_RES: tl.constexpr):
+        """Stores rmsnorm(x) * w for row `row` (x: its values; also used by
+        distributed/fused_allreduce.py). With HAS_RES, x + residual first, in the activations'
+        dtype as torch adds them, stored back as the new residual."""
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+                 ).to(x.dtype)
+            tl.store(res_ptr + row * n_cols + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+        normed = (xf * inv).to(x.dtype).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
@@ -38,15 +60,7 @@ def _kernels():
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
-        if HAS_RES:   # residual = x + residual, in the activations' dtype, as torch adds them
-            x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-                 ).to(x.dtype)
-            tl.store(res_ptr + row * n_cols + cols, x, mask=mask)
-        xf = x.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-        normed = (xf * inv).to(x.dtype).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+        add_rms_norm(x, res_ptr, w_ptr, out_ptr, row, cols, mask, n_cols, eps, HAS_RES)
 
     @triton.jit
     def silu_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
@@ -59,27 +73,29 @@ def _kernels():
         s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
         tl.store(out_ptr + row * d + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
-    return triton, rms_norm_kernel, silu_mul_kernel
+    return SimpleNamespace(triton=triton, add_rms_norm=add_rms_norm, rms_norm=rms_norm_kernel,
+                           silu_mul=silu_mul_kernel)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """rmsnorm(x) * weight; with residual, residual += x in place first (x, residual contiguous)."""
-    triton, kernel, _ = _kernels()
+    k = _kernels()
     n = x.shape[-1]
     out = torch.empty_like(x)
     rows = x.numel() // n
-    kernel[(rows,)](x, residual if residual is not None else x, weight, out, n, eps,
-                    HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), **pdl.launch_args(x))
+    k.rms_norm[(rows,)](x, residual if residual is not None else x, weight, out, n, eps,
+                        HAS_RES=residual is not None, BLOCK=k.triton.next_power_of_2(n), num_warps=NORM_WARPS,
+                        **pdl.launch_args(x))
     return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    triton, _, kernel = _kernels()
+    k = _kernels()
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     rows = x.numel() // (2 * d)
     block = 1024
-    kernel[(rows, triton.cdiv(d, block))](x, out, d, BLOCK=block)
+    k.silu_mul[(rows, k.triton.cdiv(d, block))](x, out, d, BLOCK=block)
     return out
 
 
