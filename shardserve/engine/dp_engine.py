@@ -61,23 +61,20 @@ class DataParallelEngine:
         busy = [e for e in self.replicas if e.has_unfinished_requests()]
         for engine in busy:
             engine.submit_step()
-        outputs = []
-        for engine in busy:
-            for out in engine.finish_step():
-                outputs.append(out)
-                if out.finished:
-                    self.owner.pop(out.request_id, None)
+        return self._release([out for engine in busy for out in engine.finish_step()])
+
+    def _release(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Forget which replica owns the requests these outputs finish."""
+        for out in outputs:
+            if out.finished:
+                self.owner.pop(out.request_id, None)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.replicas)
 
     def finish_in_flight(self) -> list[RequestOutput]:
-        outputs = [out for engine in self.replicas for out in engine.finish_in_flight()]
-        for out in outputs:
-            if out.finished:
-                self.owner.pop(out.request_id, None)
-        return outputs
+        return self._release([out for engine in self.replicas for out in engine.finish_in_flight()])
 
     def start_profile(self) -> None:
         for engine in self.replicas:

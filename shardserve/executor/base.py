@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import deque
 from typing import Any
 
 from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -23,18 +22,15 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", (sched,))[0]
-
-    # Split form: several batches may be in flight (pipeline stages, data-parallel replicas);
-    # results come back in submission order. In-process executors simply run at submit time.
+    # A step is submitted and collected separately: several batches may be in flight (async
+    # scheduling, pipeline stages, data-parallel replicas); results come back in submission order.
+    @abstractmethod
     def submit_execute(self, sched: SchedulerOutput) -> None:
-        if not hasattr(self, "_pending"):
-            self._pending: deque[ModelRunnerOutput] = deque()
-        self._pending.append(self.execute_model(sched))
+        """Hand one step to every worker without waiting for its result."""
 
+    @abstractmethod
     def collect_execute(self) -> ModelRunnerOutput:
-        return self._pending.popleft()
+        """The oldest submitted step's result (from the rank that samples)."""
 
     def check_health(self) -> None:
         """Raise if a worker is known to be gone (called while idle; steps detect it themselves)."""

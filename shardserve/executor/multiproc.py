@@ -121,11 +121,8 @@ class MultiprocExecutor(Executor):
         self._send_all(method, args, kwargs or {})
         return self._gather(timeout_s)
 
-    def execute_model(self, sched):
-        return self.collective_rpc("execute_model", (sched,))[self.output_rank]
-
     def submit_execute(self, sched) -> None:
-        self._send_all("execute_model", (sched,), {})
+        self._send_all("launch", (sched,), {})   # answered once the device has the step's results
 
     def _send_all(self, method: str, args: tuple, kwargs: dict[str, Any]) -> None:
         if not self.conns:

@@ -101,9 +101,6 @@ class RayExecutor(Executor):
             raise RuntimeError("the engine's workers are stopped (after a failure or shutdown)")
         return self._get([a.call.remote(method, args, kwargs or {}) for a in self.actors])
 
-    def execute_model(self, sched):
-        return self.collective_rpc("execute_model", (sched,))[self.output_rank]
-
     def submit_execute(self, sched) -> None:
         # Each actor runs its calls in order, so batches queue up behind one another.
         self._in_flight.append([a.call.remote("execute_model", (sched,), {}) for a in self.actors])

@@ -81,9 +81,9 @@ def main() -> None:
 
 
 def _serve(conn, worker) -> None:
-    """Answer the engine's RPCs in order. A step is launched here and answered by the reply thread
-    once the device has its results, so the next step can arrive and be prepared meanwhile (async
-    scheduling keeps two in flight)."""
+    """Answer the engine's RPCs in order. A call that returns a PendingOutput (`launch`, a step) is
+    answered by the reply thread once the device has its results, so the next step can arrive and
+    be prepared meanwhile (async scheduling keeps two in flight)."""
     from shardserve.worker.model_runner import PendingOutput
     replies: queue.Queue = queue.Queue()
 
@@ -108,8 +108,8 @@ def _serve(conn, worker) -> None:
         if method == "shutdown":
             break
         try:
-            replies.put(worker.launch(*args) if method == "execute_model"
-                        else ("ok", getattr(worker, method)(*args, **kwargs)))
+            result = getattr(worker, method)(*args, **kwargs)
+            replies.put(result if isinstance(result, PendingOutput) else ("ok", result))
         except BaseException as e:
             replies.put(_error(e))
     replies.put(None)
