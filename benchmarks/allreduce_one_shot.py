@@ -13,35 +13,19 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from shardserve.worker.graph_profile import graph_call_ms   # noqa: E402
 CALLS, REPLAYS, NUMEL = 64, 20, 4096
 
 
 def time_graph(fn) -> float:
-    """us per call: CALLS calls of fn captured in one graph, replayed REPLAYS times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # warm-up outside the capture (sets up buffers and channels)
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.distributed.barrier()
-    start = time.perf_counter()
-    for _ in range(REPLAYS):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / REPLAYS / CALLS * 1e6
+    """us per call: CALLS calls of fn captured in one graph, replayed REPLAYS times (on every rank
+    at once: the first, untimed replay waits for the slowest rank)."""
+    return graph_call_ms(lambda i: fn(), CALLS, REPLAYS, warmups=3) * 1e3
 
 
 def norm_after_all_reduce(rank: int, device: torch.device) -> None:

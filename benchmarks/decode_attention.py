@@ -17,8 +17,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.gemv_vs_cublas import time_graph   # noqa: E402
 from shardserve.bench.report import save   # noqa: E402
+from shardserve.worker.graph_profile import graph_call_ms   # noqa: E402
 
 
 def main() -> None:
@@ -42,8 +42,7 @@ def main() -> None:
             def call(i, splits=splits):
                 p = pools[i % 4]
                 paged_decode_attention(q, p[0], p[1], tables, lens, out, dim ** -0.5, None, splits=splits)
-            t = time_graph(call, 32)
-            row[name + "_us"], row[name + "_splits"] = t * 1e6, splits
+            row[name + "_us"], row[name + "_splits"] = graph_call_ms(call, 32) * 1e3, splits
         row["speedup"] = row["one_program_us"] / row["split_us"]
         results.append(row)
         print(f"batch {batch:3d} context {ctx:6d}: one program per head {row['one_program_us']:8.1f} us, "

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shardserve.bench.report import save   # noqa: E402
-from shardserve.worker.graph_profile import replay_ms   # noqa: E402
+from shardserve.worker.graph_profile import graph_call_ms   # noqa: E402
 
 # name: (N, K, gated) — N is the output features (per gate/up half when gated)
 SHAPES = {
@@ -35,19 +35,9 @@ SHAPES = {
 }
 
 
-def time_graph(fn, copies: int, replays: int = 10) -> float:
+def time_graph(fn, copies: int) -> float:
     """Seconds per call: one graph makes `copies` calls (each on its own weight)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(min(copies, 2)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    return replay_ms(graph, replays) / 1e3 / copies
+    return graph_call_ms(fn, copies) / 1e3
 
 
 def main() -> None:

@@ -23,6 +23,23 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
+def graph_call_ms(fn, calls: int, replays: int = 10, warmups: int = 2) -> float:
+    """Milliseconds per call of fn(i), i = 0..calls-1, captured in one CUDA graph and replayed (the
+    kernel benchmarks: a call per weight copy, so each reads from memory, not the L2). Warm-up calls
+    run first on a side stream, outside the capture (compiles, allocator, collective buffers)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(min(calls, warmups)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    return replay_ms(graph, replays) / calls
+
+
 def profile_decode_graph(graphs, batch_size: int, context: int = 256, replays: int = 20) -> dict[str, Any]:
     if graphs is None:
         raise RuntimeError("no decode graphs on this rank (CPU, --enforce-eager, or pipeline parallelism)")
