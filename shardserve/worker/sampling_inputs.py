@@ -39,8 +39,8 @@ def build_sampling_metadata(states: list[CachedRequestState], outputs_before: li
     sampling = [p for p in params if not p.greedy]
     if any(p.top_p < 1.0 for p in sampling):
         md.top_p = column([p.top_p for p in params])
-    if any(p.top_k > 0 for p in sampling):
-        md.top_k = column([p.top_k for p in params], torch.long)
+    if any(p.top_k > 0 for p in sampling):   # k past the vocabulary keeps it all (and must fit an int64)
+        md.top_k = column([min(p.top_k, vocab_size) for p in params], torch.long)
     if any(p.min_p > 0.0 for p in sampling):
         md.min_p = column([p.min_p for p in params])
     blocked_rows, blocked_ids = [], []
@@ -69,5 +69,5 @@ def build_sampling_metadata(states: list[CachedRequestState], outputs_before: li
         md.repetition_penalty = column([p.repetition_penalty for p in params])
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     if wanted:
-        md.num_logprobs = -1 if -1 in wanted else max(wanted)
+        md.num_logprobs = -1 if -1 in wanted else min(max(wanted), vocab_size)
     return md

@@ -40,6 +40,15 @@ def test_stop_token_outside_vocabulary_is_rejected_and_engine_survives(llm):
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_top_k_past_the_vocabulary_keeps_it_all(llm):
+    """A top_k larger than the vocabulary (even past int64, as a fuzzer sent) filters nothing,
+    instead of failing the step and with it the engine."""
+    def tokens(top_k: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, top_k=top_k, seed=3, max_tokens=4, ignore_eos=True)
+        return llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens(2**70) == tokens(10**6) == tokens(0)
+
+
 def test_request_ids_cannot_collide(llm):
     engine = llm.engine
     engine.add_request("x", [1, 2, 3], SamplingParams(n=2, max_tokens=2))
