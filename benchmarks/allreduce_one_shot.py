@@ -7,7 +7,7 @@ Per mode: checks the sum equals NCCL's bit for bit, captures 64 all-reduces of 8
 token's bf16 hidden state for an 8B model; 64 = two per layer) in one graph, replays it 20 times.
 With the fast path on it also times what a layer really does after each all-reduce, the residual add
 and RMSNorm: the one-shot kernel followed by the norm kernel, against the single fused kernel
-(distributed/fused_allreduce.py, opt-in in the engine, turned on here), both captured the same way.
+(distributed/fused_allreduce.py, the engine's default), both captured the same way.
 """
 from __future__ import annotations
 
@@ -40,12 +40,12 @@ def norm_after_all_reduce(rank: int, device: torch.device) -> None:
               f"({separate / fused:.2f}x)", flush=True)
 
 
-def worker(rank: int, fast: bool, port: int) -> None:
+def worker(rank: int, fast: bool, init: str) -> None:
     from shardserve.distributed import comm
     from shardserve.distributed.parallel_state import init_distributed
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
-    init_distributed(rank, 2, 1, f"tcp://127.0.0.1:{port}", device, fast_all_reduce=fast)
+    init_distributed(rank, 2, 1, init, device, fast_all_reduce=fast)
     x = torch.randn(NUMEL, dtype=torch.bfloat16, device=device) * (rank + 1)
     want = x.clone()
     torch.distributed.all_reduce(want)
@@ -64,7 +64,8 @@ def worker(rank: int, fast: bool, port: int) -> None:
 
 
 if __name__ == "__main__":
-    os.environ["SHARDSERVE_FUSED_ALLREDUCE"] = "1"   # the fused kernel is measured here (workers inherit it)
-    for i, fast in enumerate((True, False)):
-        mp.spawn(worker, args=(fast, 29566 + i), nprocs=2)
+    from shardserve.distributed.parallel_state import host_store
+    for fast in (True, False):
+        store, init = host_store(2)
+        mp.spawn(worker, args=(fast, init), nprocs=2)
     print("done")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from shardserve.bench.shapes import param_counts, shape_config, write_shape_dir
+from shardserve.worker.profiler import require_profiler_dir
 
 
 def model_source(ns) -> tuple[str, dict[str, Any], bool]:
@@ -119,8 +120,11 @@ def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
 
 def run_latency(ns) -> dict[str, Any]:
     from shardserve import SamplingParams
+    if ns.profile:   # fail before loading the model, not after timing it
+        require_profiler_dir()
     path, config, random_weights = model_source(ns)
     llm = make_llm(ns, path, random_weights)
+    traces: list[str] = []
     try:
         lim = _limits(llm, config)
         prompts = random_prompts(ns.batch_size, ns.input_len, 0.0, config["vocab_size"], ns.seed)
@@ -136,6 +140,10 @@ def run_latency(ns) -> dict[str, Any]:
             once(ns.output_len)
         e2e = [once(ns.output_len) for _ in tqdm(range(ns.num_iters), desc="Profiling")]
         prefill = float(np.median([once(1) for _ in range(max(1, ns.num_iters // 3))]))
+        if ns.profile:   # one more batch under the profiler, after (and outside) the timed ones
+            llm.start_profile()
+            once(ns.output_len)
+            traces = llm.stop_profile()
     finally:
         llm.engine.shutdown()
     # With one output token there is no decode step to time: the run measures prefill alone (TTFT).
@@ -151,7 +159,8 @@ def run_latency(ns) -> dict[str, Any]:
               "step_vs_roofline": step / roofline, "bandwidth_gb_s": lim["bandwidth"] / 1e9,
               "weight_gb_per_rank": lim["weight_bytes_per_rank"] / 1e9,
               "mfu": flops / lim["tp"] / float(np.median(e2e)) / lim["peak_flops"],
-              "peak_tflops": lim["peak_flops"] / 1e12, "dtype": lim["dtype"], "device": str(lim["device"])}
+              "peak_tflops": lim["peak_flops"] / 1e12, "dtype": lim["dtype"], "device": str(lim["device"]),
+              **({"profile_traces": traces} if ns.profile else {})}
     print(f"Avg latency: {result['avg_latency_s']:.4f} seconds")
     for p in (10, 25, 50, 75, 90, 99):
         print(f"{p}% percentile latency: {result[f'p{p}_latency_s']:.4f} seconds")
@@ -162,6 +171,8 @@ def run_latency(ns) -> dict[str, Any]:
               f"measured): {result['step_vs_roofline']:.2f}x the roofline")
     print(f"Model FLOPs utilisation: {100 * result['mfu']:.2f}% of {result['peak_tflops']:.1f} TFLOP/s "
           f"({lim['dtype']} matmul measured in this run)")
+    for trace in traces:
+        print(f"profile trace: {trace}")
     return result
 
 

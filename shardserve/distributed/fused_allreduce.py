@@ -19,12 +19,10 @@ barriers, then the norm) for a few KiB. Here one kernel does both, and needs no 
   and norm.
 
 Up to MAX_ROWS rows (a decode batch; larger batches take the separate path) and MAX_HIDDEN
-features. Opt-in for now: SHARDSERVE_FUSED_ALLREDUCE=1 turns it on. The kernel equals the separate
-kernels bit for bit in tests/gpu (40 chained calls, eager and replayed from a graph), but in the
-8B TP=2 model test a run with it gave different tokens from the 18th on than a run with NCCL
-all-reduces. It then reduced the norm at 8 warps against the norm kernel's 4 (the likely cause,
-since changed; see the issue 6 notes in benchmarks/BENCHMARKS.md); until that test passes, the
-default stays the one-shot all-reduce followed by the norm kernel.
+features. On by default; SHARDSERVE_FUSED_ALLREDUCE=0 turns it off (the one-shot all-reduce, then
+the norm kernel). Tests: bit for bit against the separate kernels (40 chained calls, eager and
+replayed from a graph), and the 8B TP=2 model's greedy tokens against both the separate path and
+all-NCCL all-reduces (tests/gpu/test_cuda_parallel.py).
 """
 from __future__ import annotations
 
@@ -105,9 +103,9 @@ class AllReduceAddRMSNorm:
 
     @staticmethod
     def create(tp: GroupInfo, device: torch.device) -> "AllReduceAddRMSNorm | None":
-        """Every TP rank calls this (it is a collective) once the one-shot path exists; None unless
-        SHARDSERVE_FUSED_ALLREDUCE=1, or where Triton is missing."""
-        if os.environ.get("SHARDSERVE_FUSED_ALLREDUCE", "0") != "1" or not triton_ops.available():
+        """Every TP rank calls this (it is a collective) once the one-shot path exists; None with
+        SHARDSERVE_FUSED_ALLREDUCE=0, or where Triton is missing."""
+        if os.environ.get("SHARDSERVE_FUSED_ALLREDUCE") == "0" or not triton_ops.available():
             return None
         return AllReduceAddRMSNorm(tp, device)
 

@@ -86,6 +86,33 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+# init_method scheme for a rendezvous store that is already up (host_store) and that every rank,
+# rank 0 included, joins as a client. torch's own "tcp://" makes rank 0 bind the port itself.
+HOSTED_STORE = "store://"
+
+
+def host_store(world: int, timeout_s: float = 120.0):
+    """Start the ranks' rendezvous store in this process on a port the OS picks. Returns the store
+    (keep it alive until the ranks exit) and the init_method that joins it. Picking a free port and
+    letting rank 0 bind it later races: in between, any outgoing connection on the host may be given
+    that port (the ranks' own connections included), and rank 0 then fails with EADDRINUSE."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return store, f"{HOSTED_STORE}127.0.0.1:{store.port}"
+
+
+def _join_world(rank: int, world: int, init_method: str, device: torch.device, timeout: datetime.timedelta) -> None:
+    import torch.distributed as dist
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if init_method.startswith(HOSTED_STORE):
+        host, port = init_method[len(HOSTED_STORE):].rsplit(":", 1)
+        kwargs["store"] = dist.TCPStore(host, int(port), world, is_master=False, timeout=timeout)
+    else:
+        kwargs["init_method"] = init_method
+    dist.init_process_group(backend_for(device), rank=rank, world_size=world, timeout=timeout, **kwargs)
+
+
 def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device,
                      timeout_s: float = 120.0, fast_all_reduce: bool = True) -> None:
     """Join the engine's process group and build the TP and PP groups. Every rank calls this.
@@ -95,10 +122,8 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, de
     global _TP, _PP, _WORLD
     world = tp_size * pp_size
     timeout = datetime.timedelta(seconds=timeout_s)
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
     try:
-        dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world,
-                                timeout=timeout, **kwargs)
+        _join_world(rank, world, init_method, device, timeout)
     except Exception as e:   # name who could not reach whom, never a bare hang or stack trace
         raise RuntimeError(f"rank {rank} of {world} could not join the process group at {init_method} "
                            f"within {timeout_s:.0f} s: {e}") from e

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -66,12 +65,6 @@ def _worker(rank: int, world: int, init: str, device_type: str, sizes: list[int]
             "dtype": str(dtype).replace("torch.", ""), "points": points}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ, **(extra or {}))
     if env.get("NCCL_DEBUG") == "INFO" and extra and "NCCL_DEBUG" in extra:
@@ -124,14 +117,16 @@ def run_local(device_type: str, world: int, timeout: float, nccl_debug: bool = F
     # NCCL_DEBUG_SUBSYS would hide them.
     env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,ENV"} if nccl_debug else {}
     sizes = GPU_SIZES if device_type == "cuda" else CPU_SIZES
-    return run_ranks(list(range(world)), world, f"tcp://127.0.0.1:{free_port()}", device_type, sizes, timeout, env)
+    from shardserve.distributed.parallel_state import host_store
+    store, init = host_store(world, timeout)   # referenced here until the ranks are done
+    return run_ranks(list(range(world)), world, init, device_type, sizes, timeout, env)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="one rank of the doctor's all-reduce benchmark")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
-    p.add_argument("--init", required=True, help="tcp://host:port of the rendezvous (rank 0 hosts it)")
+    p.add_argument("--init", required=True, help="tcp://host:port of the rendezvous (rank 0 hosts it), or store://host:port (already hosted)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--sizes", default=",".join(map(str, CPU_SIZES)))
     p.add_argument("--budget", type=float, default=0.15, help="seconds of timed iterations per size")

@@ -20,6 +20,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from shardserve.config import EngineConfig
+from shardserve.distributed.parallel_state import host_store
 from shardserve.executor.base import Executor
 from shardserve.executor.worker_proc import no_delay
 
@@ -63,11 +64,12 @@ class MultiprocExecutor(Executor):
         if pc.nnodes > 1 and pc.data_parallel_size > 1:
             raise ValueError("data parallelism across nodes is not supported; use tensor/pipeline parallelism")
         per_node = pc.ranks_per_node
+        self._store = None
         if pc.nnodes > 1:   # remote ranks dial in to the engine at master_port + 1
             init_method = f"tcp://{pc.master_addr}:{pc.master_port}"
             address, authkey = (pc.master_addr, pc.master_port + 1), cluster_key()
-        else:
-            init_method = f"tcp://127.0.0.1:{free_port()}"
+        else:   # the engine hosts the ranks' rendezvous store for as long as they run
+            self._store, init_method = host_store(self.world_size, startup_timeout_s)
             address, authkey = ("127.0.0.1", 0), secrets.token_bytes(16)
         procs_total = per_node * pc.data_parallel_size
         threads = max(1, (os.cpu_count() or 1) // procs_total) if config.device.type == "cpu" else 1
@@ -189,3 +191,4 @@ class MultiprocExecutor(Executor):
         for conn in self.conns:
             conn.close()
         self.conns = []
+        self._store = None   # only now: the ranks poll it until they exit

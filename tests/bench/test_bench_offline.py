@@ -3,6 +3,7 @@ real run, and the roofline's weight bytes match the parameters the model really 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -52,3 +53,19 @@ def test_latency_and_throughput_with_random_weights(tmp_path, capsys):
     assert "requests/s" in capsys.readouterr().out
     assert tp["num_requests"] == 6 and tp["output_tokens_per_second"] > 0
     assert tp["tokens_per_second"] > tp["output_tokens_per_second"]
+
+
+def test_latency_profile_writes_a_trace_per_worker(tmp_path, capsys, monkeypatch):
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama")
+    args = ["bench", "latency", "--random-weights", path, "--batch-size", "2", "--input-len", "6", "--output-len",
+            "3", "--num-iters", "1", "--num-iters-warmup", "0", "--kv-cache-memory", "16MiB", "--profile"]
+    monkeypatch.delenv("SHARDSERVE_TORCH_PROFILER_DIR", raising=False)
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    assert main(args) == 2 and "SHARDSERVE_TORCH_PROFILER_DIR" in capsys.readouterr().err
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "traces"))   # vLLM's name works too
+    out = tmp_path / "lat.json"
+    assert main(args + ["-tp", "2", "--output-json", str(out)]) == 0
+    printed = [line.split(": ", 1)[1] for line in capsys.readouterr().out.splitlines()
+               if line.startswith("profile trace: ")]
+    assert sorted(printed) == sorted(json.loads(out.read_text())["profile_traces"])
+    assert len(printed) == 2 and all(os.path.getsize(p) > 0 and "/traces/rank" in p for p in printed)

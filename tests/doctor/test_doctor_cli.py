@@ -13,6 +13,7 @@ import torch
 
 from shardserve.cli import main
 from shardserve.doctor import allreduce
+from shardserve.executor.multiproc import free_port
 
 # These assert what doctor reports where there is no GPU (gloo, no NCCL); test_doctor_gpu.py covers GPUs.
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the no-GPU report; a GPU machine "
@@ -54,7 +55,7 @@ def FAIL_FREE(statuses: dict[str, str]) -> bool:
 
 def test_cross_node_rendezvous_on_loopback():
     """What `--peers` runs on each node: one rank per node meeting at the first peer's TCP store."""
-    init = f"tcp://127.0.0.1:{allreduce.free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     runs: dict[int, dict] = {}
 
     def node(rank: int) -> None:
@@ -72,14 +73,14 @@ def test_cross_node_rendezvous_on_loopback():
 
 
 def test_benchmark_failure_is_reported_not_hung():
-    run = allreduce.run_ranks([0], 2, f"tcp://127.0.0.1:{allreduce.free_port()}", "cpu", [8192], timeout=3)
+    run = allreduce.run_ranks([0], 2, f"tcp://127.0.0.1:{free_port()}", "cpu", [8192], timeout=3)
     assert run["result"] is None and "timed out after 3 s" in run["error"]
 
 
 @pytest.mark.slow
 @cpu_only
 def test_doctor_peers_on_loopback(tmp_path):
-    peers = f"127.0.0.1:{allreduce.free_port()},127.0.0.1:0"
+    peers = f"127.0.0.1:{free_port()},127.0.0.1:0"
     procs = [_cli("doctor", "--peers", peers, "--node-rank", str(r), "--json", str(tmp_path / f"{r}.json"))
              for r in (0, 1)]
     outs = [p.communicate(timeout=240) for p in procs]

@@ -1,7 +1,8 @@
 """On two GPUs over NCCL: PP=2 gives exactly the TP=1 greedy tokens on a random-weight
 Llama-3-8B-shaped model in bf16; TP=2 gives them too, except where TP=1 itself sees a near-tie
 (TP splits each GEMM and sums partial results in another order, which moves bf16 roundings).
-The opt-in fused all-reduce + residual add + RMSNorm kernel equals the separate kernels bit for bit."""
+The fused all-reduce + residual add + RMSNorm kernel (on by default) equals the separate kernels bit
+for bit, and gives the same tokens."""
 from __future__ import annotations
 
 import gc
@@ -43,8 +44,9 @@ def test_nccl_tp2_and_pp2_match_tp1(checkpoint, monkeypatch):
     # as eager, so the same tokens.
     assert [o.token_ids for o in _run(checkpoint, tensor_parallel_size=2, enforce_eager=True)] == \
         [o.token_ids for o in tp2]
-    # Small all-reduces go one-shot over symmetric memory; with two ranks a + b is the same sum NCCL
-    # computes, so turning the fast path off changes no token.
+    # Small all-reduces go one-shot over symmetric memory, fused with the add and norm after them;
+    # with two ranks a + b is the same sum NCCL computes, so sending every all-reduce through NCCL
+    # (which turns the fused path off too) changes no token.
     monkeypatch.setenv("SHARDSERVE_ONE_SHOT_ALLREDUCE", "0")
     assert [o.token_ids for o in _run(checkpoint, tensor_parallel_size=2)] == [o.token_ids for o in tp2]
     monkeypatch.delenv("SHARDSERVE_ONE_SHOT_ALLREDUCE")
@@ -63,14 +65,14 @@ def test_nccl_tp2_and_pp2_match_tp1(checkpoint, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU-only: the fused all-reduce needs two CUDA GPUs of one host (run on an H200 x2 machine)")
 def test_fused_all_reduce_norm_gives_the_one_shot_tokens(checkpoint, monkeypatch):
-    """The opt-in fused all-reduce + add + norm (SHARDSERVE_FUSED_ALLREDUCE=1) does the default
-    path's arithmetic, so TP=2 greedy tokens must not change. Session 6 saw a fused run differ from
-    an all-NCCL run after 17 tokens (benchmarks/BENCHMARKS.md); this pins the comparison down to
-    the fused kernel against the default one-shot path."""
-    default = _run(checkpoint, tensor_parallel_size=2)
-    monkeypatch.setenv("SHARDSERVE_FUSED_ALLREDUCE", "1")
+    """The fused all-reduce + add + norm (the default) does the arithmetic of the one-shot
+    all-reduce followed by the norm kernel (SHARDSERVE_FUSED_ALLREDUCE=0), so TP=2 greedy tokens
+    must not change. Session 6 saw a fused run differ from an all-NCCL run after 17 tokens, while
+    the fused kernel reduced the norm at another warp count (benchmarks/BENCHMARKS.md)."""
     fused = _run(checkpoint, tensor_parallel_size=2)
-    for i, (a, b) in enumerate(zip(default, fused)):
+    monkeypatch.setenv("SHARDSERVE_FUSED_ALLREDUCE", "0")
+    separate = _run(checkpoint, tensor_parallel_size=2)
+    for i, (a, b) in enumerate(zip(separate, fused)):
         j = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
         assert j is None, f"prompt {i}: the fused path's tokens differ from token {j} on"
 
@@ -84,14 +86,14 @@ def test_nccl_tp2_x_pp2_matches_tp2(checkpoint):
     assert [o.token_ids for o in grid] == [o.token_ids for o in tp2]
 
 
-def _fused_norm_worker(rank: int, port: int) -> None:
+def _fused_norm_worker(rank: int, init: str) -> None:
     from shardserve.distributed import comm
     from shardserve.distributed.parallel_state import init_distributed
     from shardserve.layers import triton_ops
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
-    init_distributed(rank, 2, 1, f"tcp://127.0.0.1:{port}", device)
-    assert comm._FUSED_NORM is not None, "SHARDSERVE_FUSED_ALLREDUCE=1 turns the fused path on for two GPUs of one host"
+    init_distributed(rank, 2, 1, init, device)
+    assert comm._FUSED_NORM is not None, "the fused path is on by default for two GPUs of one host"
     eps = 1e-5
 
     def separate(x, res, w):
@@ -147,6 +149,7 @@ def test_fused_all_reduce_add_norm_matches_separate_kernels(monkeypatch):
     the norm kernel bit for bit (rows 1/3/16, hidden 4096/5120/8192, a -0.0 in the input), eagerly
     and over 40 chained calls replayed from a CUDA graph."""
     import torch.multiprocessing as mp
-    from shardserve.executor.multiproc import free_port
-    monkeypatch.setenv("SHARDSERVE_FUSED_ALLREDUCE", "1")   # opt-in (distributed/fused_allreduce.py)
-    mp.spawn(_fused_norm_worker, args=(free_port(),), nprocs=2)
+    from shardserve.distributed.parallel_state import host_store
+    monkeypatch.delenv("SHARDSERVE_FUSED_ALLREDUCE", raising=False)   # on by default
+    store, init = host_store(2)
+    mp.spawn(_fused_norm_worker, args=(init,), nprocs=2)
