@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardserve.layers import triton_argmax, triton_ops
+
 LogprobRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # token ids, logprobs, ranks: [B, 1+k]
 
 
@@ -85,8 +87,17 @@ def compute_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> Lo
     return chosen.unsqueeze(1), chosen_lp, ranks
 
 
+def _plain_greedy(logits: torch.Tensor, md: SamplingMetadata) -> bool:
+    """Every row takes its argmax of the raw logits, and nothing else is asked for: on CUDA that is
+    one Triton kernel pair (layers/triton_argmax.py) instead of a cast and torch's one-block argmax."""
+    return (md.all_greedy and md.num_logprobs is None and md.blocked_tokens is None
+            and md.output_token_counts is None and logits.dim() == 2 and triton_ops.handles(logits))
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, LogprobRows | None]:
+        if _plain_greedy(logits, md):
+            return triton_argmax.argmax_rows(logits), None
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.num_logprobs is not None else None
         if md.blocked_tokens is not None:

@@ -42,13 +42,17 @@ def test_triton_decode_matches_torch_reference(dtype, head_dim, heads, kv_heads,
     k = torch.randn(len(lens), kv_heads, head_dim, device=dev).to(dtype)
     v = torch.randn(len(lens), kv_heads, head_dim, device=dev).to(dtype)
     outs, caches = [], []
-    for backend in (TorchAttentionBackend(), CudaAttentionBackend()):
+    for backend in (TorchAttentionBackend(), CudaAttentionBackend(), CudaAttentionBackend()):
         c = cache.clone()
         outs.append(backend.forward(spec, q, k, v, c, backend.build(common, dev)).float())
         caches.append(c)
     assert torch.equal(caches[0], caches[1])
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(outs[0], outs[1], atol=tol, rtol=tol), (outs[0] - outs[1]).abs().max()
+    # The last split to finish merges, always in split order: the same bits every time, and the
+    # arrival counters are back at zero for the next launch.
+    assert torch.equal(outs[1], outs[2])
+    assert not triton_decode._counters(q.device).any()
 
 
 def test_triton_small_layers_match_torch():
@@ -197,3 +201,21 @@ def test_triton_gemv_matches_cublas(rows, n, k, gated, bias):
     assert got.shape == (rows, n)
     assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2), (got.float() - want.float()).abs().max()
     assert not triton_gemv.handles(torch.randn(17, k, device=dev, dtype=dt), w)   # more rows: cuBLAS
+
+
+@pytest.mark.parametrize("rows,n", [(1, 128256), (3, 151936), (16, 2049), (2, 1000)])
+def test_triton_argmax_is_torch_argmax(rows, n):
+    """Greedy sampling's chunked argmax: the same index as torch.argmax, ties (coarse values repeat
+    the maximum many times) going to the first, and rows of -inf included."""
+    from shardserve.layers import triton_argmax
+    from shardserve.layers.sampler import Sampler, SamplingMetadata
+    torch.manual_seed(n)
+    for dt in (torch.bfloat16, torch.float32):
+        x = torch.randn(rows, n, device="cuda").to(dt)
+        coarse = torch.randint(0, 5, (rows, n), device="cuda").to(dt)   # the maximum repeats
+        flat = torch.full((rows, n), float("-inf"), device="cuda", dtype=dt)
+        for logits in (x, coarse, flat, x[:, : n - 7]):   # the last one: strided rows
+            assert torch.equal(triton_argmax.argmax_rows(logits), logits.float().argmax(dim=-1))
+    md = SamplingMetadata(temperature=None, greedy=None, all_greedy=True)
+    tokens, lp = Sampler()(x, md)
+    assert lp is None and torch.equal(tokens, x.float().argmax(dim=-1))
