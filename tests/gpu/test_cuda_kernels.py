@@ -42,17 +42,13 @@ def test_triton_decode_matches_torch_reference(dtype, head_dim, heads, kv_heads,
     k = torch.randn(len(lens), kv_heads, head_dim, device=dev).to(dtype)
     v = torch.randn(len(lens), kv_heads, head_dim, device=dev).to(dtype)
     outs, caches = [], []
-    for backend in (TorchAttentionBackend(), CudaAttentionBackend(), CudaAttentionBackend()):
+    for backend in (TorchAttentionBackend(), CudaAttentionBackend()):
         c = cache.clone()
         outs.append(backend.forward(spec, q, k, v, c, backend.build(common, dev)).float())
         caches.append(c)
     assert torch.equal(caches[0], caches[1])
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(outs[0], outs[1], atol=tol, rtol=tol), (outs[0] - outs[1]).abs().max()
-    # The last split to finish merges, always in split order: the same bits every time, and the
-    # arrival counters are back at zero for the next launch.
-    assert torch.equal(outs[1], outs[2])
-    assert not triton_decode._counters(q.device).any()
 
 
 def test_triton_small_layers_match_torch():

@@ -4,7 +4,7 @@ its group), online softmax in fp32. Shapes are static given the batch, so it run
 Each loop iteration takes several pages (about 64 tokens): with few requests there are only a few
 programs, and each iteration's chain of dependent loads is the cost, so fewer, wider ones win.
 With few requests each request's keys are also split over several programs (flash-decoding), and
-the last split of a request to finish merges them (no second kernel to launch).
+a small second kernel merges the splits.
 
 KV layout (TorchAttentionBackend's): K and V each [num_kv_heads, num_blocks, block_size, head_dim].
 """
@@ -21,7 +21,7 @@ from shardserve.layers.attention.triton_paged import load_pages, online_softmax_
 
 
 @triton.jit(do_not_specialize=["stride_tb", "window", "max_pages", "num_splits"])   # they change between steps
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr, count_ptr,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr,
                          stride_qt, stride_qh, stride_kh, stride_kb, stride_tb, stride_ot, stride_oh,
                          scale, window, max_pages, num_splits,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -54,49 +54,39 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
         pos = page0 * BLOCK_SIZE + j
         valid = (pos < seq_len) & (pos >= first)
         m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, scale, IEEE=IEEE)
-    out_rows = out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :]
     if num_splits == 1:
-        tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUP)
-    else:
-        # Each split stores its unnormalised partial output and (max, sum) per head; the split that
-        # arrives last merges them all, in split order, and puts the counter back to zero.
-        base = (b * (tl.num_programs(1) * GROUP) + heads) * num_splits   # [batch, heads, splits] rows
-        tl.store(part_ptr + (base + split)[:, None] * HEAD_DIM + d[None, :], acc, mask=g[:, None] < GROUP)
-        tl.store(stats_ptr + (base + split) * 2, m_i, mask=g < GROUP)
-        tl.store(stats_ptr + (base + split) * 2 + 1, l_i, mask=g < GROUP)
-        tl.debug_barrier()   # all of this program's stores precede its arrival
-        counter = count_ptr + b * tl.num_programs(1) + hk
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            tl.debug_barrier()
-            m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-            for s in range(num_splits):   # read through L2: other SMs wrote these
-                m_all = tl.maximum(m_all, tl.load(stats_ptr + (base + s) * 2, mask=g < GROUP,
-                                                  other=float("-inf"), cache_modifier=".cg"))
-            merged = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-            total = tl.zeros([GROUP_PAD], tl.float32)
-            for s in range(num_splits):
-                m = tl.load(stats_ptr + (base + s) * 2, mask=g < GROUP, other=float("-inf"), cache_modifier=".cg")
-                w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))   # a split with no keys weighs nothing
-                total += w * tl.load(stats_ptr + (base + s) * 2 + 1, mask=g < GROUP, other=0.0, cache_modifier=".cg")
-                merged += w[:, None] * tl.load(part_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                                               mask=g[:, None] < GROUP, other=0.0, cache_modifier=".cg")
-            tl.store(out_rows, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUP)
-            tl.store(counter, 0)
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUP)
+    else:   # unnormalised partial output and its (max, sum) per head, for _merge_splits_kernel
+        row = (b * (tl.num_programs(1) * GROUP) + heads) * num_splits + split   # [batch, heads, splits]
+        tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g[:, None] < GROUP)
+        tl.store(stats_ptr + row * 2, m_i, mask=g < GROUP)
+        tl.store(stats_ptr + row * 2 + 1, l_i, mask=g < GROUP)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(part_ptr, stats_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+                         MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    """One (request, query head): rescale each split's partial output to the common max and sum."""
+    if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, MAX_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    row = (b * tl.num_programs(1) + h) * num_splits + s
+    ok = s < num_splits
+    m = tl.load(stats_ptr + row * 2, mask=ok, other=float("-inf"))
+    l = tl.load(stats_ptr + row * 2 + 1, mask=ok, other=0.0)
+    part = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))   # a split with no keys weighs nothing
+    out = tl.sum(part * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 MAX_SPLITS = 16
-
-
-MAX_SPLIT_PROGRAMS = 1024   # (request, KV head) pairs of a split launch: one arrival counter each
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The device's split arrival counters, zero between launches (each launch's last split resets
-    its own). Launches on one stream take turns; the engine runs a model on one stream."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(MAX_SPLIT_PROGRAMS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
 
 
 @functools.cache
@@ -117,8 +107,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, window: int | None, splits: int | None = None) -> None:
     """q, out: [B, Hq, D] (head rows packed); caches [Hk, blocks, block_size, D] contiguous;
     block_tables [B, max_blocks] int32; seq_lens [B] int32 (tokens including the new one).
-    With several splits (flash-decoding), each split of a request's keys is one program, and the
-    last of a request's splits to finish merges their partial results."""
+    With several splits (flash-decoding), each split of a request's keys is one program and a
+    second kernel merges their partial results."""
     batch, hq, dim = q.shape
     hk, _, block_size, _ = k_cache.shape
     group = hq // hk
@@ -126,19 +116,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Pages past a request's length hold masked-out keys: a table entry past the table's width
     # reads block 0 instead, so no index runs off the table.
     pages = max(1, 64 // block_size) if k_cache.dtype != torch.float32 else max(1, 32 // block_size)
-    part = stats = counters = out   # unused with one split
+    part = stats = out   # unused with one split
     if splits > 1:
-        if batch * hk > MAX_SPLIT_PROGRAMS:
-            raise ValueError(f"{batch} requests x {hk} KV heads exceed the {MAX_SPLIT_PROGRAMS} split counters")
         part = torch.empty(batch, hq, splits, dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device)
-        counters = _counters(q.device)
     _paged_decode_kernel[(batch, hk, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part, stats, counters,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part, stats,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or 0, block_tables.shape[1], splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, PAGES=pages,
         HEAD_DIM=dim, IEEE=k_cache.dtype == torch.float32, **pdl.launch_args(q))
+    if splits > 1:
+        _merge_splits_kernel[(batch, hq)](part, stats, out, out.stride(0), out.stride(1), splits,
+                                          MAX_SPLITS=MAX_SPLITS, HEAD_DIM=dim, **pdl.launch_args(q))
 
 
 @triton.jit
