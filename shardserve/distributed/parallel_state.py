@@ -91,15 +91,17 @@ def backend_for(device: torch.device) -> str:
 HOSTED_STORE = "store://"
 
 
-def host_store(world: int, timeout_s: float = 120.0):
+def host_store(world: int, timeout_s: float = 120.0, host: str = "127.0.0.1"):
     """Start the ranks' rendezvous store in this process on a port the OS picks. Returns the store
-    (keep it alive until the ranks exit) and the init_method that joins it. Picking a free port and
-    letting rank 0 bind it later races: in between, any outgoing connection on the host may be given
-    that port (the ranks' own connections included), and rank 0 then fails with EADDRINUSE."""
+    (keep it alive until the ranks exit) and the init_method that joins it at `host` (this
+    machine's address as the ranks see it; the store listens on every interface). Picking a free
+    port and letting rank 0 bind it later races: in between, any outgoing connection on the host
+    may be given that port (the ranks' own connections included), and rank 0 then fails with
+    EADDRINUSE."""
     import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+    store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    return store, f"{HOSTED_STORE}127.0.0.1:{store.port}"
+    return store, f"{HOSTED_STORE}{host}:{store.port}"
 
 
 def _join_world(rank: int, world: int, init_method: str, device: torch.device, timeout: datetime.timedelta) -> None:

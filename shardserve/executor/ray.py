@@ -2,7 +2,8 @@
 
 `ray.init(address="auto")` joins the cluster this process runs in (or RAY_ADDRESS); one bundle per
 rank ({"GPU": 1} on GPUs, {"CPU": 1} otherwise) is reserved, ranks are ordered by node so that a
-tensor-parallel group stays inside one node, and torch.distributed meets at rank 0's node. An actor
+tensor-parallel group stays inside one node, and torch.distributed meets at a store rank 0's actor
+hosts. An actor
 that dies turns the next call into a WorkerDiedError naming its rank.
 """
 from __future__ import annotations
@@ -20,14 +21,17 @@ class _RayWorker:
 
     def __init__(self) -> None:
         self.worker = None
+        self.store = None   # rank 0 only: the rendezvous store, kept for the actor's life
 
     def node_ip(self) -> str:
         import ray
         return ray.util.get_node_ip_address()
 
-    def free_port(self) -> int:
-        from shardserve.executor.multiproc import free_port
-        return free_port()
+    def host_store(self, world: int, host: str, timeout_s: float) -> str:
+        """Rank 0's actor hosts the ranks' rendezvous store (parallel_state.host_store) for its life."""
+        from shardserve.distributed.parallel_state import host_store
+        self.store, init_method = host_store(world, timeout_s, host)
+        return init_method
 
     def start(self, config: EngineConfig, rank: int, local_rank: int, init_method: str,
               eos_token_ids: frozenset[int], show_progress: bool, threads: int) -> None:
@@ -80,8 +84,7 @@ class RayExecutor(Executor):
         order = sorted(range(self.world_size), key=lambda i: ips[i])
         self.actors = [actors[i] for i in order]
         ips = [ips[i] for i in order]
-        port = ray.get(self.actors[0].free_port.remote())
-        init_method = f"tcp://{ips[0]}:{port}"
+        init_method = ray.get(self.actors[0].host_store.remote(self.world_size, ips[0], pc.distributed_timeout_s))
         # Ray gives each actor exactly one GPU through CUDA_VISIBLE_DEVICES: it is always cuda:0.
         self._get([a.start.remote(config, r, 0, init_method, eos_token_ids, show_progress and r == self.output_rank, 1)
                    for r, a in enumerate(self.actors)], pc.distributed_timeout_s)
