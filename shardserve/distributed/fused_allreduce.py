@@ -9,9 +9,11 @@ barriers, then the norm) for a few KiB. Here one kernel does both, and needs no 
   one bit pattern: negative zero, which senders write as +0.0 (the same number), so a reader can
   wait on each element alone, with no flag to order against the data ("Lamport" style).
 - After reading, a rank puts the pattern back into its buffer, ready for the next use.
-- Two buffer slots alternate between consecutive calls: a peer can run at most one call ahead
-  (the call after that needs this rank's next values), so it never writes into the slot this rank
-  is still reading or resetting. The call count lives on the device, so CUDA graphs keep it.
+- Two buffer slots alternate between consecutive uses of a row: a peer can run at most one use
+  ahead (the use after that needs this rank's next values), so it never writes into the slot this
+  rank is still reading or resetting. Each row counts its own uses on the device (ranks run the
+  same batches, so their counts agree), so no program waits on another and CUDA graphs keep the
+  counts.
 - Sums are taken in fp32 in rank order, the same on every rank (TP ranks must hold identical
   hidden states); with two ranks that is exactly the sum NCCL and the one-shot kernel give. The
   add and the norm are `layers/triton_ops`'s own helper at its warp count (which sets the order
@@ -48,7 +50,7 @@ def _kernel():
 
     @triton.jit
     def all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, peers_ptr, calls_ptr, rank, n_cols,
-                                       num_rows, eps, WORLD: tl.constexpr, MAX_ROWS: tl.constexpr,
+                                       eps, WORLD: tl.constexpr, MAX_ROWS: tl.constexpr,
                                        MAX_HIDDEN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
             tl.extra.cuda.gdc_launch_dependents()
@@ -56,7 +58,7 @@ def _kernel():
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        call = tl.load(calls_ptr, volatile=True)
+        call = tl.load(calls_ptr + row, volatile=True)   # this row's own count: no program waits on another
         slot = call % 2
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
         bits = x.to(tl.int16, bitcast=True)
@@ -66,6 +68,9 @@ def _kernel():
             peer = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int16))
             tl.store(peer + mine + cols, bits, mask=mask)
         own = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int16))
+        # The residual and the norm weight do not depend on the peers: their loads overlap the wait.
+        res = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for p in tl.static_range(WORLD):   # rank order: the same sum on every rank
             theirs = own + ((slot * WORLD + p) * MAX_ROWS + row) * MAX_HIDDEN + cols
@@ -75,13 +80,8 @@ def _kernel():
             acc += v.to(x.dtype, bitcast=True).to(tl.float32)
             tl.store(theirs, tl.full([BLOCK], -32768, tl.int16), mask=mask)
         # residual = allreduce(x) + residual, then the norm: the code triton_ops.rms_norm runs
-        add_rms_norm(acc.to(x.dtype), res_ptr, w_ptr, out_ptr, row, cols, mask, n_cols, eps, HAS_RES=True)
-        # The last row's program to finish advances the call count (every program has read it by then).
-        tl.debug_barrier()
-        done = tl.atomic_add(calls_ptr + 1, 1)
-        if done == num_rows - 1:
-            tl.store(calls_ptr + 1, 0)
-            tl.store(calls_ptr, call + 1)
+        add_rms_norm(acc.to(x.dtype), res, w, res_ptr, out_ptr, row, cols, mask, n_cols, eps, HAS_RES=True)
+        tl.store(calls_ptr + row, call + 1)
 
     return triton, all_reduce_add_rms_norm_kernel
 
@@ -97,7 +97,7 @@ class AllReduceAddRMSNorm:
         self.buffer.fill_(_NOT_LANDED)
         handle = symm_mem.rendezvous(self.buffer, tp.group.group_name)
         self.peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
-        self.calls = torch.zeros(2, dtype=torch.int32, device=device)   # call count, programs done
+        self.calls = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)   # calls so far, per row
         torch.cuda.synchronize(device)
         dist.barrier(group=tp.group)   # every buffer holds the pattern before anyone writes
 
@@ -118,7 +118,7 @@ class AllReduceAddRMSNorm:
         triton, kernel = _kernel()
         rows, n = x.shape
         out = torch.empty_like(x)
-        kernel[(rows,)](x, residual, weight, out, self.peers, self.calls, self.rank, n, rows, eps,
+        kernel[(rows,)](x, residual, weight, out, self.peers, self.calls, self.rank, n, eps,
                         WORLD=self.world, MAX_ROWS=MAX_ROWS, MAX_HIDDEN=MAX_HIDDEN,
                         BLOCK=triton.next_power_of_2(n), num_warps=triton_ops.NORM_WARPS, **pdl.launch_args(x))
         return out

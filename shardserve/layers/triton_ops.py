@@ -36,19 +36,17 @@ def _kernels() -> SimpleNamespace:
     import triton.language as tl
 
     @triton.jit
-    def add_rms_norm(x, res_ptr, w_ptr, out_ptr, row, cols, mask, n_cols, eps, HAS_RES: tl.constexpr):
-        """Stores rmsnorm(x) * w for row `row` (x: its values; also used by
-        distributed/fused_allreduce.py). With HAS_RES, x + residual first, in the activations'
-        dtype as torch adds them, stored back as the new residual."""
+    def add_rms_norm(x, res, w, res_ptr, out_ptr, row, cols, mask, n_cols, eps, HAS_RES: tl.constexpr):
+        """Stores rmsnorm(x) * w for row `row` (also used by distributed/fused_allreduce.py). x, res
+        and w: the row's values, loaded by the caller (which may load them early). With HAS_RES,
+        x + res first, in the activations' dtype as torch adds them, stored back as the new residual."""
         if HAS_RES:
-            x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-                 ).to(x.dtype)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
             tl.store(res_ptr + row * n_cols + cols, x, mask=mask)
         xf = x.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
         normed = (xf * inv).to(x.dtype).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * n_cols + cols, (normed * w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
@@ -60,7 +58,11 @@ def _kernels() -> SimpleNamespace:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
-        add_rms_norm(x, res_ptr, w_ptr, out_ptr, row, cols, mask, n_cols, eps, HAS_RES)
+        res = x   # unused without a residual
+        if HAS_RES:
+            res = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        add_rms_norm(x, res, w, res_ptr, out_ptr, row, cols, mask, n_cols, eps, HAS_RES)
 
     @triton.jit
     def silu_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
