@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="one rank of the doctor's all-reduce benchmark")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
-    p.add_argument("--init", required=True, help="tcp://host:port of the rendezvous (rank 0 hosts it), or store://host:port (already hosted)")
+    p.add_argument("--init", required=True,
+                   help="tcp://host:port of the rendezvous (rank 0 hosts it), or store://host:port (already hosted)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--sizes", default=",".join(map(str, CPU_SIZES)))
     p.add_argument("--budget", type=float, default=0.15, help="seconds of timed iterations per size")

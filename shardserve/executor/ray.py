@@ -2,9 +2,8 @@
 
 `ray.init(address="auto")` joins the cluster this process runs in (or RAY_ADDRESS); one bundle per
 rank ({"GPU": 1} on GPUs, {"CPU": 1} otherwise) is reserved, ranks are ordered by node so that a
-tensor-parallel group stays inside one node, and torch.distributed meets at a store rank 0's actor
-hosts. An actor
-that dies turns the next call into a WorkerDiedError naming its rank.
+tensor-parallel group stays inside one node, and torch.distributed meets at a store that rank 0's
+actor hosts. An actor that dies turns the next call into a WorkerDiedError naming its rank.
 """
 from __future__ import annotations
 
