@@ -21,8 +21,9 @@ barriers, then the norm) for a few KiB. Here one kernel does both, and needs no 
   and norm.
 
 Up to MAX_ROWS rows (a decode batch; larger batches take the separate path) and MAX_HIDDEN
-features. On by default; SHARDSERVE_FUSED_ALLREDUCE=0 turns it off (the one-shot all-reduce, then
-the norm kernel). Tests: bit for bit against the separate kernels (40 chained calls, eager and
+features. On by default for TP groups of two (the size tested on GPUs so far; the kernel itself
+takes any group of one host): SHARDSERVE_FUSED_ALLREDUCE=1 turns it on for larger groups, =0 off
+(the one-shot all-reduce, then the norm kernel). Tests: bit for bit against the separate kernels (40 chained calls, eager and
 replayed from a graph), and the 8B TP=2 model's greedy tokens against both the separate path and
 all-NCCL all-reduces (tests/gpu/test_cuda_parallel.py).
 """
@@ -103,9 +104,11 @@ class AllReduceAddRMSNorm:
 
     @staticmethod
     def create(tp: GroupInfo, device: torch.device) -> "AllReduceAddRMSNorm | None":
-        """Every TP rank calls this (it is a collective) once the one-shot path exists; None with
-        SHARDSERVE_FUSED_ALLREDUCE=0, or where Triton is missing."""
-        if os.environ.get("SHARDSERVE_FUSED_ALLREDUCE") == "0" or not triton_ops.available():
+        """Every TP rank calls this (it is a collective) once the one-shot path exists. On by default
+        for TP groups of two, the size it has been tested at on GPUs; SHARDSERVE_FUSED_ALLREDUCE=1
+        turns it on for larger groups too, =0 off. None where Triton is missing."""
+        setting = os.environ.get("SHARDSERVE_FUSED_ALLREDUCE")
+        if setting == "0" or (setting != "1" and tp.world_size != 2) or not triton_ops.available():
             return None
         return AllReduceAddRMSNorm(tp, device)
 
