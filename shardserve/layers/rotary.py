@@ -35,6 +35,18 @@ def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> tor
     raise ValueError(f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3")
 
 
+def heads_packed(*tensors: torch.Tensor) -> bool:
+    """[T, H, D] views whose head rows are contiguous and back to back, as views of a fresh qkv
+    are: what the fused rotary kernels (native and Triton) index."""
+    return all(t.stride(-1) == 1 and t.stride(1) == t.shape[-1] for t in tensors)
+
+
+def triton_tileable(head_dim: int) -> bool:
+    """The Triton rotary kernels take a power-of-two half head as one tile."""
+    half = head_dim // 2
+    return half & (half - 1) == 0
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
                  rope_scaling: dict[str, Any] | None = None, freq_factors: list[float] | None = None) -> None:
@@ -53,9 +65,7 @@ class RotaryEmbedding(nn.Module):
         fused kernels (native on the CPU, Triton on CUDA), q and k are rotated in place (they are
         views of a fresh qkv)."""
         ops = ops_for(q, k, self.cos)
-        half = q.shape[-1] // 2
-        if (ops is not None and q.stride(-1) == k.stride(-1) == 1 and q.stride(1) == k.stride(1) == q.shape[-1]
-                and (ops is cpu_ops or half & (half - 1) == 0)):   # Triton tiles need a power of two
+        if ops is not None and heads_packed(q, k) and (ops is cpu_ops or triton_tileable(q.shape[-1])):
             ops.rotary_neox_(positions, q, k, self.cos, self.sin)
             return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from shardserve.layers import pdl
+from shardserve.layers.rotary import heads_packed, triton_tileable
 
 
 @triton.jit
@@ -76,11 +77,8 @@ def _rotary_write_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_ca
 
 
 def fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Head rows packed and a power-of-two half (a Triton tile)."""
-    dim = q.shape[-1]
-    half = dim // 2
-    return (all(t.stride(-1) == 1 and t.stride(1) == dim for t in (q, k, v)) and half & (half - 1) == 0
-            and q.is_cuda)
+    """Head rows packed and a power-of-two half (a Triton tile), on CUDA."""
+    return q.is_cuda and heads_packed(q, k, v) and triton_tileable(q.shape[-1])
 
 
 def rotary_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
