@@ -134,12 +134,13 @@ def add_bench_offline_args(p: argparse.ArgumentParser, latency: bool) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on for CUDA)")
     p.add_argument("--output-json", default=None, help="write the results here (default: none)")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler traces of every worker (needs SHARDSERVE_TORCH_PROFILER_DIR): latency runs one "
+                        "more batch under it after the timed ones; throughput profiles the timed run itself")
     if latency:
         p.add_argument("--batch-size", type=int, default=8, help="default: %(default)s")
         p.add_argument("--num-iters-warmup", type=int, default=3, help="default: %(default)s")
         p.add_argument("--num-iters", type=int, default=10, help="default: %(default)s")
-        p.add_argument("--profile", action="store_true", help="after the timed iterations, run one more under "
-                       "torch.profiler and print each worker's trace file (needs SHARDSERVE_TORCH_PROFILER_DIR)")
     else:
         p.add_argument("--num-prompts", type=int, default=1000, help="default: %(default)s")
         p.add_argument("--random-range-ratio", type=float, default=0.0,

@@ -178,8 +178,11 @@ def run_latency(ns) -> dict[str, Any]:
 
 def run_throughput(ns) -> dict[str, Any]:
     from shardserve import SamplingParams
+    if ns.profile:
+        require_profiler_dir()
     path, config, random_weights = model_source(ns)
     llm = make_llm(ns, path, random_weights)
+    traces: list[str] = []
     try:
         lim = _limits(llm, config)
         prompts = random_prompts(ns.num_prompts, ns.input_len, ns.random_range_ratio, config["vocab_size"], ns.seed)
@@ -189,9 +192,13 @@ def run_throughput(ns) -> dict[str, Any]:
         params = [SamplingParams(temperature=0, max_tokens=rng.randint(lo, hi), ignore_eos=True, detokenize=False)
                   for _ in prompts]
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)   # warm-up
+        if ns.profile:   # as vLLM does: the timed run itself, so its figures include the profiler's cost
+            llm.start_profile()
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=True)
         elapsed = time.perf_counter() - t
+        if ns.profile:
+            traces = llm.stop_profile()
     finally:
         llm.engine.shutdown()
     n_in = sum(len(p) for p in prompts)
@@ -202,9 +209,11 @@ def run_throughput(ns) -> dict[str, Any]:
               "output_tokens_per_second": n_out / elapsed,
               "mfu": flops / lim["tp"] / elapsed / lim["peak_flops"],
               "peak_tflops": lim["peak_flops"] / 1e12, "bandwidth_gb_s": lim["bandwidth"] / 1e9,
-              "dtype": lim["dtype"], "device": str(lim["device"])}
+              "dtype": lim["dtype"], "device": str(lim["device"]), **({"profile_traces": traces} if ns.profile else {})}
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total "
           f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Model FLOPs utilisation: {100 * result['mfu']:.2f}% of {result['peak_tflops']:.1f} TFLOP/s "
           f"({lim['dtype']} matmul measured in this run); memory bandwidth {result['bandwidth_gb_s']:.0f} GB/s")
+    for trace in traces:
+        print(f"profile trace: {trace} (the figures above include the profiler's cost)")
     return result

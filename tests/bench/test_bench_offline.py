@@ -55,7 +55,7 @@ def test_latency_and_throughput_with_random_weights(tmp_path, capsys):
     assert tp["tokens_per_second"] > tp["output_tokens_per_second"]
 
 
-def test_latency_profile_writes_a_trace_per_worker(tmp_path, capsys, monkeypatch):
+def test_profile_writes_a_trace_per_worker(tmp_path, capsys, monkeypatch):
     path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama")
     args = ["bench", "latency", "--random-weights", path, "--batch-size", "2", "--input-len", "6", "--output-len",
             "3", "--num-iters", "1", "--num-iters-warmup", "0", "--kv-cache-memory", "16MiB", "--profile"]
@@ -69,3 +69,9 @@ def test_latency_profile_writes_a_trace_per_worker(tmp_path, capsys, monkeypatch
                if line.startswith("profile trace: ")]
     assert sorted(printed) == sorted(json.loads(out.read_text())["profile_traces"])
     assert len(printed) == 2 and all(os.path.getsize(p) > 0 and "/traces/rank" in p for p in printed)
+    out = tmp_path / "tp.json"   # throughput profiles its timed run
+    assert main(["bench", "throughput", "--random-weights", path, "--num-prompts", "3", "--input-len", "6",
+                 "--output-len", "3", "--kv-cache-memory", "16MiB", "--profile", "--output-json", str(out)]) == 0
+    printed = [line.split(": ", 1)[1].split(" (")[0] for line in capsys.readouterr().out.splitlines()
+               if line.startswith("profile trace: ")]
+    assert printed == json.loads(out.read_text())["profile_traces"] and os.path.getsize(printed[0]) > 0
