@@ -53,9 +53,7 @@ def _kernel():
     def all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, peers_ptr, calls_ptr, rank, n_cols,
                                        eps, WORLD: tl.constexpr, MAX_ROWS: tl.constexpr,
                                        MAX_HIDDEN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        pdl.start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols

@@ -26,9 +26,7 @@ def _kernels():
     @triton.jit
     def chunk_argmax_kernel(x_ptr, best_val_ptr, best_idx_ptr, n, stride_x, chunks,
                             CHUNK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:   # layers/pdl.py
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        pdl.start(PDL)
         row, chunk = tl.program_id(0), tl.program_id(1)
         offs = chunk * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + row * stride_x + offs, mask=offs < n, other=float("-inf")).to(tl.float32)
@@ -39,9 +37,7 @@ def _kernels():
 
     @triton.jit
     def pick_kernel(best_val_ptr, best_idx_ptr, out_ptr, chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        pdl.start(PDL)
         row = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         ok = c < chunks

@@ -51,9 +51,7 @@ def _kernels() -> SimpleNamespace:
     @triton.jit
     def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
                         PDL: tl.constexpr):
-        if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        pdl.start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols

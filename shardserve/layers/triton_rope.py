@@ -39,9 +39,7 @@ def _rotate_in_place(base, cos_row, sin_row, HALF: tl.constexpr):
 @triton.jit
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_stride, k_stride, n_q, HALF: tl.constexpr,
                    PDL: tl.constexpr):
-    if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl.start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + t)
@@ -56,9 +54,7 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_stride, k_stride, 
 def _rotary_write_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
                             stride_qt, stride_kt, stride_vt, n_kv, pool_slots, HALF: tl.constexpr,
                             PDL: tl.constexpr):
-    if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl.start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)   # KV heads first, then query heads
     pos = tl.load(pos_ptr + t)

@@ -26,9 +26,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
                          scale, window, max_pages, num_splits,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl.start(PDL)
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,9 +66,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
 def _merge_splits_kernel(part_ptr, stats_ptr, out_ptr, stride_ot, stride_oh, num_splits,
                          MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     """One (request, query head): rescale each split's partial output to the common max and sum."""
-    if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl.start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS)
@@ -134,9 +130,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                      pool_slots, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # layers/pdl.py: let the next kernel launch, then wait for the previous one's results
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl.start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
