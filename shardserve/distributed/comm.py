@@ -79,15 +79,27 @@ def fused_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weigh
                                   eps: float) -> torch.Tensor | None:
     """rmsnorm(allreduce(x) + residual) * weight in one kernel, residual updated in place; None
     where the fused path does not take these tensors (the caller reduces, then norms)."""
-    if _FUSED_NORM is None or not _FUSED_NORM.handles(x, residual):
+    if _FUSED_NORM is None:
+        return None
+    if not _FUSED_NORM.handles(x, residual):
+        _FUSED_NORM.check_no_pending()
         return None
     return _FUSED_NORM(x, residual, weight, eps)
+
+
+def partial_sum_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x @ weight^T for a row-parallel layer whose partial sum the next RMSNorm(reduce=True)
+    all-reduces: where the fused path runs, the matmul also sends the sum's part to the peers
+    (fused_allreduce.AllReduceAddRMSNorm.matmul). None where it does not (use the plain matmul)."""
+    return _FUSED_NORM.matmul(x, weight) if _FUSED_NORM is not None else None
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     tp = get_tp_group()
     if tp.world_size == 1:
         return x
+    if _FUSED_NORM is not None:
+        _FUSED_NORM.check_no_pending()
     if _ONE_SHOT is not None and _ONE_SHOT.handles(x):
         _ONE_SHOT(x)
         return x

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.distributed.comm import tensor_model_parallel_all_reduce
+from shardserve.distributed.comm import partial_sum_matmul, tensor_model_parallel_all_reduce
 from shardserve.layers import cpu_ops, triton_gemv
 from shardserve.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                    get_tensor_model_parallel_world_size)
@@ -96,10 +96,11 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """reduce=False: this rank's partial sum, left for the next RMSNorm to all-reduce (no bias)."""
-        out = linear(x, self.weight)
         if not reduce:
             assert self.bias is None, "a partial sum cannot take the bias (it is added once, after the reduction)"
-            return out
+            sent = partial_sum_matmul(x, self.weight)   # also sent to the peers, where the fused path runs
+            return sent if sent is not None else linear(x, self.weight)
+        out = linear(x, self.weight)
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         if self.bias is not None:

@@ -30,10 +30,14 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    from shardserve.distributed.fused_allreduce import store_to_peers_fn
+    store_to_peers = store_to_peers_fn()
+
     @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stride_w, stride_o,
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stride_w, stride_o, peers_ptr, calls_ptr, rank,
                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEND: tl.constexpr,
+                    WORLD: tl.constexpr, SEND_ROWS: tl.constexpr, SEND_HIDDEN: tl.constexpr, PDL: tl.constexpr):
         pdl.start(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
@@ -57,7 +61,12 @@ def _kernel():
             g = y.to(tl.float32)
             s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
             y = (s * acc_up.to(dt).to(tl.float32)).to(dt)
-        tl.store(out_ptr + m[None, :] * stride_o + cols[:, None], y, mask=col_ok[:, None] & (m[None, :] < rows))
+        ok = col_ok[:, None] & (m[None, :] < rows)
+        tl.store(out_ptr + m[None, :] * stride_o + cols[:, None], y, mask=ok)
+        if SEND:   # a TP partial sum: also into the peers' all-reduce buffers (distributed/fused_allreduce.py)
+            call = tl.load(calls_ptr + m, mask=m < rows, other=0)
+            store_to_peers(y, peers_ptr, rank, m[None, :], (call % 2)[None, :], cols[:, None], ok, WORLD,
+                           SEND_ROWS, SEND_HIDDEN)
 
     return gemv_kernel
 
@@ -86,21 +95,23 @@ def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
-         block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
+         send: dict | None = None, block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
          num_stages: int = 4) -> torch.Tensor:
     """x [rows, K] @ weight[N, K]^T (+ bias); gated: weight is [2 * N, K] (gate rows then up rows)
-    and the result is silu(gate) * up, [rows, N]. The tile and pipeline settings default to the
-    tuned ones; the sweep passes others."""
-    if gated and bias is not None:
-        raise ValueError("the gated form takes no bias")
+    and the result is silu(gate) * up, [rows, N]. send: the fused all-reduce's buffers, which the
+    result is also stored into (given by AllReduceAddRMSNorm.matmul). The tile and pipeline
+    settings default to the tuned ones; the sweep passes others."""
+    if (gated or send) and bias is not None:
+        raise ValueError("the gated form and a partial sum take no bias")
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     tile_n, tile_k = _tiles(n, k, gated)
     block_n, block_k = block_n or tile_n, block_k or tile_k
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     grid = (-(-n // block_n),)
+    send = send or dict(peers_ptr=weight, calls_ptr=weight, rank=0, WORLD=1, SEND_ROWS=1, SEND_HIDDEN=1)
     _kernel()[grid](x, weight, bias if bias is not None else weight, out, rows, n, k,
-                    x.stride(0), weight.stride(0), out.stride(0),
+                    x.stride(0), weight.stride(0), out.stride(0), **send, SEND=send["WORLD"] > 1,
                     HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
                     BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(x))
     return out

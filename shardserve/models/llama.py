@@ -12,7 +12,6 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from shardserve.distributed.comm import tensor_model_parallel_all_reduce
 from shardserve.distributed.parallel_state import get_pp_group, get_pp_layer_range, get_tensor_model_parallel_world_size
 from shardserve.layers import triton_gemv
 from shardserve.layers.activation import SiluAndMul
@@ -109,6 +108,9 @@ class LlamaDecoderLayer(nn.Module):
         # all-reduces them (one kernel with the add and the norm where it can: fused_allreduce.py).
         self.defers_reduction = (get_tensor_model_parallel_world_size() > 1 and self.self_attn.o_proj.bias is None
                                  and self.mlp.down_proj.bias is None)
+        # Whether the output leaves as a partial sum for the next layer's (or the final) norm; the
+        # last layer of a pipeline stage before the last sends finished sums (LlamaModel sets it).
+        self.output_partial = self.defers_reduction
 
     def forward(self, positions, hidden, residual, ctx, partial: bool = False):
         """partial: `hidden` is the previous layer's unreduced output (see defers_reduction)."""
@@ -120,7 +122,7 @@ class LlamaDecoderLayer(nn.Module):
         defer = self.defers_reduction
         hidden = self.self_attn(positions, hidden, ctx, reduce=not defer)
         hidden, residual = self.post_attention_layernorm(hidden, residual, reduce=defer)
-        return self.mlp(hidden, reduce=not defer), residual
+        return self.mlp(hidden, reduce=not self.output_partial), residual
 
 
 class LlamaModel(nn.Module):
@@ -136,6 +138,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, arch) if self.start <= i < self.end else nn.Identity()
                                     for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)) if self.is_last else None
+        if not self.is_last and self.end > self.start:   # the next stage gets finished sums
+            self.layers[self.end - 1].output_partial = False
 
     def forward(self, input_ids, positions, ctx, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Returns the final hidden states on the last stage, (hidden, residual) elsewhere."""
@@ -146,9 +150,8 @@ class LlamaModel(nn.Module):
         partial = False
         for layer in self.layers[self.start:self.end]:
             hidden, residual = layer(positions, hidden, residual, ctx, partial)
-            partial = layer.defers_reduction
-        if not self.is_last:   # the next stage gets finished sums
-            hidden = tensor_model_parallel_all_reduce(hidden) if partial else hidden
+            partial = layer.output_partial
+        if not self.is_last:
             return hidden, residual if residual is not None else torch.zeros_like(hidden)
         hidden, _ = self.norm(hidden, residual, reduce=partial)
         return hidden

@@ -89,7 +89,7 @@ def test_nccl_tp2_x_pp2_matches_tp2(checkpoint):
 def _fused_norm_worker(rank: int, init: str) -> None:
     from shardserve.distributed import comm
     from shardserve.distributed.parallel_state import init_distributed
-    from shardserve.layers import triton_ops
+    from shardserve.layers import triton_gemv, triton_ops
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     init_distributed(rank, 2, 1, init, device)
@@ -109,6 +109,30 @@ def _fused_norm_worker(rank: int, init: str) -> None:
             h = norm(h, res, w) * (0.5 if rank == 0 else 0.25)
         return h
 
+    def sent(h, res, w, weight):   # the partial from the matmul that also sends it to the peers
+        part = comm.partial_sum_matmul(h, weight)
+        assert part is not None, "the matmul takes a few bf16 rows"
+        return fused(part, res, w)
+
+    def check_chain(norm, x, res, w, want, want_res, rows, hidden):
+        """chain(norm) captured in a CUDA graph and replayed (the call count advances on the
+        device), then eagerly again: each time equal to want / want_res."""
+        static_x, static_res = x.clone(), res.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            chain(norm, static_x, static_res.clone(), w)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(norm, static_x, static_res, w)
+        for _ in range(3):
+            static_res.copy_(res)
+            graph.replay()
+            assert torch.equal(out, want) and torch.equal(static_res, want_res), (rows, hidden)
+        eager_res = res.clone()   # and eager calls after the replays still pair up
+        assert torch.equal(chain(norm, x, eager_res, w), want) and torch.equal(eager_res, want_res)
+
     for rows, hidden in [(1, 4096), (3, 4096), (16, 8192), (2, 5120)]:
         g = torch.Generator(device=device).manual_seed(7)   # weight and residual: the same on both ranks
         w = torch.randn(hidden, generator=g, device=device).to(torch.bfloat16)
@@ -116,28 +140,21 @@ def _fused_norm_worker(rank: int, init: str) -> None:
         g.manual_seed(100 + rank)   # partial sums differ per rank
         x = torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16)
         x[0, :7] = -0.0   # the "not landed" bit pattern must still arrive as a value
+        weight = (torch.randn(hidden, hidden, generator=g, device=device) * hidden ** -0.5).to(torch.bfloat16)
         want_res, got_res = res.clone(), res.clone()
         want = separate(x, want_res, w)
         got = fused(x, got_res, w)
         assert torch.equal(got, want) and torch.equal(got_res, want_res), (rows, hidden)
         want_res = res.clone()
-        want = chain(separate, x, want_res, w)
-        # The same chain captured in a CUDA graph and replayed: the call count advances on the device.
-        static_x, static_res = x.clone(), res.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            chain(fused, static_x, static_res.clone(), w)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain(fused, static_x, static_res, w)
-        for _ in range(3):
-            static_res.copy_(res)
-            graph.replay()
-            assert torch.equal(out, want) and torch.equal(static_res, want_res), (rows, hidden)
-        eager_res = res.clone()   # and eager calls after the replays still pair up
-        assert torch.equal(chain(fused, x, eager_res, w), want) and torch.equal(eager_res, want_res)
+        check_chain(fused, x, res, w, chain(separate, x, want_res, w), want_res, rows, hidden)
+        # The partial sent from the matmul's epilogue: the same sums as the plain matmul, then the
+        # separate all-reduce and norm.
+        want_res = res.clone()
+        want = chain(lambda h, r, w: separate(triton_gemv.gemv(h, weight), r, w), x, want_res, w)
+        check_chain(lambda h, r, w: sent(h, r, w, weight), x, res, w, want, want_res, rows, hidden)
+    with pytest.raises(RuntimeError, match="not all-reduced"):   # a sent partial must be all-reduced next
+        comm.partial_sum_matmul(x, weight)
+        comm.tensor_model_parallel_all_reduce(x.clone())
     torch.cuda.synchronize()
     torch.distributed.barrier()
     os._exit(0)   # no teardown: destroying symmetric-memory state can stall; the OS frees it
@@ -147,7 +164,8 @@ def _fused_norm_worker(rank: int, init: str) -> None:
 def test_fused_all_reduce_add_norm_matches_separate_kernels(monkeypatch):
     """All-reduce + residual add + RMSNorm in one kernel equals the one-shot all-reduce followed by
     the norm kernel bit for bit (rows 1/3/16, hidden 4096/5120/8192, a -0.0 in the input), eagerly
-    and over 40 chained calls replayed from a CUDA graph."""
+    and over 40 chained calls replayed from a CUDA graph; so does it when the matmul before it
+    already sent the partial sums to the peers (RowParallelLinear(reduce=False))."""
     import torch.multiprocessing as mp
     from shardserve.distributed.parallel_state import host_store
     monkeypatch.delenv("SHARDSERVE_FUSED_ALLREDUCE", raising=False)   # on by default
