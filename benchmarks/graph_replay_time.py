@@ -33,7 +33,8 @@ def main() -> None:
     ranks = llm.engine.executor.collective_rpc("profile_decode_graph", (a.batch_size, 256))
     prompts = [[7] * 128] * a.batch_size
     params = SamplingParams(temperature=0, max_tokens=257, ignore_eos=True, detokenize=False)
-    llm.generate(prompts, SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)
+    # warm-up with the timed runs' sampling (greedy: its argmax kernel compiles here, not in the timed prefill)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, detokenize=False), use_tqdm=False)
     t = time.perf_counter()
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False),
                  use_tqdm=False)
