@@ -47,6 +47,12 @@ def spawn_worker(host: str, port: int, rank: int, authkey: bytes, threads: int) 
                             env=env)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
                  show_progress: bool = True, replica: int = 0) -> None:

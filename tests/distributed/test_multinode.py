@@ -10,7 +10,7 @@ import time
 import pytest
 
 from shardserve import LLM, SamplingParams
-from tests.server.server_process import free_port
+from shardserve.executor.multiproc import free_port
 from shardserve.executor.worker_proc import no_delay
 from tests.tiny_models import make_tiny_checkpoint
 

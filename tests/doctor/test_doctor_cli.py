@@ -13,7 +13,7 @@ import torch
 
 from shardserve.cli import main
 from shardserve.doctor import allreduce
-from tests.server.server_process import free_port
+from shardserve.executor.multiproc import free_port
 
 # These assert what doctor reports where there is no GPU (gloo, no NCCL); test_doctor_gpu.py covers GPUs.
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the no-GPU report; a GPU machine "
