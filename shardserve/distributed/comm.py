@@ -89,9 +89,15 @@ def fused_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weigh
 
 def partial_sum_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x @ weight^T for a row-parallel layer whose partial sum the next RMSNorm(reduce=True)
-    all-reduces: where the fused path runs, the matmul also sends the sum's part to the peers
-    (fused_allreduce.AllReduceAddRMSNorm.matmul). None where it does not (use the plain matmul)."""
+    all-reduces: where the fused path runs, the matmul exchanges the sum's parts with the peers
+    itself (fused_allreduce.AllReduceAddRMSNorm.matmul). None where it does not (use the plain matmul)."""
     return _FUSED_NORM.matmul(x, weight) if _FUSED_NORM is not None else None
+
+
+def take_reduced(x: torch.Tensor) -> bool:
+    """Whether x is partial_sum_matmul()'s output already all-reduced in the matmul (the norm then
+    only adds and norms)."""
+    return _FUSED_NORM is not None and _FUSED_NORM.take_reduced(x)
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: bool = False):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual).
         reduce: x is a TP rank's partial sum, all-reduced first (in the same kernel where it can)."""
-        if reduce:
+        if reduce and not comm.take_reduced(x):   # (the matmul that made x may have all-reduced it)
             out = comm.fused_all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
             if out is not None:
                 return out, residual

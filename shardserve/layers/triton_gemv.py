@@ -30,14 +30,15 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    from shardserve.distributed.fused_allreduce import store_to_peers_fn
-    store_to_peers = store_to_peers_fn()
+    from shardserve.distributed.fused_allreduce import exchange_fns
+    send_to_peers, sum_with_peers = exchange_fns()
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stride_w, stride_o, peers_ptr, calls_ptr, rank,
                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEND: tl.constexpr,
-                    WORLD: tl.constexpr, SEND_ROWS: tl.constexpr, SEND_HIDDEN: tl.constexpr, PDL: tl.constexpr):
+                    WORLD: tl.constexpr, SEND_ROWS: tl.constexpr, SEND_HIDDEN: tl.constexpr, REDUCE: tl.constexpr,
+                    PDL: tl.constexpr):
         pdl.start(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
@@ -46,6 +47,11 @@ def _kernel():
         w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        if SEND:   # the use count picks the exchange slot: loaded now, so the epilogue does not wait for it
+            counts = calls_ptr + m
+            if REDUCE:   # each program counts its own uses: it alone reads and advances them
+                counts += tl.program_id(0) * SEND_ROWS
+            call = tl.load(counts, mask=m < rows, other=0)
         for k0 in range(0, k, BLOCK_K):   # k is a multiple of BLOCK_K (checked by the caller)
             x = tl.load(x_ptr + m[None, :] * stride_x + (k0 + kk)[:, None], mask=m[None, :] < rows, other=0.0)
             w = tl.load(w_rows + (k0 + kk)[None, :], mask=col_ok[:, None], other=0.0)
@@ -62,11 +68,14 @@ def _kernel():
             s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
             y = (s * acc_up.to(dt).to(tl.float32)).to(dt)
         ok = col_ok[:, None] & (m[None, :] < rows)
+        if SEND:   # a TP partial sum: into the peers' all-reduce buffers (distributed/fused_allreduce.py)
+            slot = (call % 2)[None, :]
+            send_to_peers(y, peers_ptr, rank, m[None, :], slot, cols[:, None], ok, WORLD, SEND_ROWS, SEND_HIDDEN)
+            if REDUCE:   # and the finished sum out
+                y = sum_with_peers(y, peers_ptr, rank, m[None, :], slot, cols[:, None], ok, WORLD, SEND_ROWS,
+                                   SEND_HIDDEN).to(dt)
+                tl.store(counts, call + 1, mask=m < rows)
         tl.store(out_ptr + m[None, :] * stride_o + cols[:, None], y, mask=ok)
-        if SEND:   # a TP partial sum: also into the peers' all-reduce buffers (distributed/fused_allreduce.py)
-            call = tl.load(calls_ptr + m, mask=m < rows, other=0)
-            store_to_peers(y, peers_ptr, rank, m[None, :], (call % 2)[None, :], cols[:, None], ok, WORLD,
-                           SEND_ROWS, SEND_HIDDEN)
 
     return gemv_kernel
 
@@ -87,6 +96,12 @@ def _tiles(n: int, k: int, gated: bool) -> tuple[int, int]:
     return 32, _block_k(k, 128 if gated else 512)
 
 
+def programs(weight: torch.Tensor, gated: bool = False, block_n: int | None = None) -> int:
+    """How many programs gemv() runs for this weight (one per strip of output features)."""
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    return -(-n // (block_n or _tiles(n, weight.shape[1], gated)[0]))
+
+
 def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Rows few enough, a CUDA bf16/fp16 weight, and K tiled evenly (SHARDSERVE_TRITON_GEMV=0: never)."""
     return (ENABLED and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2
@@ -98,9 +113,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          send: dict | None = None, block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
          num_stages: int = 4) -> torch.Tensor:
     """x [rows, K] @ weight[N, K]^T (+ bias); gated: weight is [2 * N, K] (gate rows then up rows)
-    and the result is silu(gate) * up, [rows, N]. send: the fused all-reduce's buffers, which the
-    result is also stored into (given by AllReduceAddRMSNorm.matmul). The tile and pipeline
-    settings default to the tuned ones; the sweep passes others."""
+    and the result is silu(gate) * up, [rows, N]. send: the fused all-reduce's exchange (given by
+    AllReduceAddRMSNorm.matmul): the result is also sent to the TP peers, and with REDUCE summed
+    with theirs. The tile and pipeline settings default to the tuned ones; the sweep passes others."""
     if (gated or send) and bias is not None:
         raise ValueError("the gated form and a partial sum take no bias")
     rows, k = x.shape
@@ -108,8 +123,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     tile_n, tile_k = _tiles(n, k, gated)
     block_n, block_k = block_n or tile_n, block_k or tile_k
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    grid = (-(-n // block_n),)
-    send = send or dict(peers_ptr=weight, calls_ptr=weight, rank=0, WORLD=1, SEND_ROWS=1, SEND_HIDDEN=1)
+    grid = (programs(weight, gated, block_n),)
+    send = send or dict(peers_ptr=weight, calls_ptr=weight, rank=0, WORLD=1, SEND_ROWS=1, SEND_HIDDEN=1, REDUCE=False)
     _kernel()[grid](x, weight, bias if bias is not None else weight, out, rows, n, k,
                     x.stride(0), weight.stride(0), out.stride(0), **send, SEND=send["WORLD"] > 1,
                     HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,

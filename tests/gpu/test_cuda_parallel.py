@@ -89,7 +89,9 @@ def test_nccl_tp2_x_pp2_matches_tp2(checkpoint):
 def _fused_norm_worker(rank: int, init: str) -> None:
     from shardserve.distributed import comm
     from shardserve.distributed.parallel_state import init_distributed
+    from shardserve.distributed import fused_allreduce
     from shardserve.layers import triton_gemv, triton_ops
+    from shardserve.layers.norm import RMSNorm
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     init_distributed(rank, 2, 1, init, device)
@@ -109,10 +111,12 @@ def _fused_norm_worker(rank: int, init: str) -> None:
             h = norm(h, res, w) * (0.5 if rank == 0 else 0.25)
         return h
 
-    def sent(h, res, w, weight):   # the partial from the matmul that also sends it to the peers
+    def matmul_then_norm(h, res, weight, norm):   # as a layer does: o_proj(reduce=False), then the norm
         part = comm.partial_sum_matmul(h, weight)
         assert part is not None, "the matmul takes a few bf16 rows"
-        return fused(part, res, w)
+        out, res_after = norm(part, res, reduce=True)
+        assert res_after is res
+        return out
 
     def check_chain(norm, x, res, w, want, want_res, rows, hidden):
         """chain(norm) captured in a CUDA graph and replayed (the call count advances on the
@@ -147,14 +151,23 @@ def _fused_norm_worker(rank: int, init: str) -> None:
         assert torch.equal(got, want) and torch.equal(got_res, want_res), (rows, hidden)
         want_res = res.clone()
         check_chain(fused, x, res, w, chain(separate, x, want_res, w), want_res, rows, hidden)
-        # The partial sent from the matmul's epilogue: the same sums as the plain matmul, then the
-        # separate all-reduce and norm.
+        # The matmul that exchanges its partial sums with the peers itself, in each of its modes
+        # (sends them; sums them too): the same as the plain matmul, then the separate all-reduce
+        # and norm.
         want_res = res.clone()
         want = chain(lambda h, r, w: separate(triton_gemv.gemv(h, weight), r, w), x, want_res, w)
-        check_chain(lambda h, r, w: sent(h, r, w, weight), x, res, w, want, want_res, rows, hidden)
-    with pytest.raises(RuntimeError, match="not all-reduced"):   # a sent partial must be all-reduced next
-        comm.partial_sum_matmul(x, weight)
-        comm.tensor_model_parallel_all_reduce(x.clone())
+        norm = RMSNorm(hidden, eps).to(device)
+        norm.weight.data = w
+        for mode in ("send", "reduce"):
+            fused_allreduce.MATMUL_MODE = mode
+            check_chain(lambda h, r, w: matmul_then_norm(h, r, weight, norm), x, res, w, want, want_res, rows,
+                        hidden)
+    for mode in ("send", "reduce"):   # an exchanged partial must go to the norm next
+        fused_allreduce.MATMUL_MODE = mode
+        with pytest.raises(RuntimeError, match="not handed to the norm"):
+            comm.partial_sum_matmul(x, weight)
+            comm.tensor_model_parallel_all_reduce(x.clone())
+        comm._FUSED_NORM._sent = comm._FUSED_NORM._reduced = None
     torch.cuda.synchronize()
     torch.distributed.barrier()
     os._exit(0)   # no teardown: destroying symmetric-memory state can stall; the OS frees it
@@ -164,8 +177,9 @@ def _fused_norm_worker(rank: int, init: str) -> None:
 def test_fused_all_reduce_add_norm_matches_separate_kernels(monkeypatch):
     """All-reduce + residual add + RMSNorm in one kernel equals the one-shot all-reduce followed by
     the norm kernel bit for bit (rows 1/3/16, hidden 4096/5120/8192, a -0.0 in the input), eagerly
-    and over 40 chained calls replayed from a CUDA graph; so does it when the matmul before it
-    already sent the partial sums to the peers (RowParallelLinear(reduce=False))."""
+    and over 40 chained calls replayed from a CUDA graph; so does the matmul before it that
+    exchanges the partial sums itself (RowParallelLinear(reduce=False)), sending them or summing
+    them too."""
     import torch.multiprocessing as mp
     from shardserve.distributed.parallel_state import host_store
     monkeypatch.delenv("SHARDSERVE_FUSED_ALLREDUCE", raising=False)   # on by default
