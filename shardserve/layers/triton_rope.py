@@ -15,16 +15,36 @@ from shardserve.layers.rotary import heads_packed, triton_tileable
 
 
 @triton.jit
+def _product(x, c):
+    """x * c rounded to x's dtype, as torch rounds each product. The multiply is mul.rn: a plain one
+    may be contracted with the subtraction after it into one fma (in bf16 or fp32), which skips this
+    rounding, and whether it is depends on the kernel around it; one with a rounding mode never is."""
+    xc = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x.to(tl.float32), c], dtype=tl.float32,
+                                   is_pure=True, pack=1)
+    return xc.to(x.dtype).to(tl.float32)
+
+
+@triton.jit
 def _rotate(x1, x2, c, s):
-    """(x1 * c - x2 * s, x2 * c + x1 * s), each product rounded to x's dtype as torch computes it."""
+    """(x1 * c - x2 * s, x2 * c + x1 * s) with cos/sin cast to x's dtype and each product rounded to
+    it, as torch computes it."""
     dt = x1.dtype
     c = c.to(dt).to(tl.float32)
     s = s.to(dt).to(tl.float32)
-    a1 = (x1.to(tl.float32) * c).to(dt).to(tl.float32)
-    b1 = (x2.to(tl.float32) * s).to(dt).to(tl.float32)
-    a2 = (x2.to(tl.float32) * c).to(dt).to(tl.float32)
-    b2 = (x1.to(tl.float32) * s).to(dt).to(tl.float32)
-    return (a1 - b1).to(dt), (a2 + b2).to(dt)
+    return (_product(x1, c) - _product(x2, s)).to(dt), (_product(x2, c) + _product(x1, s)).to(dt)
+
+
+@triton.jit
+def rotate_whole(x, partner, c, s, first_half):
+    """_rotate on whole rows: x * c - partner * s where first_half, x * c + partner * s elsewhere,
+    partner being the other half's element (x[(d + D/2) % D]) and c, s the row's cos/sin for d % (D/2).
+    The same roundings as _rotate, so the same bits."""
+    dt = x.dtype
+    c = c.to(dt).to(tl.float32)
+    s = s.to(dt).to(tl.float32)
+    a = _product(x, c)
+    b = _product(partner, s)
+    return tl.where(first_half, a - b, a + b).to(dt)
 
 
 @triton.jit

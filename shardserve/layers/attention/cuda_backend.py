@@ -4,12 +4,18 @@ new K/V written with one kernel. Everything a decode step does has static shapes
 can be captured in CUDA graphs (worker/cuda_graphs.py)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from shardserve.layers.attention.backend import AttentionSpec, CommonAttentionMetadata
 from shardserve.layers.attention.torch_ref import TorchAttentionBackend, TorchAttentionMetadata
+
+
+# Decode-only steps: the attention kernel rotates q and k and stores the new K/V itself (=0: the
+# rotary + K/V write kernel first, for A/B runs).
+ROPE_IN_DECODE = os.environ.get("SHARDSERVE_ROPE_IN_DECODE", "1") != "0"
 
 
 @dataclass
@@ -40,6 +46,18 @@ class CudaAttentionBackend(TorchAttentionBackend):
     def _prefills(self, spec, q, k, v, k_cache, v_cache, md: TorchAttentionMetadata, out) -> None:
         from shardserve.layers.attention.triton_prefill import paged_prefill_attention
         paged_prefill_attention(q, k_cache, v_cache, md.prefill_batch, out, spec.scale, spec.sliding_window)
+
+    def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, md: TorchAttentionMetadata, rotary=None) -> torch.Tensor:
+        if rotary is None or md.prefills or not md.num_decodes or not ROPE_IN_DECODE:
+            return super().forward(spec, q, k, v, kv_cache, md, rotary)
+        # A decode-only step (every decode graph): the attention kernel itself rotates q and k and
+        # stores the new K/V, one launch instead of two.
+        from shardserve.layers.attention.triton_decode import paged_decode_attention
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        paged_decode_attention(q, kv_cache[0], kv_cache[1], md.decodes.block_tables, md.decodes.seq_lens, out,
+                               spec.scale, spec.sliding_window, rope=(rotary[0], k, v, rotary[1], rotary[2], md.slots))
+        return out
 
     def fuses_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         from shardserve.layers.triton_rope import fusable

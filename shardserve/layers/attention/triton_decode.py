@@ -4,7 +4,9 @@ its group), online softmax in fp32. Shapes are static given the batch, so it run
 Each loop iteration takes several pages (about 64 tokens): with few requests there are only a few
 programs, and each iteration's chain of dependent loads is the cost, so fewer, wider ones win.
 With few requests each request's keys are also split over several programs (flash-decoding), and
-a small second kernel merges the splits.
+a small second kernel merges the splits. In decode-only steps the kernel also rotates q and the new
+k (rotary embedding) and stores the new K/V, which the split reading the new token's page does
+before it reads it: one launch fewer per layer than the rotary + K/V write kernel first.
 
 KV layout (TorchAttentionBackend's): K and V each [num_kv_heads, num_blocks, block_size, head_dim].
 """
@@ -18,14 +20,17 @@ import triton.language as tl
 
 from shardserve.layers import pdl
 from shardserve.layers.attention.triton_paged import load_pages, online_softmax_step
+from shardserve.layers.triton_rope import rotate_whole
 
 
-@triton.jit(do_not_specialize=["stride_tb", "window", "max_pages", "num_splits"])   # they change between steps
+@triton.jit(do_not_specialize=["stride_tb", "window", "max_pages", "num_splits", "pool_slots"])   # they change between steps
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr,
                          stride_qt, stride_qh, stride_kh, stride_kb, stride_tb, stride_ot, stride_oh,
                          scale, window, max_pages, num_splits,
+                         pos_ptr, new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, slots_ptr, stride_nk, stride_nv, pool_slots,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                         PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl.start(PDL)
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -35,7 +40,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
     d = tl.arange(0, HEAD_DIM)
     j = tl.arange(0, PAGES * BLOCK_SIZE)   # token within the tile
     heads = hk * GROUP + g
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < GROUP, other=0.0)
+    q_rows = q_ptr + b * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=g[:, None] < GROUP, other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -46,7 +52,25 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
     first_page, end_page = first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)
     share = tl.cdiv(tl.cdiv(end_page - first_page, num_splits), PAGES) * PAGES
     start = first_page + split * share
-    for page0 in range(start, tl.minimum(start + share, end_page), PAGES):
+    stop = tl.minimum(start + share, end_page)
+    if ROPE:   # q and the new k arrive unrotated: rotate them here, and store the new K/V first
+        half = HEAD_DIM // 2
+        other = (d + half) % HEAD_DIM   # each element's partner in the other half
+        position = tl.load(pos_ptr + b)
+        c = tl.load(cos_ptr + position * half + d % half)
+        s = tl.load(sin_ptr + position * half + d % half)
+        q = rotate_whole(q, tl.load(q_rows + other[None, :], mask=g[:, None] < GROUP, other=0.0), c[None, :],
+                         s[None, :], d[None, :] < half)
+        new_page = (seq_len - 1) // BLOCK_SIZE
+        if (new_page >= start) & (new_page < stop):   # only the split that reads the new token's page
+            k_row = new_k_ptr + b * stride_nk + hk * HEAD_DIM
+            new_k = rotate_whole(tl.load(k_row + d), tl.load(k_row + other), c, s, d < half)
+            dst = (hk * pool_slots + tl.load(slots_ptr + b)) * HEAD_DIM + d
+            dt = k_ptr.dtype.element_ty
+            tl.store(k_ptr + dst, new_k.to(dt))
+            tl.store(v_ptr + dst, tl.load(new_v_ptr + b * stride_nv + hk * HEAD_DIM + d).to(dt))
+            tl.debug_barrier()   # every thread's stores land before any thread loads that page
+    for page0 in range(start, stop, PAGES):
         k, v = load_pages(k_ptr, v_ptr, tables_ptr + b * stride_tb, page0, max_pages, hk * stride_kh, stride_kb,
                           BLOCK_SIZE=BLOCK_SIZE, PAGES=PAGES, HEAD_DIM=HEAD_DIM)
         pos = page0 * BLOCK_SIZE + j
@@ -100,11 +124,15 @@ def num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
-                           scale: float, window: int | None, splits: int | None = None) -> None:
+                           scale: float, window: int | None, splits: int | None = None,
+                           rope: tuple | None = None) -> None:
     """q, out: [B, Hq, D] (head rows packed); caches [Hk, blocks, block_size, D] contiguous;
     block_tables [B, max_blocks] int32; seq_lens [B] int32 (tokens including the new one).
     With several splits (flash-decoding), each split of a request's keys is one program and a
-    second kernel merges their partial results."""
+    second kernel merges their partial results. rope: (positions [B], new k, new v [B, Hk, D]
+    (head rows packed), cos, sin [max_position, D / 2], slots [B]): q and the new k are not rotated
+    yet and the new K/V not stored; the kernel does both (the rotation and the store of
+    triton_rope.rotary_and_write_kv, bit for bit), one launch fewer per layer."""
     batch, hq, dim = q.shape
     hk, _, block_size, _ = k_cache.shape
     group = hq // hk
@@ -116,12 +144,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if splits > 1:
         part = torch.empty(batch, hq, splits, dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device)
+    positions, new_k, new_v, cos, sin, slots = rope or (seq_lens, q, q, q, q, seq_lens)   # unused without rope
     _paged_decode_kernel[(batch, hk, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part, stats,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or 0, block_tables.shape[1], splits,
+        positions, new_k, new_v, cos, sin, slots, new_k.stride(0), new_v.stride(0), k_cache.shape[1] * block_size,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, PAGES=pages,
-        HEAD_DIM=dim, IEEE=k_cache.dtype == torch.float32, **pdl.launch_args(q))
+        HEAD_DIM=dim, IEEE=k_cache.dtype == torch.float32, ROPE=rope is not None, **pdl.launch_args(q))
     if splits > 1:
         _merge_splits_kernel[(batch, hq)](part, stats, out, out.stride(0), out.stride(1), splits,
                                           MAX_SPLITS=MAX_SPLITS, HEAD_DIM=dim, **pdl.launch_args(q))
