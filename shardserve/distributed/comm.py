@@ -119,9 +119,13 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     if tp.world_size == 1:
         return x
     import torch.distributed as dist
-    parts = [torch.empty_like(x) for _ in range(tp.world_size)]
-    dist.all_gather(parts, x.contiguous(), group=tp.group)
-    return torch.cat(parts, dim=dim)
+    # One buffer with the ranks' parts stacked along dim 0, then a view with them side by side in
+    # `dim`: for one row (batch-1 decode logits) no copy at all, where a list of parts would need
+    # copying out of the collective's buffer and concatenating.
+    out = torch.empty((tp.world_size * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=tp.group)
+    d = dim % x.dim()
+    return out.view((tp.world_size,) + x.shape).movedim(0, d).flatten(d, d + 1)
 
 
 def pp_send_next(tensors: list[torch.Tensor]) -> None:
