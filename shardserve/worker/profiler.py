@@ -4,8 +4,10 @@ vLLM's habit: set a directory in the environment (`SHARDSERVE_TORCH_PROFILER_DIR
 `VLLM_TORCH_PROFILER_DIR`), then call `LLM.start_profile()` / `stop_profile()`, or POST
 `/start_profile` and `/stop_profile` to the server (`bench serve --profile` does). Every worker
 writes one gzipped Chrome trace per start/stop, named by its rank, for Perfetto or
-chrome://tracing: host ops, and on a GPU the kernels (graph replays included). For developers:
-profiling slows every step down.
+chrome://tracing: host ops, and on a GPU the kernels (graph replays included). As in vLLM, the
+traces hold Python call stacks (where host time goes; `SHARDSERVE_TORCH_PROFILER_WITH_STACK=0` or
+`VLLM_TORCH_PROFILER_WITH_STACK=0` leaves them out) and, with `..._RECORD_SHAPES=1`, tensor shapes.
+For developers: profiling slows every step down.
 """
 from __future__ import annotations
 
@@ -16,6 +18,15 @@ import time
 import torch
 
 ENV_NAMES = ("SHARDSERVE_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR")
+
+
+def _env_flag(setting: str, default: bool) -> bool:
+    """SHARDSERVE_TORCH_PROFILER_<setting>, else vLLM's VLLM_TORCH_PROFILER_<setting>: "0" off, else on."""
+    for prefix in ("SHARDSERVE", "VLLM"):
+        value = os.environ.get(f"{prefix}_TORCH_PROFILER_{setting}")
+        if value:
+            return value != "0"
+    return default
 
 
 def profiler_dir() -> str | None:
@@ -47,7 +58,8 @@ class StepProfiler:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         os.makedirs(directory, exist_ok=True)
         self._directory = directory
-        self._profile = torch.profiler.profile(activities=activities)
+        self._profile = torch.profiler.profile(activities=activities, with_stack=_env_flag("WITH_STACK", True),
+                                               record_shapes=_env_flag("RECORD_SHAPES", False))
         self._profile.start()
 
     def stop(self) -> str:
