@@ -14,6 +14,20 @@ if not torch.cuda.is_available():
     pytest.skip("GPU-only: needs CUDA and Triton", allow_module_level=True)
 
 
+def _scattered_decodes(lens: list[int], bs: int, pool: int, dev: torch.device) -> CommonAttentionMetadata:
+    """One decode token per request after `lens` tokens of context, each request's blocks scattered
+    over a pool of `pool` (never the null block), in a table 131 blocks wide (not a multiple of the
+    pages the kernel takes per step)."""
+    perm = torch.randperm(pool - 1) + 1
+    tables, used = torch.zeros(len(lens), 131, dtype=torch.int32), 0
+    for i, n in enumerate(lens):
+        nb = -(-(n + 1) // bs)
+        tables[i, :nb] = perm[used:used + nb]
+        used += nb
+    slots = torch.tensor([int(tables[i, n // bs]) * bs + n % bs for i, n in enumerate(lens)], device=dev)
+    return CommonAttentionMetadata(len(lens), [1] * len(lens), lens, tables.to(dev), slots, bs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,heads,kv_heads,window", [(64, 8, 2, None), (128, 32, 8, None), (64, 6, 6, 40)])
 @pytest.mark.parametrize("bs", [16, 32])
@@ -27,15 +41,7 @@ def test_triton_decode_matches_torch_reference(dtype, head_dim, heads, kv_heads,
     dev, pool = torch.device("cuda"), 200
     spec = AttentionSpec(heads, kv_heads, head_dim, head_dim ** -0.5, window)
     lens = [1, 17, 100, 333, 64, 2000]                # context before the new token
-    perm = torch.randperm(pool - 1) + 1               # scattered blocks, never the null block
-    # A table width that is not a multiple of the pages the kernel takes per step.
-    tables, used = torch.zeros(len(lens), 131, dtype=torch.int32), 0
-    for i, n in enumerate(lens):
-        nb = -(-(n + 1) // bs)
-        tables[i, :nb] = perm[used:used + nb]
-        used += nb
-    slots = torch.tensor([int(tables[i, n // bs]) * bs + n % bs for i, n in enumerate(lens)], device=dev)
-    common = CommonAttentionMetadata(len(lens), [1] * len(lens), lens, tables.to(dev), slots, bs)
+    common = _scattered_decodes(lens, bs, pool, dev)
     cache = torch.randn(2, kv_heads, pool, bs, head_dim, device=dev).to(dtype)
     cache[:, :, 0] = 0
     q = torch.randn(len(lens), heads, head_dim, device=dev).to(dtype)
@@ -190,14 +196,7 @@ def test_decode_with_rotary_inside_matches_separate_kernels(dtype, head_dim, hea
     dev, bs, pool = torch.device("cuda"), 16, 200
     spec = AttentionSpec(heads, kv_heads, head_dim, head_dim ** -0.5, window)
     lens = [0, 15, 16, 100, 333, 2000]   # context before the new token (its position)
-    perm = torch.randperm(pool - 1) + 1
-    tables, used = torch.zeros(len(lens), 131, dtype=torch.int32), 0
-    for i, n in enumerate(lens):
-        nb = -(-(n + 1) // bs)
-        tables[i, :nb] = perm[used:used + nb]
-        used += nb
-    slots = torch.tensor([int(tables[i, n // bs]) * bs + n % bs for i, n in enumerate(lens)], device=dev)
-    common = CommonAttentionMetadata(len(lens), [1] * len(lens), lens, tables.to(dev), slots, bs)
+    common = _scattered_decodes(lens, bs, pool, dev)
     cache = torch.randn(2, kv_heads, pool, bs, head_dim, device=dev).to(dtype)
     cache[:, :, 0] = 0
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, device=dev).to(dtype)
