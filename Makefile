@@ -29,7 +29,7 @@ test: install
 	$(PY) -m pytest -q -m "not gpu" tests
 
 test-gpu:  ## on a GPU machine with torch, transformers installed
-	python3 -m pytest -q -m gpu tests
+	NCCL_NVLS_ENABLE=0 PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu tests
 
 bench-cpu: install
 	$(PY) benchmarks/throughput_cpu.py

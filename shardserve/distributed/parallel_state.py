@@ -8,7 +8,6 @@ torch.distributed directly, so a single-device run needs no process group at all
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
@@ -142,7 +141,6 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, de
         group = dist.new_group(list(ranks), timeout=timeout) if pp_size > 1 else None
         if t == tp_rank:
             _PP = GroupInfo(pp_rank, pp_size, ranks, group)
-    os.environ.setdefault("SHARDSERVE_RANK", str(rank))
     from shardserve.distributed import comm
     comm.init_fast_all_reduce(device if fast_all_reduce else None)
 
