@@ -59,7 +59,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states: dict[str, CachedRequestState] = {}
         self.model: torch.nn.Module | None = None
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []   # one per attention layer (views of kv_pools)
+        self.kv_pools: list[torch.Tensor] = []    # what was allocated: all layers' caches in one where it can
         self.graphs: DecodeGraphs | None = None
         # The cache holds what attention multiplies: the compute dtype (fp32 where a CPU lacks
         # bf16 units; converting every gathered block each step would cost more than it saves).
@@ -120,7 +121,7 @@ class ModelRunner:
         self.initialize_kv_cache(blocks * max(1, -(-n // sc.max_model_len)) + 1, capture_graphs=False)
         self._dummy_run(n, sc.max_model_len, sc.max_num_seqs)
         torch.cuda.synchronize(self.device)
-        self.kv_caches = []
+        self.kv_caches, self.kv_pools = [], []
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.empty(0)
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -179,13 +180,19 @@ class ModelRunner:
         self.kv_caches, self.graphs = [], None
         graphs = capture_graphs and self._wants_graphs()
         pool_blocks = num_blocks + 1 if graphs else num_blocks   # + a scratch block for graph padding rows
-        for layer in self.model.attention_layers():
-            spec = layer.spec
-            shape = self.backend.kv_cache_shape(pool_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-            # Zeroed: padding reads the null block; other blocks are zeroed again when handed out.
-            cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        layers = self.model.attention_layers()
+        shapes = [self.backend.kv_cache_shape(pool_blocks, self.block_size, layer.spec.num_kv_heads,
+                                              layer.spec.head_dim) for layer in layers]
+        # Zeroed: padding reads the null block; other blocks are zeroed again when handed out. One
+        # tensor for all layers where their shapes agree, so that is one launch per step, not one per layer.
+        if len(set(shapes)) == 1:
+            self.kv_pools = [torch.zeros((len(layers), *shapes[0]), dtype=self.kv_cache_dtype, device=self.device)]
+            self.kv_caches = list(self.kv_pools[0].unbind(0))
+        else:
+            self.kv_pools = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for shape in shapes]
+            self.kv_caches = list(self.kv_pools)
+        for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
-            self.kv_caches.append(cache)
         if graphs:
             sc = self.config.scheduler_config
             self.graphs = DecodeGraphs(self.model, self.backend, self.device, sc.max_num_seqs,
@@ -291,8 +298,8 @@ class ModelRunner:
         fresh += [b for r in sched.scheduled_cached_reqs for b in r.new_block_ids]
         if fresh:
             ids = to_device(fresh, torch.long, self.device)
-            for cache in self.kv_caches:
-                self.backend.zero_blocks(cache, ids)
+            for pool in self.kv_pools:
+                self.backend.zero_blocks(pool, ids)
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Logprobs of each prompt token given the ones before it, for requests that asked."""

@@ -174,6 +174,25 @@ def test_unwritten_kv_slots_are_never_read(tiny):
     llm.engine.shutdown()
 
 
+def test_fresh_blocks_are_zeroed_in_every_layer_at_once(tiny):
+    """All layers' caches are views of one pool, so a step zeroes its fresh blocks with one launch:
+    the block goes to zero in every layer, K and V, and no other block changes."""
+    llm = LLM(tiny.path, kv_cache_memory="16MiB", show_progress=False)
+    runner = llm.engine.executor.worker.model_runner
+    assert len(runner.kv_pools) == 1 and len(runner.kv_caches) == tiny.hf.config.num_hidden_layers
+    pool = runner.kv_pools[0]
+    assert all(c.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr() for c in runner.kv_caches)
+    for i, cache in enumerate(runner.kv_caches):
+        cache.copy_(torch.rand_like(cache) + i + 1)
+    before = [c.clone() for c in runner.kv_caches]
+    runner.backend.zero_blocks(pool, torch.tensor([3, 5]))
+    for cache, old in zip(runner.kv_caches, before):
+        assert cache[:, :, [3, 5]].eq(0).all()
+        keep = [b for b in range(cache.shape[2]) if b not in (3, 5)]
+        assert torch.equal(cache[:, :, keep], old[:, :, keep])
+    llm.engine.shutdown()
+
+
 def test_sliding_window_changes_hf_logits(tmp_path):
     """Guard for the mistral-sw8 parity cases: HF really applies the window of 8 on a 40-token
     prompt, so matching it is not the same as matching full attention."""

@@ -52,7 +52,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def zero_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
         """Clear blocks about to be handed to a request, so slots it has not written yet hold zeros
-        (a stale NaN would survive a zero attention weight: 0 * NaN = NaN)."""
+        (a stale NaN would survive a zero attention weight: 0 * NaN = NaN). kv_cache is one layer's
+        cache or several stacked on new leading dims."""
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> object:

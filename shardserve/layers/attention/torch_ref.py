@@ -71,7 +71,7 @@ class TorchAttentionBackend(AttentionBackend):
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
     def zero_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
-        kv_cache.index_fill_(2, block_ids, 0.0)
+        kv_cache.index_fill_(kv_cache.dim() - 3, block_ids, 0.0)   # [..., blocks, block_size, head_dim]
 
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> TorchAttentionMetadata:
         bs = common.block_size
