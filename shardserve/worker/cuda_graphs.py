@@ -5,7 +5,8 @@ Replaying one graph replaces thousands of kernel launches from Python.
 
 Padding rows write their K/V into a scratch block past the end of the pool (allocated for this)
 and read only the null block, so they touch nothing a request owns. Sampling stays outside the
-graph. Prefill and mixed steps run eagerly. With TP > 1 every rank captures the same ladder and the
+graph. Mixed steps and long prefills run eagerly (short prefills have graphs of their own:
+prefill_graphs.py). With TP > 1 every rank captures the same ladder and the
 NCCL all-reduces inside the forward are captured too (every rank replays the same size, since all
 get the same step); with PP > 1 (sends between stages) steps stay eager.
 """
@@ -32,7 +33,7 @@ def batch_ladder(max_batch: int) -> list[int]:
 class DecodeGraphs:
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, backend, device: torch.device, max_batch: int, max_blocks: int,
-                 block_size: int, scratch_slot: int) -> None:
+                 block_size: int, scratch_slot: int, pool) -> None:
         self.sizes = batch_ladder(min(max_batch, MAX_GRAPH_BATCH))
         self.scratch_slot = scratch_slot
         n = self.sizes[-1]
@@ -44,7 +45,6 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         before = torch.cuda.memory_allocated(device)
-        pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(device)   # one warm-up stream: its cached memory is shared by all sizes
         for bs in reversed(self.sizes):   # largest first: the smaller graphs reuse its memory
             md = decode_metadata(self.slots[:bs], self.block_tables[:bs], self.seq_lens[:bs], block_size)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,9 @@ from shardserve.worker.cuda_graphs import DecodeGraphs
 from shardserve.transfer import to_device
 from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
 from shardserve.worker.sampling_inputs import build_sampling_metadata
+
+if TYPE_CHECKING:
+    from shardserve.worker.prefill_graphs import PrefillGraphs
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3   # vLLM's CPU backend default (VLLM_CPU_KVCACHE_SPACE=4)
@@ -62,6 +65,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []   # one per attention layer (views of kv_pools)
         self.kv_pools: list[torch.Tensor] = []    # what was allocated: all layers' caches in one where it can
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         # The cache holds what attention multiplies: the compute dtype (fp32 where a CPU lacks
         # bf16 units; converting every gathered block each step would cost more than it saves).
         self.kv_cache_dtype = self.mc.compute_dtype
@@ -177,7 +181,7 @@ class ModelRunner:
                 and pc.pipeline_parallel_size == 1)   # TP all-reduces (NCCL) are captured inside
 
     def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
-        self.kv_caches, self.graphs = [], None
+        self.kv_caches, self.graphs, self.prefill_graphs = [], None, None
         graphs = capture_graphs and self._wants_graphs()
         pool_blocks = num_blocks + 1 if graphs else num_blocks   # + a scratch block for graph padding rows
         layers = self.model.attention_layers()
@@ -195,9 +199,15 @@ class ModelRunner:
             layer.kv_cache = cache
         if graphs:
             sc = self.config.scheduler_config
-            self.graphs = DecodeGraphs(self.model, self.backend, self.device, sc.max_num_seqs,
-                                       -(-sc.max_model_len // self.block_size), self.block_size,
-                                       num_blocks * self.block_size)
+            max_blocks, scratch = -(-sc.max_model_len // self.block_size), num_blocks * self.block_size
+            pool = torch.cuda.graph_pool_handle()   # shared: one graph replays at a time
+            self.graphs = DecodeGraphs(self.model, self.backend, self.device, sc.max_num_seqs, max_blocks,
+                                       self.block_size, scratch, pool)
+            from shardserve.worker import prefill_graphs   # imports Triton
+            if prefill_graphs.ENABLED:
+                self.prefill_graphs = prefill_graphs.PrefillGraphs(
+                    self.model, self.backend, self.device, sc.max_num_batched_tokens, max_blocks, self.block_size,
+                    scratch, pool)
 
     # ---- one step --------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -224,6 +234,8 @@ class ModelRunner:
                 and self.graphs.fits(attn.num_decodes)):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, attn.slot_mapping, attn.block_tables,
                                      inputs.seq_lens)
+        elif self.prefill_graphs is not None and self.prefill_graphs.fits(attn):
+            hidden = self.prefill_graphs.run(inputs.input_ids, inputs.positions, attn)
         else:
             ctx = AttentionContext(self.backend, self.backend.build(attn, self.device))
             hidden = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)

@@ -112,6 +112,75 @@ def test_cuda_graph_decode_gives_the_eager_tokens(tmp_path):
     assert runs[False, "alone"] == runs[False][1] == runs[True, "alone"]
 
 
+def test_cuda_graph_prefill_gives_the_eager_tokens(tmp_path, monkeypatch):
+    """Short prefill-only steps replay graphs (prefill_graphs.py): one request, three at once, a
+    prefix-cache hit, and chunked prefills with a context; prompt log-probs cover every row. Tokens
+    equal and log-probs within fp32 roundings of the eager run; a 300-token prompt stays eager."""
+    from shardserve import LLM, SamplingParams
+    from shardserve.worker import prefill_graphs
+    from tests.tiny_models import make_tiny_checkpoint
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama", hidden_size=128, num_attention_heads=4,
+                                num_key_value_heads=2)
+    shared = list(range(200, 240))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    hit = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)   # prompt log-probs skip the cache
+    batches = [([[5, 9, 33, 2, 71]], params), ([[8] * 40, list(range(10, 130)), [3, 4]], params),
+               ([shared + [1, 2, 3]], hit), ([shared + [7] * 20], hit), ([list(range(319, 19, -1))], params)]
+    replays = []
+    real_run = prefill_graphs.PrefillGraphs.run
+    monkeypatch.setattr(prefill_graphs.PrefillGraphs, "run",
+                        lambda self, ids, *a: replays.append(ids.shape[0]) or real_run(self, ids, *a))
+    runs = {}
+    for graphs in (True, False):
+        monkeypatch.setattr(prefill_graphs, "ENABLED", graphs)
+        for chunk in (2048, 64):
+            llm = LLM(path, dtype="float32", device="cuda", gpu_memory_utilization=0.3, max_num_seqs=8,
+                      max_num_batched_tokens=chunk, enable_prefix_caching=True, show_progress=False)
+            runner = llm.engine.executor.worker.model_runner
+            assert (runner.prefill_graphs is not None) == graphs
+            runs[graphs, chunk] = [o for batch, p in batches for o in llm.generate(batch, p, use_tqdm=False)]
+            llm.engine.shutdown()
+            del llm, runner
+            gc.collect()
+            torch.cuda.empty_cache()
+    # 2048: 5 tokens; 3 requests (162); 43 tokens; 28 after a 32-token prefix hit; the 300 eagerly
+    assert replays[:4] == [5, 162, 43, 28] and 300 not in replays
+    assert 64 in replays[4:] and len(replays) > 8   # chunks of 64 with a context, every step graphed
+    for chunk in (2048, 64):
+        for got, want in zip(runs[True, chunk], runs[False, chunk]):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            for g, w in zip((got.prompt_logprobs or [None])[1:] + got.outputs[0].logprobs,
+                            (want.prompt_logprobs or [None])[1:] + want.outputs[0].logprobs):
+                assert g.keys() == w.keys()
+                assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in g)
+
+
+def test_triton_prefill_padded_tiles_change_nothing():
+    """A prefill graph's tile list, padded to its most tiles and a padding request, gives the bits
+    of the exact list."""
+    from shardserve.layers.attention.triton_prefill import (PrefillTiles, max_tiles, paged_prefill_attention,
+                                                            tiles_data)
+    torch.manual_seed(0)
+    dev, bs, pool = torch.device("cuda"), 16, 100
+    context, query = [0, 16, 5], [70, 1, 33]
+    tables = (torch.randperm(pool - 1)[:3 * 8] + 1).view(3, 8).to(dev, torch.int32)
+    cache = torch.randn(2, 2, pool, bs, 64, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(sum(query), 8, 64, device=dev, dtype=torch.bfloat16)
+    starts = [0, 70, 71]
+    outs = []
+    for num_tiles, num_reqs in ((None, None), (max_tiles(128, 4), 5)):
+        data = tiles_data(starts, query, context, num_tiles, num_reqs)
+        padded = torch.zeros(5, 8, dtype=torch.int32, device=dev)
+        padded[:3] = tables
+        t = PrefillTiles(torch.from_numpy(data).to(dev), num_tiles or 4, num_reqs or 3,
+                         tables if num_reqs is None else padded)
+        out = torch.full_like(q, float("nan"))
+        paged_prefill_attention(q, cache[0], cache[1], t, out, 0.125, None)
+        outs.append(out)
+    assert max_tiles(128, 4) == 5 and not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,heads,kv_heads,window", [(64, 8, 2, None), (128, 32, 8, None), (64, 6, 6, 40)])
 @pytest.mark.parametrize("bs", [16, 32])

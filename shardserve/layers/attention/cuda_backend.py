@@ -49,7 +49,7 @@ class CudaAttentionBackend(TorchAttentionBackend):
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: TorchAttentionMetadata, rotary=None) -> torch.Tensor:
-        if rotary is None or md.prefills or not md.num_decodes or not ROPE_IN_DECODE:
+        if rotary is None or md.has_prefills or not md.num_decodes or not ROPE_IN_DECODE:
             return super().forward(spec, q, k, v, kv_cache, md, rotary)
         # A decode-only step (every decode graph): the attention kernel itself rotates q and k and
         # stores the new K/V, one launch instead of two.
@@ -78,6 +78,12 @@ class CudaAttentionBackend(TorchAttentionBackend):
         n = md.num_decodes
         paged_decode_attention(q[:n], k_cache, v_cache, md.decodes.block_tables, md.decodes.seq_lens, out[:n],
                                spec.scale, spec.sliding_window)
+
+
+def prefill_metadata(slots: torch.Tensor, tiles, block_size: int) -> TorchAttentionMetadata:
+    """Metadata for a prefill-only step built from (static) device tensors, for graphs: the chunks
+    are described by `tiles` (triton_prefill.PrefillTiles) alone."""
+    return TorchAttentionMetadata(slots, slots // block_size, slots % block_size, 0, None, [], tiles)
 
 
 def decode_metadata(slots: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

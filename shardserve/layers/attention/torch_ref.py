@@ -44,6 +44,11 @@ class TorchAttentionMetadata:
     prefills: list[_Prefill]
     prefill_batch: object = None           # what a subclass's _build_prefills made for its kernel
 
+    @property
+    def has_prefills(self) -> bool:
+        """A prefill graph's metadata lists no chunks (they change with every replay), only its batch."""
+        return bool(self.prefills) or self.prefill_batch is not None
+
 
 _GROUP_MIN = 16   # below this many decodes one padded batch is cheapest
 
@@ -109,7 +114,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if md.num_decodes:
             self._decodes(spec, q, k_cache, v_cache, md, out)
-        if md.prefills:
+        if md.has_prefills:
             self._prefills(spec, q, k, v, k_cache, v_cache, md, out)
         return out
 

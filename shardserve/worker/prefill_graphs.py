@@ -1,0 +1,93 @@
+"""CUDA graphs for short prefill steps: the model forward of a step that holds only prefill chunks
+(at most MAX_REQS requests, at most 256 tokens) is captured once per token count on a ladder, over
+static buffers, as decode steps are (cuda_graphs.py).
+
+Why: a short prompt's prefill is host-bound when run eagerly. Llama-3-8B's 128-token prefill is
+~5.4 ms of kernels on an H200 but ~400 launches from Python, and its time to first token was
+17.7 ms. Replaying a graph launches them all at once. Longer prefills keep running eagerly: their
+kernels outlast the launches, and padding them to a ladder step would cost real compute.
+
+The prefill attention kernel takes its work as a list of tiles in a device buffer
+(triton_prefill.tiles_data); a graph has room for the most tiles its token count can take among
+MAX_REQS requests, and the unused tiles belong to a padding request with no queries, so they read
+and store nothing. Padding tokens write their K/V into the scratch slot past the pool's end and are
+never attended to. Decodes and mixed steps do not take these graphs.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from shardserve.layers.attention import AttentionContext, CommonAttentionMetadata
+from shardserve.layers.attention.cuda_backend import prefill_metadata
+from shardserve.layers.attention.triton_prefill import PrefillTiles, max_tiles, tiles_data
+
+logger = logging.getLogger("shardserve")
+
+ENABLED = os.environ.get("SHARDSERVE_PREFILL_GRAPHS", "1") != "0"   # =0: prefills run eagerly (A/B runs)
+MAX_REQS = 4          # prefill chunks per graphed step (a fifth, padding request takes unused tiles)
+MAX_TOKENS = 256      # above this a prefill's kernels outlast its launches (see the module doc)
+LADDER = (16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def token_ladder(max_tokens: int) -> list[int]:
+    sizes = [s for s in LADDER if s < max_tokens]
+    return sorted(set(sizes + [min(max_tokens, MAX_TOKENS)]))
+
+
+class PrefillGraphs:
+    @torch.inference_mode()
+    def __init__(self, model: torch.nn.Module, backend, device: torch.device, max_tokens: int, max_blocks: int,
+                 block_size: int, scratch_slot: int, pool) -> None:
+        self.sizes = token_ladder(max_tokens)
+        self.scratch_slot = scratch_slot
+        n, reqs = self.sizes[-1], MAX_REQS + 1
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(reqs, max_blocks, dtype=torch.int32, device=device)
+        self.tiles: dict[int, PrefillTiles] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        before = torch.cuda.memory_allocated(device)
+        side = torch.cuda.Stream(device)
+        for size in reversed(self.sizes):   # largest first: the smaller graphs reuse its memory
+            num_tiles = max_tiles(size, MAX_REQS)
+            data = torch.from_numpy(tiles_data([], [], [], num_tiles, reqs)).to(device)   # all padding
+            self.tiles[size] = PrefillTiles(data, num_tiles, reqs, self.block_tables)
+            ctx = AttentionContext(backend, prefill_metadata(self.slots[:size], self.tiles[size], block_size))
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):   # warm-up: compiles kernels, settles the allocator
+                model(self.input_ids[:size], self.positions[:size], ctx)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = model(self.input_ids[:size], self.positions[:size], ctx)
+            self.graphs[size] = graph
+        logger.info("CUDA graphs captured for prefills of up to %d requests, token counts %s (%.2f GiB)",
+                    MAX_REQS, self.sizes, (torch.cuda.memory_allocated(device) - before) / 2**30)
+
+    def fits(self, attn: CommonAttentionMetadata) -> bool:
+        return (attn.num_decodes == 0 and len(attn.query_lens) <= MAX_REQS
+                and sum(attn.query_lens) <= self.sizes[-1])
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: CommonAttentionMetadata) -> torch.Tensor:
+        """Hidden states of a prefill-only step that fits()."""
+        t = input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= t)
+        tiles = self.tiles[size]
+        starts = np.cumsum([0] + attn.query_lens[:-1]).tolist()
+        data = tiles_data(starts, attn.query_lens, attn.context_lens, tiles.num_tiles, tiles.num_reqs)
+        tiles.data.copy_(torch.from_numpy(data).pin_memory(), non_blocking=True)
+        self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        self.positions[:t].copy_(positions, non_blocking=True)
+        self.slots[:t].copy_(attn.slot_mapping, non_blocking=True)
+        self.slots[t:size].fill_(self.scratch_slot)
+        self.block_tables.zero_()   # pages past a request's blocks read the null block, as in eager steps
+        self.block_tables[:attn.block_tables.shape[0], :attn.block_tables.shape[1]].copy_(attn.block_tables,
+                                                                                          non_blocking=True)
+        self.graphs[size].replay()
+        return self.outputs[size][:t]
