@@ -204,7 +204,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, self.device, sc.max_num_seqs, max_blocks,
                                        self.block_size, scratch, pool)
             from shardserve.worker import prefill_graphs   # imports Triton
-            if prefill_graphs.ENABLED:
+            if prefill_graphs.wanted(get_tp_group().world_size):
                 self.prefill_graphs = prefill_graphs.PrefillGraphs(
                     self.model, self.backend, self.device, sc.max_num_batched_tokens, max_blocks, self.block_size,
                     scratch, pool)

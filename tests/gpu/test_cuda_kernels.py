@@ -132,7 +132,7 @@ def test_cuda_graph_prefill_gives_the_eager_tokens(tmp_path, monkeypatch):
                         lambda self, ids, *a: replays.append(ids.shape[0]) or real_run(self, ids, *a))
     runs = {}
     for graphs in (True, False):
-        monkeypatch.setattr(prefill_graphs, "ENABLED", graphs)
+        monkeypatch.setenv("SHARDSERVE_PREFILL_GRAPHS", "1" if graphs else "0")
         for chunk in (2048, 64):
             llm = LLM(path, dtype="float32", device="cuda", gpu_memory_utilization=0.3, max_num_seqs=8,
                       max_num_batched_tokens=chunk, enable_prefix_caching=True, show_progress=False)
