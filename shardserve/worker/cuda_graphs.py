@@ -13,6 +13,7 @@ get the same step); with PP > 1 (sends between stages) steps stay eager.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -23,6 +24,13 @@ logger = logging.getLogger("shardserve")
 
 
 MAX_GRAPH_BATCH = 256   # bounds start-up capture time; larger decode batches run eagerly
+
+
+def wanted(env: str, tp_size: int) -> bool:
+    """For the prefill and piecewise graphs: env=1 on, =0 off (A/B runs). Unset: on without TP;
+    with TP they wait for their two-GPU test (tests/gpu/test_cuda_parallel.py) to have run."""
+    value = os.environ.get(env)
+    return tp_size == 1 if value is None else value != "0"
 
 
 def batch_ladder(max_batch: int) -> list[int]:

@@ -17,12 +17,13 @@ from shardserve.layers.attention.cpu_native import CpuNativeAttentionBackend
 from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
 from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
 from shardserve.models.loader import load_model
-from shardserve.worker.cuda_graphs import DecodeGraphs
+from shardserve.worker.cuda_graphs import DecodeGraphs, wanted
 from shardserve.transfer import to_device
 from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
 from shardserve.worker.sampling_inputs import build_sampling_metadata
 
 if TYPE_CHECKING:
+    from shardserve.worker.piecewise_graphs import PiecewiseGraphs
     from shardserve.worker.prefill_graphs import PrefillGraphs
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class ModelRunner:
         self.kv_pools: list[torch.Tensor] = []    # what was allocated: all layers' caches in one where it can
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.piecewise_graphs: PiecewiseGraphs | None = None
         # The cache holds what attention multiplies: the compute dtype (fp32 where a CPU lacks
         # bf16 units; converting every gathered block each step would cost more than it saves).
         self.kv_cache_dtype = self.mc.compute_dtype
@@ -181,7 +183,7 @@ class ModelRunner:
                 and pc.pipeline_parallel_size == 1)   # TP all-reduces (NCCL) are captured inside
 
     def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
-        self.kv_caches, self.graphs, self.prefill_graphs = [], None, None
+        self.kv_caches, self.graphs, self.prefill_graphs, self.piecewise_graphs = [], None, None, None
         graphs = capture_graphs and self._wants_graphs()
         pool_blocks = num_blocks + 1 if graphs else num_blocks   # + a scratch block for graph padding rows
         layers = self.model.attention_layers()
@@ -203,11 +205,15 @@ class ModelRunner:
             pool = torch.cuda.graph_pool_handle()   # shared: one graph replays at a time
             self.graphs = DecodeGraphs(self.model, self.backend, self.device, sc.max_num_seqs, max_blocks,
                                        self.block_size, scratch, pool)
-            from shardserve.worker import prefill_graphs   # imports Triton
-            if prefill_graphs.wanted(get_tp_group().world_size):
-                self.prefill_graphs = prefill_graphs.PrefillGraphs(
-                    self.model, self.backend, self.device, sc.max_num_batched_tokens, max_blocks, self.block_size,
-                    scratch, pool)
+            tp = get_tp_group().world_size
+            if wanted("SHARDSERVE_PREFILL_GRAPHS", tp):
+                from shardserve.worker.prefill_graphs import PrefillGraphs   # imports Triton
+                self.prefill_graphs = PrefillGraphs(self.model, self.backend, self.device, sc.max_num_batched_tokens,
+                                                    max_blocks, self.block_size, scratch, pool)
+            if wanted("SHARDSERVE_PIECEWISE_GRAPHS", tp):
+                from shardserve.worker.piecewise_graphs import PiecewiseGraphs
+                self.piecewise_graphs = PiecewiseGraphs(self.model, self.backend, self.device,
+                                                        sc.max_num_batched_tokens, self.block_size, scratch, pool)
 
     # ---- one step --------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -236,6 +242,8 @@ class ModelRunner:
                                      inputs.seq_lens)
         elif self.prefill_graphs is not None and self.prefill_graphs.fits(attn):
             hidden = self.prefill_graphs.run(inputs.input_ids, inputs.positions, attn)
+        elif self.piecewise_graphs is not None and self.piecewise_graphs.fits(attn):
+            hidden = self.piecewise_graphs.run(inputs.input_ids, inputs.positions, attn)
         else:
             ctx = AttentionContext(self.backend, self.backend.build(attn, self.device))
             hidden = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)

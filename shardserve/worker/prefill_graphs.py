@@ -16,7 +16,6 @@ never attended to. Decodes and mixed steps do not take these graphs.
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
@@ -30,13 +29,6 @@ logger = logging.getLogger("shardserve")
 MAX_REQS = 4          # prefill chunks per graphed step (a fifth, padding request takes unused tiles)
 MAX_TOKENS = 256      # above this a prefill's kernels outlast its launches (see the module doc)
 LADDER = (16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-
-
-def wanted(tp_size: int) -> bool:
-    """SHARDSERVE_PREFILL_GRAPHS=1 on, =0 off (A/B runs). Unset: on without TP; with TP they wait
-    for their two-GPU test (tests/gpu/test_cuda_parallel.py) to have run."""
-    value = os.environ.get("SHARDSERVE_PREFILL_GRAPHS")
-    return tp_size == 1 if value is None else value != "0"
 
 
 def token_ladder(max_tokens: int) -> list[int]:

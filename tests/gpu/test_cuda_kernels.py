@@ -155,6 +155,41 @@ def test_cuda_graph_prefill_gives_the_eager_tokens(tmp_path, monkeypatch):
                 assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in g)
 
 
+def test_piecewise_graphs_give_the_eager_tokens(tmp_path, monkeypatch):
+    """Steps that mix decodes with prefill chunks, or prefill more requests than a prefill graph
+    takes, replay piecewise graphs (piecewise_graphs.py) with attention run between the pieces:
+    the eager tokens, and log-probs within fp32 roundings."""
+    from shardserve import LLM, SamplingParams
+    from shardserve.worker import piecewise_graphs
+    from tests.tiny_models import make_tiny_checkpoint
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama", hidden_size=128, num_attention_heads=4,
+                                num_key_value_heads=2)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 320, (n,), generator=g).tolist() for n in (5, 120, 33, 70, 9, 200, 16)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    replays = []
+    real_run = piecewise_graphs.PiecewiseGraphs.run
+    monkeypatch.setattr(piecewise_graphs.PiecewiseGraphs, "run",
+                        lambda self, ids, *a: replays.append(ids.shape[0]) or real_run(self, ids, *a))
+    runs = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("SHARDSERVE_PIECEWISE_GRAPHS", on)
+        llm = LLM(path, dtype="float32", device="cuda", gpu_memory_utilization=0.3, max_num_seqs=8,
+                  max_num_batched_tokens=96, show_progress=False)
+        assert (llm.engine.executor.worker.model_runner.piecewise_graphs is not None) == (on == "1")
+        runs[on] = llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    for got, want in zip(runs["1"], runs["0"]):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for gl, wl in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert gl.keys() == wl.keys()
+            assert all(abs(gl[t].logprob - wl[t].logprob) < 1e-4 for t in gl)
+    assert len(replays) >= 4, replays   # prefill chunks beside decodes
+
+
 def test_triton_prefill_padded_tiles_change_nothing():
     """A prefill graph's tile list, padded to its most tiles and a padding request, gives the bits
     of the exact list."""

@@ -65,8 +65,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: object, rotary=None) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: object, rotary=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] for the new tokens. Writes k, v into kv_cache at the slot
-        mapping, attends over each request's whole context, returns [T, Hq, D]. rotary, only where
-        `fuses_rotary` said so: (positions [T], cos, sin [max_position, D / 2]) to rotate q and k
-        (NeoX layout) in place before anything else."""
+        mapping, attends over each request's whole context, returns [T, Hq, D] (in `out` if given).
+        rotary, only where `fuses_rotary` said so: (positions [T], cos, sin [max_position, D / 2])
+        to rotate q and k (NeoX layout) in place before anything else."""

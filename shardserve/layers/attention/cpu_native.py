@@ -43,9 +43,11 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
                                        seq_lens.to(torch.int32))
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, md: NativeAttentionMetadata, rotary=None) -> torch.Tensor:
+                kv_cache: torch.Tensor, md: NativeAttentionMetadata, rotary=None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         cpu_ops.write_kv(k, v, k_cache, v_cache, md.slots)
-        out = torch.empty(q.shape, dtype=q.dtype)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype)
         cpu_ops.paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, out, spec)
         return out

@@ -48,13 +48,15 @@ class CudaAttentionBackend(TorchAttentionBackend):
         paged_prefill_attention(q, k_cache, v_cache, md.prefill_batch, out, spec.scale, spec.sliding_window)
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, md: TorchAttentionMetadata, rotary=None) -> torch.Tensor:
+                kv_cache: torch.Tensor, md: TorchAttentionMetadata, rotary=None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         if rotary is None or md.has_prefills or not md.num_decodes or not ROPE_IN_DECODE:
-            return super().forward(spec, q, k, v, kv_cache, md, rotary)
+            return super().forward(spec, q, k, v, kv_cache, md, rotary, out)
         # A decode-only step (every decode graph): the attention kernel itself rotates q and k and
         # stores the new K/V, one launch instead of two.
         from shardserve.layers.attention.triton_decode import paged_decode_attention
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_decode_attention(q, kv_cache[0], kv_cache[1], md.decodes.block_tables, md.decodes.seq_lens, out,
                                spec.scale, spec.sliding_window, rope=(rotary[0], k, v, rotary[1], rotary[2], md.slots))
         return out

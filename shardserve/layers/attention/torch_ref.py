@@ -108,10 +108,12 @@ class TorchAttentionBackend(AttentionBackend):
         return [_decode_group(common, order[i:i + size], device, all_rows=False) for i in range(0, d, size)]
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, md: TorchAttentionMetadata, rotary=None) -> torch.Tensor:
+                kv_cache: torch.Tensor, md: TorchAttentionMetadata, rotary=None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self._write(q, k, v, k_cache, v_cache, md, rotary)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if md.num_decodes:
             self._decodes(spec, q, k_cache, v_cache, md, out)
         if md.has_prefills:
