@@ -131,6 +131,7 @@ def test_cuda_graph_prefill_gives_the_eager_tokens(tmp_path, monkeypatch):
     monkeypatch.setattr(prefill_graphs.PrefillGraphs, "run",
                         lambda self, ids, *a: replays.append(ids.shape[0]) or real_run(self, ids, *a))
     runs = {}
+    monkeypatch.setenv("SHARDSERVE_PIECEWISE_GRAPHS", "0")   # eager means eager
     for graphs in (True, False):
         monkeypatch.setenv("SHARDSERVE_PREFILL_GRAPHS", "1" if graphs else "0")
         for chunk in (2048, 64):

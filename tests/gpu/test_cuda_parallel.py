@@ -2,8 +2,8 @@
 Llama-3-8B-shaped model in bf16; TP=2 gives them too, except where TP=1 itself sees a near-tie
 (TP splits each GEMM and sums partial results in another order, which moves bf16 roundings).
 The fused all-reduce + residual add + RMSNorm kernel (on by default) equals the separate kernels bit
-for bit, and gives the same tokens. Short prefills replayed from CUDA graphs give the eager tokens
-at TP=1 and TP=2, up to near-ties."""
+for bit, and gives the same tokens. Short prefills and mixed steps replayed from CUDA graphs give
+the eager tokens at TP=1 and TP=2, up to near-ties."""
 from __future__ import annotations
 
 import gc
@@ -18,12 +18,14 @@ pytestmark = pytest.mark.gpu
 TIE_TOL = 0.25
 
 
-def _run(path: str, **kwargs):
+def _run(path: str, together: bool = False, **kwargs):
     from shardserve import LLM, SamplingParams
     llm = LLM(path, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, max_model_len=2048,
               gpu_memory_utilization=0.6, show_progress=False, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=20)
     try:
+        if together:   # one batch: prefill chunks share steps with decodes
+            return [o.outputs[0] for o in llm.generate(_prompts(), params, use_tqdm=False)]
         # One request at a time: every layout then sees the same batch shapes (bf16 GEMMs round
         # differently at other batch sizes, which would blur what is being compared).
         return [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in _prompts()]
@@ -36,9 +38,10 @@ def _run(path: str, **kwargs):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU-only: NCCL TP=2 / PP=2 need two CUDA GPUs (run on an H200 x2 machine)")
 def test_nccl_tp2_and_pp2_match_tp1(checkpoint, monkeypatch):
-    # Prefills eager in every layout (PP stages always run them so): a prefill graph pads the step,
-    # and cuBLAS may pick another kernel for the padded shape (test_prefill_graphs_give_the_eager_tokens).
+    # Prefills eager in every layout (PP stages always run them so): a graph pads the step, and
+    # cuBLAS may pick another kernel for the padded shape (test_prefill_and_piecewise_graphs_...).
     monkeypatch.setenv("SHARDSERVE_PREFILL_GRAPHS", "0")
+    monkeypatch.setenv("SHARDSERVE_PIECEWISE_GRAPHS", "0")
     base = _run(checkpoint)   # async scheduling is on by default on CUDA
     assert [o.token_ids for o in _run(checkpoint, async_scheduling=False)] == [o.token_ids for o in base]
     pp2 = _run(checkpoint, pipeline_parallel_size=2)
@@ -74,16 +77,21 @@ def _assert_same_up_to_near_ties(base, other, name: str, base_name: str) -> None
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU-only: NCCL TP=2 needs two CUDA GPUs (run on an H200 x2 machine)")
-def test_prefill_graphs_give_the_eager_tokens(checkpoint, monkeypatch):
-    """Prompts of 17 and 100 tokens prefill in a CUDA graph (prefill_graphs.py), the 333-token one
-    eagerly, at TP=1 and TP=2 (the TP all-reduces captured inside): the eager tokens, up to near-ties
-    (the graph's padded GEMMs may take another cuBLAS kernel)."""
+def test_prefill_and_piecewise_graphs_give_the_eager_tokens(checkpoint, monkeypatch):
+    """At TP=1 and TP=2 (the TP all-reduces captured inside): prompts of 17 and 100 tokens prefill in
+    a CUDA graph (prefill_graphs.py) and the 333-token one eagerly; served together under a 64-token
+    budget, their chunks share steps with decodes (piecewise_graphs.py). The eager tokens, up to
+    near-ties (a graph's padded GEMMs may take another cuBLAS kernel)."""
     for tp in (1, 2):
-        monkeypatch.setenv("SHARDSERVE_PREFILL_GRAPHS", "0")
-        eager = _run(checkpoint, tensor_parallel_size=tp)
-        monkeypatch.setenv("SHARDSERVE_PREFILL_GRAPHS", "1")
-        _assert_same_up_to_near_ties(eager, _run(checkpoint, tensor_parallel_size=tp), f"TP={tp} prefill graphs",
-                                     "eager prefills")
+        for together in (False, True):
+            kwargs = dict(tensor_parallel_size=tp, together=together, max_num_batched_tokens=64 if together else None)
+            for var in ("SHARDSERVE_PREFILL_GRAPHS", "SHARDSERVE_PIECEWISE_GRAPHS"):
+                monkeypatch.setenv(var, "0")
+            eager = _run(checkpoint, **kwargs)
+            for var in ("SHARDSERVE_PREFILL_GRAPHS", "SHARDSERVE_PIECEWISE_GRAPHS"):
+                monkeypatch.setenv(var, "1")
+            _assert_same_up_to_near_ties(eager, _run(checkpoint, **kwargs),
+                                         f"TP={tp} {'mixed' if together else 'prefill'} graphs", "eager")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU-only: the fused all-reduce needs two CUDA GPUs of one host (run on an H200 x2 machine)")
