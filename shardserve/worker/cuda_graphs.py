@@ -38,16 +38,34 @@ def batch_ladder(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
+class StaticTokens:
+    """A graph's per-token inputs: token ids, positions and KV slots for up to n tokens. A step's
+    tokens fill the front; the padding up to the replayed size writes its K/V into the scratch slot."""
+
+    def __init__(self, n: int, scratch_slot: int, device: torch.device) -> None:
+        self.scratch_slot = scratch_slot
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, size: int) -> None:
+        t = input_ids.shape[0]
+        self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        self.positions[:t].copy_(positions, non_blocking=True)
+        self.slots[:t].copy_(slots, non_blocking=True)
+        self.slots[t:size].fill_(self.scratch_slot)
+
+    def forward(self, model: torch.nn.Module, size: int, ctx: AttentionContext) -> torch.Tensor:
+        return model(self.input_ids[:size], self.positions[:size], ctx)
+
+
 class DecodeGraphs:
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, backend, device: torch.device, max_batch: int, max_blocks: int,
                  block_size: int, scratch_slot: int, pool) -> None:
         self.sizes = batch_ladder(min(max_batch, MAX_GRAPH_BATCH))
-        self.scratch_slot = scratch_slot
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
+        self.tokens = StaticTokens(n, scratch_slot, device)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -55,15 +73,15 @@ class DecodeGraphs:
         before = torch.cuda.memory_allocated(device)
         side = torch.cuda.Stream(device)   # one warm-up stream: its cached memory is shared by all sizes
         for bs in reversed(self.sizes):   # largest first: the smaller graphs reuse its memory
-            md = decode_metadata(self.slots[:bs], self.block_tables[:bs], self.seq_lens[:bs], block_size)
+            md = decode_metadata(self.tokens.slots[:bs], self.block_tables[:bs], self.seq_lens[:bs], block_size)
             ctx = AttentionContext(backend, md)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):   # warm-up: compiles kernels, settles the allocator
-                model(self.input_ids[:bs], self.positions[:bs], ctx)
+                self.tokens.forward(model, bs, ctx)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs], ctx)
+                self.outputs[bs] = self.tokens.forward(model, bs, ctx)
             self.graphs[bs] = graph
         logger.info("CUDA graphs captured for decode batches %s (%.2f GiB)", self.sizes,
                     (torch.cuda.memory_allocated(device) - before) / 2**30)
@@ -76,10 +94,7 @@ class DecodeGraphs:
         """Hidden states of a decode-only batch (one token per request)."""
         b = input_ids.shape[0]
         bs = next(s for s in self.sizes if s >= b)
-        self.input_ids[:b].copy_(input_ids, non_blocking=True)
-        self.positions[:b].copy_(positions, non_blocking=True)
-        self.slots[:b].copy_(slots, non_blocking=True)
-        self.slots[b:bs].fill_(self.scratch_slot)
+        self.tokens.load(input_ids, positions, slots, bs)
         self.block_tables[:bs].zero_()
         self.block_tables[:b, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         self.seq_lens[:b].copy_(seq_lens, non_blocking=True)

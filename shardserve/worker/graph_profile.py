@@ -47,7 +47,7 @@ def profile_decode_graph(graphs, batch_size: int, context: int = 256, replays: i
     graph = graphs.graphs[bs]
     with torch.inference_mode():
         graphs.seq_lens[:bs].fill_(context)
-        graphs.slots[:bs].fill_(graphs.scratch_slot)
+        graphs.tokens.slots[:bs].fill_(graphs.tokens.scratch_slot)
         graphs.block_tables[:bs].zero_()
     try:
         ms = replay_ms(graph, replays)

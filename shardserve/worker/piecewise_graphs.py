@@ -23,6 +23,7 @@ import torch
 from shardserve.layers.attention import AttentionContext, CommonAttentionMetadata
 from shardserve.layers.attention.cuda_backend import prefill_metadata
 from shardserve.layers.attention.triton_prefill import PrefillTiles, tiles_data
+from shardserve.worker.cuda_graphs import StaticTokens
 
 logger = logging.getLogger("shardserve")
 
@@ -62,11 +63,7 @@ class PiecewiseGraphs:
                  scratch_slot: int, pool) -> None:
         self.backend = backend
         self.sizes = sorted({s for s in LADDER if s < max_tokens} | {min(max_tokens, LADDER[-1])})
-        self.scratch_slot = scratch_slot
-        n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
+        self.tokens = StaticTokens(self.sizes[-1], scratch_slot, device)
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.calls: dict[int, list[tuple]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -77,15 +74,15 @@ class PiecewiseGraphs:
         idle = PrefillTiles(torch.from_numpy(tiles_data([], [], [], 1, 1)).to(device), 1, 1,
                             torch.zeros(1, 1, dtype=torch.int32, device=device))
         for size in reversed(self.sizes):   # largest first: the smaller graphs reuse its memory
-            warm = AttentionContext(backend, prefill_metadata(self.slots[:size], idle, block_size))
+            warm = AttentionContext(backend, prefill_metadata(self.tokens.slots[:size], idle, block_size))
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):   # warm-up: compiles kernels, settles the allocator
-                model(self.input_ids[:size], self.positions[:size], warm)
+                self.tokens.forward(model, size, warm)
                 torch.cuda.synchronize(device)
                 pieces, calls = [torch.cuda.CUDAGraph()], []
                 ctx = AttentionContext(_Split(backend, pieces, calls, outs, pool), None)
                 pieces[0].capture_begin(pool=pool)
-                self.outputs[size] = model(self.input_ids[:size], self.positions[:size], ctx)
+                self.outputs[size] = self.tokens.forward(model, size, ctx)
                 pieces[-1].capture_end()
             torch.cuda.current_stream(device).wait_stream(side)
             self.pieces[size], self.calls[size] = pieces, calls
@@ -100,12 +97,9 @@ class PiecewiseGraphs:
         """Hidden states of a step with at least one prefill chunk that fits()."""
         t = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= t)
-        self.input_ids[:t].copy_(input_ids, non_blocking=True)
-        self.positions[:t].copy_(positions, non_blocking=True)
-        self.slots[:t].copy_(attn.slot_mapping, non_blocking=True)
-        self.slots[t:size].fill_(self.scratch_slot)
+        self.tokens.load(input_ids, positions, attn.slot_mapping, size)
         md = self.backend.build(attn, input_ids.device)
-        md.slots = self.slots[:size]   # the K/V write covers the padding rows too (into the scratch slot)
+        md.slots = self.tokens.slots[:size]   # the K/V write covers the padding rows too (into the scratch slot)
         pieces = self.pieces[size]
         for piece, (spec, q, k, v, kv_cache, rotary, out) in zip(pieces, self.calls[size]):
             piece.replay()

@@ -23,6 +23,7 @@ import torch
 from shardserve.layers.attention import AttentionContext, CommonAttentionMetadata
 from shardserve.layers.attention.cuda_backend import prefill_metadata
 from shardserve.layers.attention.triton_prefill import PrefillTiles, max_tiles, tiles_data
+from shardserve.worker.cuda_graphs import StaticTokens
 
 logger = logging.getLogger("shardserve")
 
@@ -41,11 +42,8 @@ class PrefillGraphs:
     def __init__(self, model: torch.nn.Module, backend, device: torch.device, max_tokens: int, max_blocks: int,
                  block_size: int, scratch_slot: int, pool) -> None:
         self.sizes = token_ladder(max_tokens)
-        self.scratch_slot = scratch_slot
         n, reqs = self.sizes[-1], MAX_REQS + 1
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
+        self.tokens = StaticTokens(n, scratch_slot, device)
         self.block_tables = torch.zeros(reqs, max_blocks, dtype=torch.int32, device=device)
         self.tiles: dict[int, PrefillTiles] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -56,14 +54,14 @@ class PrefillGraphs:
             num_tiles = max_tiles(size, MAX_REQS)
             data = torch.from_numpy(tiles_data([], [], [], num_tiles, reqs)).to(device)   # all padding
             self.tiles[size] = PrefillTiles(data, num_tiles, reqs, self.block_tables)
-            ctx = AttentionContext(backend, prefill_metadata(self.slots[:size], self.tiles[size], block_size))
+            ctx = AttentionContext(backend, prefill_metadata(self.tokens.slots[:size], self.tiles[size], block_size))
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):   # warm-up: compiles kernels, settles the allocator
-                model(self.input_ids[:size], self.positions[:size], ctx)
+                self.tokens.forward(model, size, ctx)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = model(self.input_ids[:size], self.positions[:size], ctx)
+                self.outputs[size] = self.tokens.forward(model, size, ctx)
             self.graphs[size] = graph
         logger.info("CUDA graphs captured for prefills of up to %d requests, token counts %s (%.2f GiB)",
                     MAX_REQS, self.sizes, (torch.cuda.memory_allocated(device) - before) / 2**30)
@@ -80,10 +78,7 @@ class PrefillGraphs:
         starts = np.cumsum([0] + attn.query_lens[:-1]).tolist()
         data = tiles_data(starts, attn.query_lens, attn.context_lens, tiles.num_tiles, tiles.num_reqs)
         tiles.data.copy_(torch.from_numpy(data).pin_memory(), non_blocking=True)
-        self.input_ids[:t].copy_(input_ids, non_blocking=True)
-        self.positions[:t].copy_(positions, non_blocking=True)
-        self.slots[:t].copy_(attn.slot_mapping, non_blocking=True)
-        self.slots[t:size].fill_(self.scratch_slot)
+        self.tokens.load(input_ids, positions, attn.slot_mapping, size)
         self.block_tables.zero_()   # pages past a request's blocks read the null block, as in eager steps
         self.block_tables[:attn.block_tables.shape[0], :attn.block_tables.shape[1]].copy_(attn.block_tables,
                                                                                           non_blocking=True)
