@@ -22,7 +22,7 @@ import torch
 
 from shardserve.layers.attention import AttentionContext, CommonAttentionMetadata
 from shardserve.layers.attention.cuda_backend import prefill_metadata
-from shardserve.layers.attention.triton_prefill import PrefillTiles, tiles_data
+from shardserve.layers.attention.prefill_tiles import PrefillTiles, tiles_data
 from shardserve.worker.cuda_graphs import StaticTokens
 
 logger = logging.getLogger("shardserve")

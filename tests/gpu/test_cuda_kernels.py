@@ -194,8 +194,8 @@ def test_piecewise_graphs_give_the_eager_tokens(tmp_path, monkeypatch):
 def test_triton_prefill_padded_tiles_change_nothing():
     """A prefill graph's tile list, padded to its most tiles and a padding request, gives the bits
     of the exact list."""
-    from shardserve.layers.attention.triton_prefill import (PrefillTiles, max_tiles, paged_prefill_attention,
-                                                            tiles_data)
+    from shardserve.layers.attention.prefill_tiles import PrefillTiles, max_tiles, tiles_data
+    from shardserve.layers.attention.triton_prefill import paged_prefill_attention
     torch.manual_seed(0)
     dev, bs, pool = torch.device("cuda"), 16, 100
     context, query = [0, 16, 5], [70, 1, 33]

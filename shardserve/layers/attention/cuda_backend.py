@@ -39,7 +39,7 @@ class CudaAttentionBackend(TorchAttentionBackend):
                            lens.to(device, non_blocking=True))
 
     def _build_prefills(self, common: CommonAttentionMetadata, prefills, device: torch.device):
-        from shardserve.layers.attention.triton_prefill import build_prefill_tiles
+        from shardserve.layers.attention.prefill_tiles import build_prefill_tiles
         return build_prefill_tiles([p.token_start for p in prefills], [p.query_len for p in prefills],
                                    [p.context_len for p in prefills], common.block_tables[common.num_decodes:], device)
 

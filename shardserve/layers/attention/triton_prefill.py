@@ -4,22 +4,18 @@ softmax in fp32 (flash-attention's forward pass over pages).
 
 The new tokens' K/V are written to the pool before this runs, so a chunk's keys are all in the
 pool: positions 0 .. context + its own. The work is cut into tiles of BLOCK_M queries of one
-request; the host lists the tiles once per step (`PrefillTiles`), and the grid is (tile, query
+request; the host lists the tiles once per step (`prefill_tiles.py`), and the grid is (tile, query
 head). KV layout (TorchAttentionBackend's): K and V each [num_kv_heads, num_blocks, block_size, head_dim].
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from shardserve.layers.attention.prefill_tiles import BLOCK_M, PrefillTiles
 from shardserve.layers.attention.triton_paged import load_pages, online_softmax_step
-from shardserve.transfer import to_device
 
-BLOCK_M = 64
 KEYS_PER_ITER = 64
 
 
@@ -65,46 +61,6 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, tiles_ptr, n
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rows[:, None])
-
-
-@dataclass
-class PrefillTiles:
-    """The step's prefill chunks cut into tiles, built on the host once per step for every layer."""
-
-    data: torch.Tensor           # int32, see the kernel's tiles_ptr
-    num_tiles: int
-    num_reqs: int
-    block_tables: torch.Tensor   # [num_reqs, max_blocks] int32: the prefill requests' rows
-
-
-def tiles_data(token_starts: list[int], query_lens: list[int], context_lens: list[int],
-               num_tiles: int | None = None, num_reqs: int | None = None) -> np.ndarray:
-    """The kernel's tiles_ptr contents. num_tiles / num_reqs (a CUDA graph's fixed sizes) pad the
-    lists: padding requests have no queries, and padding tiles belong to the last request, a padding
-    one, so their programs store nothing and read no keys."""
-    tile_req = [r for r, n in enumerate(query_lens) for _ in range(0, n, BLOCK_M)]
-    tile_m = [m for n in query_lens for m in range(0, n, BLOCK_M)]
-    pad_reqs = 0 if num_reqs is None else num_reqs - len(query_lens)
-    pad_tiles = 0 if num_tiles is None else num_tiles - len(tile_req)
-    if pad_tiles < 0 or pad_reqs < (1 if pad_tiles else 0):
-        raise ValueError(f"{len(tile_req)} tiles of {len(query_lens)} requests do not fit {num_tiles} tiles "
-                         f"and {num_reqs} requests with a padding one")
-    tile_req += [len(query_lens) + pad_reqs - 1] * pad_tiles
-    tile_m += [0] * pad_tiles
-    pad = [0] * pad_reqs
-    return np.asarray(tile_req + tile_m + token_starts + pad + query_lens + pad + context_lens + pad, dtype=np.int32)
-
-
-def max_tiles(num_tokens: int, num_reqs: int) -> int:
-    """The most tiles num_tokens queries split among num_reqs requests can take."""
-    return (num_tokens + (BLOCK_M - 1) * num_reqs) // BLOCK_M
-
-
-def build_prefill_tiles(token_starts: list[int], query_lens: list[int], context_lens: list[int],
-                        block_tables: torch.Tensor, device: torch.device) -> PrefillTiles:
-    data = tiles_data(token_starts, query_lens, context_lens)
-    return PrefillTiles(to_device(data, torch.int32, device), (len(data) - 3 * len(query_lens)) // 2,
-                        len(query_lens), block_tables)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: PrefillTiles,
