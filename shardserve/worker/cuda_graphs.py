@@ -13,6 +13,7 @@ get the same step); with PP > 1 (sends between stages) steps stay eager.
 from __future__ import annotations
 
 import logging
+import time
 import os
 
 import torch
@@ -70,7 +71,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        before = torch.cuda.memory_allocated(device)
+        before, t0 = torch.cuda.memory_allocated(device), time.perf_counter()
         side = torch.cuda.Stream(device)   # one warm-up stream: its cached memory is shared by all sizes
         for bs in reversed(self.sizes):   # largest first: the smaller graphs reuse its memory
             md = decode_metadata(self.tokens.slots[:bs], self.block_tables[:bs], self.seq_lens[:bs], block_size)
@@ -83,8 +84,8 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[bs] = self.tokens.forward(model, bs, ctx)
             self.graphs[bs] = graph
-        logger.info("CUDA graphs captured for decode batches %s (%.2f GiB)", self.sizes,
-                    (torch.cuda.memory_allocated(device) - before) / 2**30)
+        logger.info("CUDA graphs captured for decode batches %s (%.2f GiB, %.1f s)", self.sizes,
+                    (torch.cuda.memory_allocated(device) - before) / 2**30, time.perf_counter() - t0)
 
     def fits(self, batch: int) -> bool:
         return batch <= self.sizes[-1]

@@ -17,6 +17,7 @@ scratch slot and no attention kernel reads them.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -28,7 +29,7 @@ from shardserve.worker.cuda_graphs import StaticTokens
 logger = logging.getLogger("shardserve")
 
 # Up to 256 tokens: longer steps are GPU-bound anyway, and each size keeps every layer's q, k, v
-# alive (Llama-3-8B: 0.26 GiB for this ladder; 0.89 GiB up to 512).
+# alive (Llama-3-8B: 0.28 GiB for this ladder; 0.89 GiB up to 512).
 LADDER = (16, 32, 64, 128, 256)
 
 
@@ -68,7 +69,7 @@ class PiecewiseGraphs:
         self.calls: dict[int, list[tuple]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         outs: list[torch.Tensor] = []   # attention outputs, one per layer, shared by all sizes
-        before = torch.cuda.memory_allocated(device)
+        before, t0 = torch.cuda.memory_allocated(device), time.perf_counter()
         side = torch.cuda.Stream(device)
         # Warm-up metadata: one padding request with no queries, so attention reads and stores nothing.
         idle = PrefillTiles(torch.from_numpy(tiles_data([], [], [], 1, 1)).to(device), 1, 1,
@@ -86,9 +87,9 @@ class PiecewiseGraphs:
                 pieces[-1].capture_end()
             torch.cuda.current_stream(device).wait_stream(side)
             self.pieces[size], self.calls[size] = pieces, calls
-        logger.info("Piecewise CUDA graphs captured for mixed steps, token counts %s (%d pieces each, %.2f GiB)",
-                    self.sizes, len(self.pieces[self.sizes[-1]]),
-                    (torch.cuda.memory_allocated(device) - before) / 2**30)
+        logger.info("Piecewise CUDA graphs captured for mixed steps, token counts %s (%d pieces each, "
+                    "%.2f GiB, %.1f s)", self.sizes, len(self.pieces[self.sizes[-1]]),
+                    (torch.cuda.memory_allocated(device) - before) / 2**30, time.perf_counter() - t0)
 
     def fits(self, attn: CommonAttentionMetadata) -> bool:
         return len(attn.query_lens) > attn.num_decodes and sum(attn.query_lens) <= self.sizes[-1]

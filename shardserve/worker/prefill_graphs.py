@@ -16,6 +16,7 @@ never attended to. Decodes and mixed steps do not take these graphs.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -48,7 +49,7 @@ class PrefillGraphs:
         self.tiles: dict[int, PrefillTiles] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        before = torch.cuda.memory_allocated(device)
+        before, t0 = torch.cuda.memory_allocated(device), time.perf_counter()
         side = torch.cuda.Stream(device)
         for size in reversed(self.sizes):   # largest first: the smaller graphs reuse its memory
             num_tiles = max_tiles(size, MAX_REQS)
@@ -63,8 +64,9 @@ class PrefillGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[size] = self.tokens.forward(model, size, ctx)
             self.graphs[size] = graph
-        logger.info("CUDA graphs captured for prefills of up to %d requests, token counts %s (%.2f GiB)",
-                    MAX_REQS, self.sizes, (torch.cuda.memory_allocated(device) - before) / 2**30)
+        logger.info("CUDA graphs captured for prefills of up to %d requests, token counts %s (%.2f GiB, %.1f s)",
+                    MAX_REQS, self.sizes, (torch.cuda.memory_allocated(device) - before) / 2**30,
+                    time.perf_counter() - t0)
 
     def fits(self, attn: CommonAttentionMetadata) -> bool:
         return (attn.num_decodes == 0 and len(attn.query_lens) <= MAX_REQS
