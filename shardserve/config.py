@@ -102,7 +102,11 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     compute_dtype_override: torch.dtype | None = None   # see compute_dtype_for
     load_format: str = "auto"                          # "dummy": random weights, real shapes
-    enforce_eager: bool = False                        # CUDA: no graphs for decode steps
+    enforce_eager: bool = False                        # CUDA: no graphs at all
+    # CUDA: graphs for short prefill-only steps / for steps mixing decodes and prefills. Resolved once
+    # by the engine (EngineArgs) and shipped to every worker, so all ranks take the same graphs.
+    prefill_graphs: bool = True
+    piecewise_graphs: bool = True
     max_logprobs: int = 20                             # largest logprobs / prompt_logprobs; -1: no limit
 
     @property

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-import os
 
 import torch
 
@@ -25,13 +24,6 @@ logger = logging.getLogger("shardserve")
 
 
 MAX_GRAPH_BATCH = 256   # bounds start-up capture time; larger decode batches run eagerly
-
-
-def wanted(env: str, tp_size: int) -> bool:
-    """For the prefill and piecewise graphs: env=1 on, =0 off (A/B runs). Unset: on without TP;
-    with TP they wait for their two-GPU test (tests/gpu/test_cuda_parallel.py) to have run."""
-    value = os.environ.get(env)
-    return tp_size == 1 if value is None else value != "0"
 
 
 def batch_ladder(max_batch: int) -> list[int]:
@@ -63,7 +55,7 @@ class StaticTokens:
 class DecodeGraphs:
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, backend, device: torch.device, max_batch: int, max_blocks: int,
-                 block_size: int, scratch_slot: int, pool) -> None:
+                 block_size: int, scratch_slot: int, pool, stream: torch.cuda.Stream) -> None:
         self.sizes = batch_ladder(min(max_batch, MAX_GRAPH_BATCH))
         n = self.sizes[-1]
         self.tokens = StaticTokens(n, scratch_slot, device)
@@ -81,7 +73,7 @@ class DecodeGraphs:
                 self.tokens.forward(model, bs, ctx)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.outputs[bs] = self.tokens.forward(model, bs, ctx)
             self.graphs[bs] = graph
         logger.info("CUDA graphs captured for decode batches %s (%.2f GiB, %.1f s)", self.sizes,

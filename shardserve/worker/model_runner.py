@@ -17,7 +17,7 @@ from shardserve.layers.attention.cpu_native import CpuNativeAttentionBackend
 from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
 from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
 from shardserve.models.loader import load_model
-from shardserve.worker.cuda_graphs import DecodeGraphs, wanted
+from shardserve.worker.cuda_graphs import DecodeGraphs
 from shardserve.transfer import to_device
 from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
 from shardserve.worker.sampling_inputs import build_sampling_metadata
@@ -183,7 +183,10 @@ class ModelRunner:
                 and pc.pipeline_parallel_size == 1)   # TP all-reduces (NCCL) are captured inside
 
     def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
-        self.kv_caches, self.graphs, self.prefill_graphs, self.piecewise_graphs = [], None, None, None
+        self.kv_caches, self.kv_pools = [], []   # let a previous pool go before the new one is allocated
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.empty(0)
+        self.graphs, self.prefill_graphs, self.piecewise_graphs = None, None, None
         graphs = capture_graphs and self._wants_graphs()
         pool_blocks = num_blocks + 1 if graphs else num_blocks   # + a scratch block for graph padding rows
         layers = self.model.attention_layers()
@@ -202,18 +205,20 @@ class ModelRunner:
         if graphs:
             sc = self.config.scheduler_config
             max_blocks, scratch = -(-sc.max_model_len // self.block_size), num_blocks * self.block_size
-            pool = torch.cuda.graph_pool_handle()   # shared: one graph replays at a time
+            # One memory pool, captured on one stream (a pool's blocks belong to a stream): one graph
+            # replays at a time, so they can share their intermediate memory.
+            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
             self.graphs = DecodeGraphs(self.model, self.backend, self.device, sc.max_num_seqs, max_blocks,
-                                       self.block_size, scratch, pool)
-            tp = get_tp_group().world_size
-            if wanted("SHARDSERVE_PREFILL_GRAPHS", tp):
+                                       self.block_size, scratch, pool, stream)
+            if self.mc.prefill_graphs:
                 from shardserve.worker.prefill_graphs import PrefillGraphs   # imports Triton
                 self.prefill_graphs = PrefillGraphs(self.model, self.backend, self.device, sc.max_num_batched_tokens,
-                                                    max_blocks, self.block_size, scratch, pool)
-            if wanted("SHARDSERVE_PIECEWISE_GRAPHS", tp):
+                                                    max_blocks, self.block_size, scratch, pool, stream)
+            if self.mc.piecewise_graphs:
                 from shardserve.worker.piecewise_graphs import PiecewiseGraphs
                 self.piecewise_graphs = PiecewiseGraphs(self.model, self.backend, self.device,
-                                                        sc.max_num_batched_tokens, self.block_size, scratch, pool)
+                                                        sc.max_num_batched_tokens, self.block_size, scratch, pool,
+                                                        stream)
 
     # ---- one step --------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -22,7 +22,7 @@ import time
 import torch
 
 from shardserve.layers.attention import AttentionContext, CommonAttentionMetadata
-from shardserve.layers.attention.cuda_backend import prefill_metadata
+from shardserve.layers.attention.cuda_backend import CudaAttentionBackend, prefill_metadata
 from shardserve.layers.attention.prefill_tiles import PrefillTiles, tiles_data
 from shardserve.worker.cuda_graphs import StaticTokens
 
@@ -45,12 +45,13 @@ class _Split:
         return self.backend.fuses_rotary(q, k, v)
 
     def forward(self, spec, q, k, v, kv_cache, md, rotary=None, out=None) -> torch.Tensor:
-        # The largest size (captured first) allocates each call's output in the graph pool; the
-        # smaller ones write into the front of the same buffers.
-        if len(self.outs) == len(self.calls):
-            self.outs.append(torch.empty(q.shape, dtype=q.dtype, device=q.device))
-        out = self.outs[len(self.calls)][:q.shape[0]]
         self.pieces[-1].capture_end()
+        # Between two captures: the largest size (captured first) allocates each call's output,
+        # zeroed (padding rows are never written, and stay finite), and the smaller sizes write into
+        # the front of the same buffers.
+        if len(self.outs) == len(self.calls):
+            self.outs.append(torch.zeros(q.shape, dtype=q.dtype, device=q.device))
+        out = self.outs[len(self.calls)][:q.shape[0]]
         self.calls.append((spec, q, k, v, kv_cache, rotary, out))
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.pool)
@@ -61,7 +62,8 @@ class _Split:
 class PiecewiseGraphs:
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, backend, device: torch.device, max_tokens: int, block_size: int,
-                 scratch_slot: int, pool) -> None:
+                 scratch_slot: int, pool, stream: torch.cuda.Stream) -> None:
+        assert isinstance(backend, CudaAttentionBackend)   # its K/V write reads md.slots, which run() pads
         self.backend = backend
         self.sizes = sorted({s for s in LADDER if s < max_tokens} | {min(max_tokens, LADDER[-1])})
         self.tokens = StaticTokens(self.sizes[-1], scratch_slot, device)
@@ -79,13 +81,17 @@ class PiecewiseGraphs:
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):   # warm-up: compiles kernels, settles the allocator
                 self.tokens.forward(model, size, warm)
-                torch.cuda.synchronize(device)
+            # As torch.cuda.graph does: nothing in flight, the warm-up's cached blocks released, and
+            # the capture on the stream the other graphs used (the pool's blocks belong to a stream).
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            with torch.cuda.stream(stream):
                 pieces, calls = [torch.cuda.CUDAGraph()], []
                 ctx = AttentionContext(_Split(backend, pieces, calls, outs, pool), None)
                 pieces[0].capture_begin(pool=pool)
                 self.outputs[size] = self.tokens.forward(model, size, ctx)
                 pieces[-1].capture_end()
-            torch.cuda.current_stream(device).wait_stream(side)
+            torch.cuda.current_stream(device).wait_stream(stream)
             self.pieces[size], self.calls[size] = pieces, calls
         logger.info("Piecewise CUDA graphs captured for mixed steps, token counts %s (%d pieces each, "
                     "%.2f GiB, %.1f s)", self.sizes, len(self.pieces[self.sizes[-1]]),

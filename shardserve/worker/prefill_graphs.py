@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from shardserve.layers.attention import AttentionContext, CommonAttentionMetadata
-from shardserve.layers.attention.cuda_backend import prefill_metadata
+from shardserve.layers.attention.cuda_backend import CudaAttentionBackend, prefill_metadata
 from shardserve.layers.attention.prefill_tiles import PrefillTiles, max_tiles, tiles_data
 from shardserve.worker.cuda_graphs import StaticTokens
 
@@ -41,7 +41,8 @@ def token_ladder(max_tokens: int) -> list[int]:
 class PrefillGraphs:
     @torch.inference_mode()
     def __init__(self, model: torch.nn.Module, backend, device: torch.device, max_tokens: int, max_blocks: int,
-                 block_size: int, scratch_slot: int, pool) -> None:
+                 block_size: int, scratch_slot: int, pool, stream: torch.cuda.Stream) -> None:
+        assert isinstance(backend, CudaAttentionBackend)   # its K/V write reads md.slots, the padded ones
         self.sizes = token_ladder(max_tokens)
         n, reqs = self.sizes[-1], MAX_REQS + 1
         self.tokens = StaticTokens(n, scratch_slot, device)
@@ -61,7 +62,7 @@ class PrefillGraphs:
                 self.tokens.forward(model, size, ctx)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.outputs[size] = self.tokens.forward(model, size, ctx)
             self.graphs[size] = graph
         logger.info("CUDA graphs captured for prefills of up to %d requests, token counts %s (%.2f GiB, %.1f s)",

@@ -102,3 +102,19 @@ def test_decode_graph_profile_on_cpu_says_why_it_cannot(llm):
     with pytest.raises(RuntimeError, match="no decode graphs"):
         llm.engine.executor.collective_rpc("profile_decode_graph", (1,))
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("value,tp,want", [(None, 1, True), (None, 2, False), ("1", 2, True), ("0", 1, False),
+                                           ("off", 1, False), ("false", 1, False), ("", 1, False)])
+def test_prefill_and_piecewise_graph_switches_resolve_once_in_the_config(tmp_path, monkeypatch, value, tp, want):
+    """SHARDSERVE_PREFILL_GRAPHS / SHARDSERVE_PIECEWISE_GRAPHS are read by the engine and shipped to
+    the workers in the config (ranks must agree on which steps replay graphs). Unset: on without TP."""
+    from shardserve.engine.args import EngineArgs
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama", num_attention_heads=4, num_key_value_heads=2)
+    for env in ("SHARDSERVE_PREFILL_GRAPHS", "SHARDSERVE_PIECEWISE_GRAPHS"):
+        if value is None:
+            monkeypatch.delenv(env, raising=False)
+        else:
+            monkeypatch.setenv(env, value)
+    mc = EngineArgs(model=path, tensor_parallel_size=tp, device="cpu").create_engine_config().model_config
+    assert mc.prefill_graphs is want and mc.piecewise_graphs is want

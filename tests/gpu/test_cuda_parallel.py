@@ -79,12 +79,14 @@ def _assert_same_up_to_near_ties(base, other, name: str, base_name: str) -> None
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU-only: NCCL TP=2 needs two CUDA GPUs (run on an H200 x2 machine)")
 def test_prefill_and_piecewise_graphs_give_the_eager_tokens(checkpoint, monkeypatch):
     """At TP=1 and TP=2 (the TP all-reduces captured inside): prompts of 17 and 100 tokens prefill in
-    a CUDA graph (prefill_graphs.py) and the 333-token one eagerly; served together under a 64-token
-    budget, their chunks share steps with decodes (piecewise_graphs.py). The eager tokens, up to
-    near-ties (a graph's padded GEMMs may take another cuBLAS kernel)."""
+    a CUDA graph (prefill_graphs.py) and the 333-token one eagerly; served together under a 256-token
+    budget, the first step prefills all three in the largest prefill graph and the next ones put the
+    rest of the long prompt beside decodes (piecewise_graphs.py); at that size the TP all-reduces go
+    through NCCL inside the graphs. The eager tokens, up to near-ties (a graph's padded GEMMs may take
+    another cuBLAS kernel)."""
     for tp in (1, 2):
         for together in (False, True):
-            kwargs = dict(tensor_parallel_size=tp, together=together, max_num_batched_tokens=64 if together else None)
+            kwargs = dict(tensor_parallel_size=tp, together=together, max_num_batched_tokens=256 if together else None)
             for var in ("SHARDSERVE_PREFILL_GRAPHS", "SHARDSERVE_PIECEWISE_GRAPHS"):
                 monkeypatch.setenv(var, "0")
             eager = _run(checkpoint, **kwargs)
