@@ -5,8 +5,8 @@ Replaying one graph replaces thousands of kernel launches from Python.
 
 Padding rows write their K/V into a scratch block past the end of the pool (allocated for this)
 and read only the null block, so they touch nothing a request owns. Sampling stays outside the
-graph. Mixed steps and long prefills run eagerly (short prefills have graphs of their own:
-prefill_graphs.py). With TP > 1 every rank captures the same ladder and the
+graph. Prefill-only and mixed steps have graphs of their own (prefill_graphs.py,
+piecewise_graphs.py); longer steps run eagerly. With TP > 1 every rank captures the same ladder and the
 NCCL all-reduces inside the forward are captured too (every rank replays the same size, since all
 get the same step); with PP > 1 (sends between stages) steps stay eager.
 """

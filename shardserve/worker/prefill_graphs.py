@@ -8,10 +8,11 @@ eagerly and is 6.4 ms replayed (benchmarks/BENCHMARKS.md). Longer prefills keep 
 kernels outlast the launches, and padding them to a ladder step would cost real compute.
 
 The prefill attention kernel takes its work as a list of tiles in a device buffer
-(triton_prefill.tiles_data); a graph has room for the most tiles its token count can take among
+(prefill_tiles.tiles_data); a graph has room for the most tiles its token count can take among
 MAX_REQS requests, and the unused tiles belong to a padding request with no queries, so they read
 and store nothing. Padding tokens write their K/V into the scratch slot past the pool's end and are
-never attended to. Decodes and mixed steps do not take these graphs.
+never attended to. Steps with decodes take the decode graphs or, mixed with prefills, the
+piecewise ones (piecewise_graphs.py).
 """
 from __future__ import annotations
 
