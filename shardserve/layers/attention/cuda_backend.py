@@ -11,6 +11,7 @@ import torch
 
 from shardserve.layers.attention.backend import AttentionSpec, CommonAttentionMetadata
 from shardserve.layers.attention.torch_ref import TorchAttentionBackend, TorchAttentionMetadata
+from shardserve.transfer import to_device
 
 
 # Decode-only steps: the attention kernel rotates q and k and stores the new K/V itself (=0: the
@@ -34,9 +35,8 @@ class CudaAttentionBackend(TorchAttentionBackend):
 
     def _build_decodes(self, common: CommonAttentionMetadata, device: torch.device) -> CudaDecodes:
         d = common.num_decodes
-        lens = torch.tensor([c + 1 for c in common.context_lens[:d]], dtype=torch.int32)
         return CudaDecodes(common.block_tables[:d].to(device=device, dtype=torch.int32),
-                           lens.to(device, non_blocking=True))
+                           to_device([c + 1 for c in common.context_lens[:d]], torch.int32, device))   # pinned
 
     def _build_prefills(self, common: CommonAttentionMetadata, prefills, device: torch.device):
         from shardserve.layers.attention.prefill_tiles import build_prefill_tiles
