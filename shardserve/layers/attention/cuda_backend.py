@@ -84,12 +84,12 @@ class CudaAttentionBackend(TorchAttentionBackend):
 
 def prefill_metadata(slots: torch.Tensor, tiles, block_size: int) -> TorchAttentionMetadata:
     """Metadata for a prefill-only step built from (static) device tensors, for graphs: the chunks
-    are described by `tiles` (triton_prefill.PrefillTiles) alone."""
-    return TorchAttentionMetadata(slots, slots // block_size, slots % block_size, 0, None, [], tiles)
+    are described by `tiles` (prefill_tiles.PrefillTiles) alone."""
+    return TorchAttentionMetadata(slots, block_size, 0, None, [], tiles)
 
 
 def decode_metadata(slots: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     block_size: int) -> TorchAttentionMetadata:
     """Metadata for a decode-only step built straight from (static) device tensors, for graphs."""
-    return TorchAttentionMetadata(slots, slots // block_size, slots % block_size, slots.shape[0],
+    return TorchAttentionMetadata(slots, block_size, slots.shape[0],
                                   CudaDecodes(block_tables, seq_lens), [])

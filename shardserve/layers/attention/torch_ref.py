@@ -8,6 +8,7 @@ Subclasses replace the decode and prefill parts with kernels (`_build_decodes`/`
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ class _Prefill:
     token_start: int
     query_len: int
     context_len: int
-    block_ids: torch.Tensor   # blocks holding the whole sequence so far
+    block_ids: torch.Tensor   # blocks holding the whole sequence so far (a view of the step's int32 table)
 
 
 @dataclass
@@ -37,12 +38,21 @@ class _DecodeGroup:
 @dataclass
 class TorchAttentionMetadata:
     slots: torch.Tensor                    # [T] slot of each new token (block * block_size + offset)
-    write_blocks: torch.Tensor             # [T] its block
-    write_offsets: torch.Tensor            # [T] its offset inside the block
+    block_size: int
     num_decodes: int
     decodes: object                        # what _build_decodes made: decode groups here
     prefills: list[_Prefill]
     prefill_batch: object = None           # what a subclass's _build_prefills made for its kernel
+
+    # The torch backend's K/V write reads these; computed on first use (and from the slots as they
+    # are then), so backends that write from the slots launch nothing for them.
+    @functools.cached_property
+    def write_blocks(self) -> torch.Tensor:
+        return self.slots // self.block_size
+
+    @functools.cached_property
+    def write_offsets(self) -> torch.Tensor:
+        return self.slots % self.block_size
 
     @property
     def has_prefills(self) -> bool:
@@ -87,10 +97,10 @@ class TorchAttentionBackend(AttentionBackend):
         for i in range(d, len(seq_lens)):
             nblocks = -(-seq_lens[i] // bs)
             prefills.append(_Prefill(start, common.query_lens[i], common.context_lens[i],
-                                     common.block_tables[i, :nblocks].long()))
+                                     common.block_tables[i, :nblocks]))
             start += common.query_lens[i]
         slots = common.slot_mapping
-        return TorchAttentionMetadata(slots, slots // bs, slots % bs, d, self._build_decodes(common, device), prefills,
+        return TorchAttentionMetadata(slots, bs, d, self._build_decodes(common, device), prefills,
                                       self._build_prefills(common, prefills, device) if prefills else None)
 
     def _build_prefills(self, common: CommonAttentionMetadata, prefills: list[_Prefill],
