@@ -51,6 +51,23 @@ class StaticTokens:
     def forward(self, model: torch.nn.Module, size: int, ctx: AttentionContext) -> torch.Tensor:
         return model(self.input_ids[:size], self.positions[:size], ctx)
 
+    def warm_up(self, model: torch.nn.Module, size: int, ctx: AttentionContext, side: torch.cuda.Stream) -> None:
+        """One forward on the side stream before a capture: compiles kernels, settles the allocator."""
+        current = torch.cuda.current_stream(side.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self.forward(model, size, ctx)
+        current.wait_stream(side)
+
+    def capture(self, model: torch.nn.Module, size: int, ctx: AttentionContext, side: torch.cuda.Stream, pool,
+                stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The forward of `size` tokens as a graph (warmed up first), and its output tensor."""
+        self.warm_up(model, size, ctx, side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = self.forward(model, size, ctx)
+        return graph, out
+
 
 class DecodeGraphs:
     @torch.inference_mode()
@@ -67,15 +84,8 @@ class DecodeGraphs:
         side = torch.cuda.Stream(device)   # one warm-up stream: its cached memory is shared by all sizes
         for bs in reversed(self.sizes):   # largest first: the smaller graphs reuse its memory
             md = decode_metadata(self.tokens.slots[:bs], self.block_tables[:bs], self.seq_lens[:bs], block_size)
-            ctx = AttentionContext(backend, md)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):   # warm-up: compiles kernels, settles the allocator
-                self.tokens.forward(model, bs, ctx)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = self.tokens.forward(model, bs, ctx)
-            self.graphs[bs] = graph
+            self.graphs[bs], self.outputs[bs] = self.tokens.capture(model, bs, AttentionContext(backend, md), side,
+                                                                    pool, stream)
         logger.info("CUDA graphs captured for decode batches %s (%.2f GiB, %.1f s)", self.sizes,
                     (torch.cuda.memory_allocated(device) - before) / 2**30, time.perf_counter() - t0)
 

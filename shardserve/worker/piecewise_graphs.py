@@ -78,9 +78,7 @@ class PiecewiseGraphs:
                             torch.zeros(1, 1, dtype=torch.int32, device=device))
         for size in reversed(self.sizes):   # largest first: the smaller graphs reuse its memory
             warm = AttentionContext(backend, prefill_metadata(self.tokens.slots[:size], idle, block_size))
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):   # warm-up: compiles kernels, settles the allocator
-                self.tokens.forward(model, size, warm)
+            self.tokens.warm_up(model, size, warm, side)
             # As torch.cuda.graph does: nothing in flight, the warm-up's cached blocks released, and
             # the capture on the stream the other graphs used (the pool's blocks belong to a stream).
             torch.cuda.synchronize(device)

@@ -58,14 +58,7 @@ class PrefillGraphs:
             data = torch.from_numpy(tiles_data([], [], [], num_tiles, reqs)).to(device)   # all padding
             self.tiles[size] = PrefillTiles(data, num_tiles, reqs, self.block_tables)
             ctx = AttentionContext(backend, prefill_metadata(self.tokens.slots[:size], self.tiles[size], block_size))
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):   # warm-up: compiles kernels, settles the allocator
-                self.tokens.forward(model, size, ctx)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[size] = self.tokens.forward(model, size, ctx)
-            self.graphs[size] = graph
+            self.graphs[size], self.outputs[size] = self.tokens.capture(model, size, ctx, side, pool, stream)
         logger.info("CUDA graphs captured for prefills of up to %d requests, token counts %s (%.2f GiB, %.1f s)",
                     MAX_REQS, self.sizes, (torch.cuda.memory_allocated(device) - before) / 2**30,
                     time.perf_counter() - t0)
