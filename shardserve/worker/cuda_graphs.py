@@ -31,6 +31,11 @@ def batch_ladder(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
+def token_ladder(ladder: tuple[int, ...], max_tokens: int) -> list[int]:
+    """The ladder's sizes below max_tokens, topped by max_tokens itself (at most the ladder's top)."""
+    return sorted({s for s in ladder if s < max_tokens} | {min(max_tokens, ladder[-1])})
+
+
 class StaticTokens:
     """A graph's per-token inputs: token ids, positions and KV slots for up to n tokens. A step's
     tokens fill the front; the padding up to the replayed size writes its K/V into the scratch slot."""

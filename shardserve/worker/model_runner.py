@@ -127,9 +127,7 @@ class ModelRunner:
         self.initialize_kv_cache(blocks * max(1, -(-n // sc.max_model_len)) + 1, capture_graphs=False)
         self._dummy_run(n, sc.max_model_len, sc.max_num_seqs)
         torch.cuda.synchronize(self.device)
-        self.kv_caches, self.kv_pools = [], []
-        for layer in self.model.attention_layers():
-            layer.kv_cache = torch.empty(0)
+        self._release_kv_cache()
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)   # other processes, CUDA context
@@ -182,10 +180,13 @@ class ModelRunner:
         return (self.device.type == "cuda" and not self.mc.enforce_eager and isinstance(self.backend, CudaAttentionBackend)
                 and pc.pipeline_parallel_size == 1)   # TP all-reduces (NCCL) are captured inside
 
-    def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
-        self.kv_caches, self.kv_pools = [], []   # let a previous pool go before the new one is allocated
+    def _release_kv_cache(self) -> None:
+        self.kv_caches, self.kv_pools = [], []
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.empty(0)
+
+    def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
+        self._release_kv_cache()   # a previous pool goes before the new one is allocated
         self.graphs, self.prefill_graphs, self.piecewise_graphs = None, None, None
         graphs = capture_graphs and self._wants_graphs()
         pool_blocks = num_blocks + 1 if graphs else num_blocks   # + a scratch block for graph padding rows

@@ -24,7 +24,7 @@ import torch
 from shardserve.layers.attention import AttentionContext, CommonAttentionMetadata
 from shardserve.layers.attention.cuda_backend import CudaAttentionBackend, prefill_metadata
 from shardserve.layers.attention.prefill_tiles import PrefillTiles, tiles_data
-from shardserve.worker.cuda_graphs import StaticTokens
+from shardserve.worker.cuda_graphs import StaticTokens, token_ladder
 
 logger = logging.getLogger("shardserve")
 
@@ -65,7 +65,7 @@ class PiecewiseGraphs:
                  scratch_slot: int, pool, stream: torch.cuda.Stream) -> None:
         assert isinstance(backend, CudaAttentionBackend)   # its K/V write reads md.slots, which run() pads
         self.backend = backend
-        self.sizes = sorted({s for s in LADDER if s < max_tokens} | {min(max_tokens, LADDER[-1])})
+        self.sizes = token_ladder(LADDER, max_tokens)
         self.tokens = StaticTokens(self.sizes[-1], scratch_slot, device)
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.calls: dict[int, list[tuple]] = {}

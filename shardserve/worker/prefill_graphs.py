@@ -25,18 +25,13 @@ import torch
 from shardserve.layers.attention import AttentionContext, CommonAttentionMetadata
 from shardserve.layers.attention.cuda_backend import CudaAttentionBackend, prefill_metadata
 from shardserve.layers.attention.prefill_tiles import PrefillTiles, max_tiles, tiles_data
-from shardserve.worker.cuda_graphs import StaticTokens
+from shardserve.worker.cuda_graphs import StaticTokens, token_ladder
 
 logger = logging.getLogger("shardserve")
 
-MAX_REQS = 4          # prefill chunks per graphed step (a fifth, padding request takes unused tiles)
-MAX_TOKENS = 256      # above this a prefill's kernels outlast its launches (see the module doc)
+MAX_REQS = 4   # prefill chunks per graphed step (a fifth, padding request takes unused tiles)
+# Token counts; above 256 a prefill's kernels outlast its launches (see the module doc).
 LADDER = (16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-
-
-def token_ladder(max_tokens: int) -> list[int]:
-    sizes = [s for s in LADDER if s < max_tokens]
-    return sorted(set(sizes + [min(max_tokens, MAX_TOKENS)]))
 
 
 class PrefillGraphs:
@@ -44,7 +39,7 @@ class PrefillGraphs:
     def __init__(self, model: torch.nn.Module, backend, device: torch.device, max_tokens: int, max_blocks: int,
                  block_size: int, scratch_slot: int, pool, stream: torch.cuda.Stream) -> None:
         assert isinstance(backend, CudaAttentionBackend)   # its K/V write reads md.slots, the padded ones
-        self.sizes = token_ladder(max_tokens)
+        self.sizes = token_ladder(LADDER, max_tokens)
         n, reqs = self.sizes[-1], MAX_REQS + 1
         self.tokens = StaticTokens(n, scratch_slot, device)
         self.block_tables = torch.zeros(reqs, max_blocks, dtype=torch.int32, device=device)
