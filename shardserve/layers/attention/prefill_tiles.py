@@ -52,5 +52,5 @@ def max_tiles(num_tokens: int, num_reqs: int) -> int:
 def build_prefill_tiles(token_starts: list[int], query_lens: list[int], context_lens: list[int],
                         block_tables: torch.Tensor, device: torch.device) -> PrefillTiles:
     data = tiles_data(token_starts, query_lens, context_lens)
-    return PrefillTiles(to_device(data, torch.int32, device), (len(data) - 3 * len(query_lens)) // 2,
-                        len(query_lens), block_tables)
+    num_tiles = sum(-(-n // BLOCK_M) for n in query_lens)
+    return PrefillTiles(to_device(data, torch.int32, device), num_tiles, len(query_lens), block_tables)
