@@ -24,7 +24,12 @@ from shardserve.worker.graph_profile import graph_call_ms   # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--sweep", action="store_true",
+                    help="large batches only (the offline-throughput regime, one program per (request, KV head)): "
+                         "tokens per iteration, warps and pipeline stages")
     args = ap.parse_args()
+    if args.sweep:
+        return sweep(args.json)
     from shardserve.layers.attention.triton_decode import num_splits, paged_decode_attention
     dev, dt, hq, hk, dim, bs = torch.device("cuda"), torch.bfloat16, 32, 8, 128, 16
     results = []
@@ -51,6 +56,47 @@ def main() -> None:
         pools = None
         torch.cuda.empty_cache()
     save({"device": torch.cuda.get_device_name(dev), "results": results}, args.json)
+
+
+def sweep(json_path: str | None) -> None:
+    from shardserve.layers.attention.triton_decode import paged_decode_attention
+    dev, dt, hq, hk, dim, bs = torch.device("cuda"), torch.bfloat16, 32, 8, 128, 16
+    results = []
+    for batch, ctx in [(64, 1024), (256, 512), (256, 1024), (256, 2048)]:
+        blocks_per_seq = -(-ctx // bs)
+        pool_blocks = batch * blocks_per_seq + 1
+        pools = [torch.randn(2, hk, pool_blocks, bs, dim, device=dev, dtype=dt) for _ in range(2)]
+        tables = (torch.randperm(pool_blocks - 1, device=dev)[:batch * blocks_per_seq] + 1).int().view(batch, -1)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(batch, hq, dim, device=dev, dtype=dt)
+        out = torch.empty_like(q)
+        ref = torch.empty_like(q)
+        paged_decode_attention(q, pools[0][0], pools[0][1], tables, lens, ref, dim ** -0.5, None, splits=1)
+        kv_bytes = 2 * batch * ctx * hk * dim * 2
+        for tokens in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3, 4):
+                    tune = {"tokens": tokens, "num_warps": warps, "num_stages": stages}
+                    try:
+                        paged_decode_attention(q, pools[0][0], pools[0][1], tables, lens, out, dim ** -0.5, None,
+                                               splits=1, tune=tune)
+                        err = (out.float() - ref.float()).abs().max().item()
+
+                        def call(i, tune=tune):
+                            p = pools[i % 2]
+                            paged_decode_attention(q, p[0], p[1], tables, lens, out, dim ** -0.5, None, splits=1,
+                                                   tune=tune)
+                        us = graph_call_ms(call, 8) * 1e3
+                    except Exception as e:   # out of shared memory or registers
+                        print(f"batch {batch} context {ctx} {tune}: {type(e).__name__}", flush=True)
+                        continue
+                    results.append({"batch": batch, "context": ctx, **tune, "us": us, "max_err": err,
+                                    "tb_s": kv_bytes / us / 1e6})
+                    print(f"batch {batch:3d} context {ctx:5d} tokens {tokens:3d} warps {warps} stages {stages}: "
+                          f"{us:8.1f} us ({kv_bytes / us / 1e6:.2f} TB/s), max diff {err:.1e}", flush=True)
+        pools = None
+        torch.cuda.empty_cache()
+    save({"device": torch.cuda.get_device_name(dev), "sweep": results}, json_path)
 
 
 if __name__ == "__main__":

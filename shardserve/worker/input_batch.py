@@ -61,10 +61,13 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
     num_decodes = sum(1 for r in req_ids if scheduled[r] == 1)
     total, num_reqs = sched.total_num_scheduled_tokens, len(req_ids)
     # The per-token and per-request columns share one host buffer and travel in one copy:
-    # input ids, positions, slots (T each), then sequence lengths (R), then sample indices.
-    flat = np.empty(3 * total + 2 * num_reqs, dtype=np.int64)
-    input_ids, positions, slot_mapping = flat[:total], flat[total:2 * total], flat[2 * total:3 * total]
-    seq_lens = flat[3 * total:3 * total + num_reqs]
+    # input ids, positions, slots (T each), then sequence lengths (R), then sample indices. Each
+    # column starts 16-byte aligned (an even offset): Triton compiles a kernel again for a pointer
+    # that is not, which would stall the first step of each odd size mid-run.
+    t_col, r_col = total + total % 2, num_reqs + num_reqs % 2
+    flat = np.empty(3 * t_col + 2 * r_col, dtype=np.int64)
+    input_ids, positions, slot_mapping = flat[:total], flat[t_col:t_col + total], flat[2 * t_col:2 * t_col + total]
+    seq_lens = flat[3 * t_col:3 * t_col + num_reqs]
     max_blocks = max(len(states[r].block_ids) for r in req_ids)
     block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
     query_lens, context_lens, offsets, sample_req_ids, sample_idx, outputs_before = [], [], [], [], [], []
@@ -93,13 +96,14 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
             sample_idx.append(start + n - 1)
             outputs_before.append(ctx + n - state.num_prompt_tokens)
         start += n
-    end = 3 * total + num_reqs + len(sample_idx)
-    flat[3 * total + num_reqs:end] = sample_idx
+    samples = 3 * t_col + r_col
+    end = samples + len(sample_idx)
+    flat[samples:end] = sample_idx
     on_device = to_device(flat[:end], torch.int64, device)
     attn = CommonAttentionMetadata(
         num_decodes=num_decodes, query_lens=query_lens, context_lens=context_lens,
-        block_tables=to_device(block_tables, torch.int32, device), slot_mapping=on_device[2 * total:3 * total],
-        block_size=block_size)
-    return StepInputs(req_ids, on_device[:total], on_device[total:2 * total], attn, offsets, sample_req_ids,
-                      on_device[3 * total + num_reqs:end], outputs_before, placeholders,
-                      on_device[3 * total:3 * total + num_reqs])
+        block_tables=to_device(block_tables, torch.int32, device),
+        slot_mapping=on_device[2 * t_col:2 * t_col + total], block_size=block_size)
+    return StepInputs(req_ids, on_device[:total], on_device[t_col:t_col + total], attn, offsets, sample_req_ids,
+                      on_device[samples:end], outputs_before, placeholders,
+                      on_device[3 * t_col:3 * t_col + num_reqs])

@@ -175,6 +175,33 @@ class ModelRunner:
         sched = SchedulerOutput(finished_req_ids=set(sched.num_scheduled_tokens))
         update_states(self.states, sched)
 
+    def _warm_up_mixed_step(self) -> None:
+        """Two small greedy steps on the pool in service, the second a decode beside a prefill chunk,
+        so that Triton compiles, at start-up, the kernel variants only such steps use (decode
+        attention without the fused rotary, greedy sampling's argmax, and any kernel run eagerly: a
+        pool past 2^31 elements makes its strides 64-bit, another variant than the profiling pool's).
+        Compiled at the first such step in service, they stalled it for seconds (8B offline
+        throughput on a fresh machine: MFU 30% instead of 35%). Blocks 1-3 are written (no request
+        holds any block yet), then zeroed again."""
+        from shardserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+        from shardserve.sampling_params import SamplingParams
+        bs = self.block_size
+        if self.config.scheduler_config.max_model_len < bs + 2 or self.kv_caches[0].shape[-3] < 4:   # blocks 1-3
+            return
+        params = SamplingParams(temperature=0, max_tokens=2)   # greedy: the argmax kernels too
+        prompt = NewRequestData("_warm_0", [0] * (bs + 1), bs + 1, params, [1, 2], 0)
+        first = SchedulerOutput(scheduled_new_reqs=[prompt], num_scheduled_tokens={"_warm_0": bs + 1},
+                                total_num_scheduled_tokens=bs + 1)
+        self.execute_model(first)
+        mixed = SchedulerOutput(scheduled_new_reqs=[NewRequestData("_warm_1", [0, 0], 2, params, [3], 0)],
+                                scheduled_cached_reqs=[CachedRequestData("_warm_0", [0], [], bs + 1)],
+                                num_scheduled_tokens={"_warm_0": 1, "_warm_1": 2}, total_num_scheduled_tokens=3)
+        self.execute_model(mixed)
+        update_states(self.states, SchedulerOutput(finished_req_ids={"_warm_0", "_warm_1"}))
+        ids = to_device([1, 2, 3], torch.long, self.device)   # the pool as it was allocated
+        for pool in self.kv_pools:
+            self.backend.zero_blocks(pool, ids)
+
     def _wants_graphs(self) -> bool:
         pc = self.config.parallel_config
         return (self.device.type == "cuda" and not self.mc.enforce_eager and isinstance(self.backend, CudaAttentionBackend)
@@ -220,6 +247,8 @@ class ModelRunner:
                 self.piecewise_graphs = PiecewiseGraphs(self.model, self.backend, self.device,
                                                         sc.max_num_batched_tokens, self.block_size, scratch, pool,
                                                         stream)
+        if capture_graphs and self.device.type == "cuda":   # the pool in service, not the profiling one
+            self._warm_up_mixed_step()
 
     # ---- one step --------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -110,6 +110,11 @@ MAX_SPLITS = 16
 
 
 @functools.cache
+def _unused_f32(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
+@functools.cache
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -125,7 +130,7 @@ def num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                            scale: float, window: int | None, splits: int | None = None,
-                           rope: tuple | None = None) -> None:
+                           rope: tuple | None = None, tune: dict | None = None) -> None:
     """q, out: [B, Hq, D] (head rows packed); caches [Hk, blocks, block_size, D] contiguous;
     block_tables [B, max_blocks] int32; seq_lens [B] int32 (tokens including the new one).
     With several splits (flash-decoding), each split of a request's keys is one program and a
@@ -140,7 +145,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Pages past a request's length hold masked-out keys: a table entry past the table's width
     # reads block 0 instead, so no index runs off the table.
     pages = max(1, 64 // block_size) if k_cache.dtype != torch.float32 else max(1, 32 // block_size)
-    part = stats = out   # unused with one split
+    tune = dict(tune or {})   # the benchmark's sweep: tokens per iteration, num_warps, num_stages
+    pages = max(1, tune.pop("tokens", pages * block_size) // block_size)
+    # Unused with one split, but of the same dtype: a pointer's dtype picks the compiled variant, and
+    # a variant first met mid-run stalls that step while Triton compiles it.
+    part = stats = _unused_f32(q.device)
     if splits > 1:
         part = torch.empty(batch, hq, splits, dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device)
@@ -151,7 +160,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1), scale, window or 0, block_tables.shape[1], splits,
         positions, new_k, new_v, cos, sin, slots, new_k.stride(0), new_v.stride(0), k_cache.shape[1] * block_size,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, PAGES=pages,
-        HEAD_DIM=dim, IEEE=k_cache.dtype == torch.float32, ROPE=rope is not None, **pdl.launch_args(q))
+        HEAD_DIM=dim, IEEE=k_cache.dtype == torch.float32, ROPE=rope is not None, **pdl.launch_args(q), **tune)
     if splits > 1:
         _merge_splits_kernel[(batch, hq)](part, stats, out, out.stride(0), out.stride(1), splits,
                                           MAX_SPLITS=MAX_SPLITS, HEAD_DIM=dim, **pdl.launch_args(q))

@@ -21,7 +21,11 @@ KEYS_PER_ITER = 64
 
 # Integer arguments that change from step to step are not specialised on (Triton would compile a
 # new variant for each value of 1 or multiple of 16, a stall of a second in the middle of serving).
-@triton.jit(do_not_specialize=["num_tiles", "num_reqs", "stride_tb", "window", "max_pages"])
+# The block tables of a mixed step's prefills are rows of the step's table after its decodes, so
+# their address is 16-byte aligned or not by the step: not specialised on, or one step in a few would
+# compile a second variant mid-run.
+@triton.jit(do_not_specialize=["num_tiles", "num_reqs", "stride_tb", "window", "max_pages"],
+            do_not_specialize_on_alignment=["tables_ptr"])
 def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, tiles_ptr, num_tiles, num_reqs,
                           stride_qt, stride_qh, stride_kh, stride_kb, stride_tb, stride_ot, stride_oh,
                           scale, window, max_pages,

@@ -1,0 +1,63 @@
+"""A step's flat inputs (worker/input_batch.py): the columns hold the right values, each starts
+16-byte aligned whatever the step's size (Triton compiles a kernel again for an unaligned pointer,
+mid-run), and the start-up warm-up steps leave no request behind."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve import LLM, SamplingParams
+from shardserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from shardserve.worker.input_batch import prepare_inputs, update_states
+from tests.tiny_models import make_tiny_checkpoint
+
+
+@pytest.mark.parametrize("decodes,prompt", [(1, 4), (2, 5), (3, 3), (0, 7)])
+def test_columns_hold_the_step_and_start_aligned(decodes, prompt):
+    bs, states = 4, {}
+    sched = SchedulerOutput()
+    for i in range(decodes):   # each has 5 tokens computed, its 6th is decoded now
+        blocks = [2 * i + 1, 2 * i + 2]
+        sched.scheduled_new_reqs.append(NewRequestData(f"d{i}", [10 + i] * 5, 5, SamplingParams(), blocks, 0))
+    update_states(states, sched)
+    step = SchedulerOutput(scheduled_new_reqs=[NewRequestData("p", list(range(100, 100 + prompt)), prompt,
+                                                               SamplingParams(), [20, 21], 0)])
+    for i in range(decodes):
+        step.scheduled_cached_reqs.append(CachedRequestData(f"d{i}", [50 + i], [], 5))
+        step.num_scheduled_tokens[f"d{i}"] = 1
+    step.num_scheduled_tokens["p"] = prompt
+    step.total_num_scheduled_tokens = decodes + prompt
+    update_states(states, step)
+    inputs = prepare_inputs(states, step, bs, torch.device("cpu"))
+    total = decodes + prompt
+    assert inputs.req_ids == [f"d{i}" for i in range(decodes)] + ["p"]
+    assert inputs.input_ids.tolist() == [50 + i for i in range(decodes)] + list(range(100, 100 + prompt))
+    assert inputs.positions.tolist() == [5] * decodes + list(range(prompt))
+    slots = [(2 * i + 2) * bs + 1 for i in range(decodes)] + [(20 + p // bs) * bs + p % bs for p in range(prompt)]
+    assert inputs.attn.slot_mapping.tolist() == slots
+    assert inputs.seq_lens.tolist() == [6] * decodes + [prompt]
+    assert inputs.sample_indices.tolist() == list(range(decodes)) + [total - 1]
+    for column in (inputs.input_ids, inputs.positions, inputs.attn.slot_mapping, inputs.seq_lens,
+                   inputs.sample_indices):
+        assert column.storage_offset() * column.element_size() % 16 == 0
+
+
+def test_warm_up_steps_leave_nothing_behind(tmp_path):
+    """The CUDA start-up warm-up (run here by hand on a fresh CPU engine): no request state and no
+    K/V stay behind, so the engine then gives a fresh engine's tokens."""
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama")
+    prompts = [[5, 17, 99, 3, 250], list(range(30, 70))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for warm in (True, False):
+        llm = LLM(path, kv_cache_memory="16MiB", show_progress=False)
+        try:
+            runner = llm.engine.executor.worker.model_runner
+            if warm:
+                runner._warm_up_mixed_step()
+                assert runner.states == {}
+                assert all(not pool.narrow(pool.dim() - 3, 0, 4).any() for pool in runner.kv_pools)   # zero again
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.engine.shutdown()
+    assert tokens[0] == tokens[1]
