@@ -247,7 +247,7 @@ class ModelRunner:
                 self.piecewise_graphs = PiecewiseGraphs(self.model, self.backend, self.device,
                                                         sc.max_num_batched_tokens, self.block_size, scratch, pool,
                                                         stream)
-        if capture_graphs and self.device.type == "cuda":   # the pool in service, not the profiling one
+        if capture_graphs and isinstance(self.backend, CudaAttentionBackend):   # the pool in service
             self._warm_up_mixed_step()
 
     # ---- one step --------------------------------------------------------------------------

@@ -54,7 +54,12 @@ def test_warm_up_steps_leave_nothing_behind(tmp_path):
         try:
             runner = llm.engine.executor.worker.model_runner
             if warm:
+                steps = []
+                real_step = runner.execute_model
+                runner.execute_model = lambda sched: steps.append(sched.total_num_scheduled_tokens) or real_step(sched)
                 runner._warm_up_mixed_step()
+                del runner.execute_model
+                assert steps == [17, 3]   # it ran: a 17-token prefill, then a decode beside a 2-token one
                 assert runner.states == {}
                 assert all(not pool.narrow(pool.dim() - 3, 0, 4).any() for pool in runner.kv_pools)   # zero again
             tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
