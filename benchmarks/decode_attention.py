@@ -11,6 +11,7 @@ CUDA graph; reported: us per call and the K/V bytes read per second.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -19,6 +20,22 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shardserve.bench.report import save   # noqa: E402
 from shardserve.worker.graph_profile import graph_call_ms   # noqa: E402
+
+
+HQ, HK, DIM, BLOCK = 32, 8, 128, 16   # Llama-3-8B's attention, 16-token blocks
+
+
+def _case(batch: int, ctx: int, copies: int):
+    """`copies` separate bf16 pools (so calls read HBM, not L2), a block table scattering each
+    request's blocks over the pool, lengths, q and out."""
+    dev = torch.device("cuda")
+    blocks_per_seq = -(-ctx // BLOCK)
+    pool_blocks = batch * blocks_per_seq + 1
+    pools = [torch.randn(2, HK, pool_blocks, BLOCK, DIM, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+    tables = (torch.randperm(pool_blocks - 1, device=dev)[:batch * blocks_per_seq] + 1).int().view(batch, -1)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, HQ, DIM, device=dev, dtype=torch.bfloat16)
+    return pools, tables, lens, q, torch.empty_like(q)
 
 
 def main() -> None:
@@ -31,22 +48,16 @@ def main() -> None:
     if args.sweep:
         return sweep(args.json)
     from shardserve.layers.attention.triton_decode import num_splits, paged_decode_attention
-    dev, dt, hq, hk, dim, bs = torch.device("cuda"), torch.bfloat16, 32, 8, 128, 16
+    dev = torch.device("cuda")
     results = []
     for batch, ctx in [(1, 256), (1, 2048), (1, 8192), (1, 32768), (8, 2048), (8, 8192), (32, 1024), (32, 4096)]:
-        blocks_per_seq = -(-ctx // bs)
-        pool_blocks = batch * blocks_per_seq + 1
-        pools = [torch.randn(2, hk, pool_blocks, bs, dim, device=dev, dtype=dt) for _ in range(4)]
-        tables = (torch.randperm(pool_blocks - 1, device=dev)[:batch * blocks_per_seq] + 1).int().view(batch, -1)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-        q = torch.randn(batch, hq, dim, device=dev, dtype=dt)
-        out = torch.empty_like(q)
-        kv_bytes = 2 * batch * ctx * hk * dim * 2
+        pools, tables, lens, q, out = _case(batch, ctx, 4)
+        kv_bytes = 2 * batch * ctx * HK * DIM * 2
         row = {"batch": batch, "context": ctx}
-        for name, splits in (("one_program", 1), ("split", num_splits(batch, hk, dev))):
+        for name, splits in (("one_program", 1), ("split", num_splits(batch, HK, dev))):
             def call(i, splits=splits):
                 p = pools[i % 4]
-                paged_decode_attention(q, p[0], p[1], tables, lens, out, dim ** -0.5, None, splits=splits)
+                paged_decode_attention(q, p[0], p[1], tables, lens, out, DIM ** -0.5, None, splits=splits)
             row[name + "_us"], row[name + "_splits"] = graph_call_ms(call, 32) * 1e3, splits
         row["speedup"] = row["one_program_us"] / row["split_us"]
         results.append(row)
@@ -60,40 +71,30 @@ def main() -> None:
 
 def sweep(json_path: str | None) -> None:
     from shardserve.layers.attention.triton_decode import paged_decode_attention
-    dev, dt, hq, hk, dim, bs = torch.device("cuda"), torch.bfloat16, 32, 8, 128, 16
+    dev, scale = torch.device("cuda"), DIM ** -0.5
     results = []
     for batch, ctx in [(64, 1024), (256, 512), (256, 1024), (256, 2048)]:
-        blocks_per_seq = -(-ctx // bs)
-        pool_blocks = batch * blocks_per_seq + 1
-        pools = [torch.randn(2, hk, pool_blocks, bs, dim, device=dev, dtype=dt) for _ in range(2)]
-        tables = (torch.randperm(pool_blocks - 1, device=dev)[:batch * blocks_per_seq] + 1).int().view(batch, -1)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-        q = torch.randn(batch, hq, dim, device=dev, dtype=dt)
-        out = torch.empty_like(q)
+        pools, tables, lens, q, out = _case(batch, ctx, 2)
         ref = torch.empty_like(q)
-        paged_decode_attention(q, pools[0][0], pools[0][1], tables, lens, ref, dim ** -0.5, None, splits=1)
-        kv_bytes = 2 * batch * ctx * hk * dim * 2
-        for tokens in (32, 64, 128):
-            for warps in (2, 4, 8):
-                for stages in (1, 2, 3, 4):
-                    tune = {"tokens": tokens, "num_warps": warps, "num_stages": stages}
-                    try:
-                        paged_decode_attention(q, pools[0][0], pools[0][1], tables, lens, out, dim ** -0.5, None,
-                                               splits=1, tune=tune)
-                        err = (out.float() - ref.float()).abs().max().item()
+        paged_decode_attention(q, pools[0][0], pools[0][1], tables, lens, ref, scale, None, splits=1)
+        kv_bytes = 2 * batch * ctx * HK * DIM * 2
+        for tokens, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
+            tune = {"tokens": tokens, "num_warps": warps, "num_stages": stages}
+            try:
+                paged_decode_attention(q, pools[0][0], pools[0][1], tables, lens, out, scale, None, splits=1, tune=tune)
+                err = (out.float() - ref.float()).abs().max().item()
 
-                        def call(i, tune=tune):
-                            p = pools[i % 2]
-                            paged_decode_attention(q, p[0], p[1], tables, lens, out, dim ** -0.5, None, splits=1,
-                                                   tune=tune)
-                        us = graph_call_ms(call, 8) * 1e3
-                    except Exception as e:   # out of shared memory or registers
-                        print(f"batch {batch} context {ctx} {tune}: {type(e).__name__}", flush=True)
-                        continue
-                    results.append({"batch": batch, "context": ctx, **tune, "us": us, "max_err": err,
-                                    "tb_s": kv_bytes / us / 1e6})
-                    print(f"batch {batch:3d} context {ctx:5d} tokens {tokens:3d} warps {warps} stages {stages}: "
-                          f"{us:8.1f} us ({kv_bytes / us / 1e6:.2f} TB/s), max diff {err:.1e}", flush=True)
+                def call(i, tune=tune):
+                    p = pools[i % 2]
+                    paged_decode_attention(q, p[0], p[1], tables, lens, out, scale, None, splits=1, tune=tune)
+                us = graph_call_ms(call, 8) * 1e3
+            except Exception as e:   # out of shared memory or registers
+                print(f"batch {batch} context {ctx} {tune}: {type(e).__name__}", flush=True)
+                continue
+            results.append({"batch": batch, "context": ctx, **tune, "us": us, "max_err": err,
+                            "tb_s": kv_bytes / us / 1e6})
+            print(f"batch {batch:3d} context {ctx:5d} tokens {tokens:3d} warps {warps} stages {stages}: "
+                  f"{us:8.1f} us ({kv_bytes / us / 1e6:.2f} TB/s), max diff {err:.1e}", flush=True)
         pools = None
         torch.cuda.empty_cache()
     save({"device": torch.cuda.get_device_name(dev), "sweep": results}, json_path)

@@ -198,9 +198,7 @@ class ModelRunner:
                                 num_scheduled_tokens={"_warm_0": 1, "_warm_1": 2}, total_num_scheduled_tokens=3)
         self.execute_model(mixed)
         update_states(self.states, SchedulerOutput(finished_req_ids={"_warm_0", "_warm_1"}))
-        ids = to_device([1, 2, 3], torch.long, self.device)   # the pool as it was allocated
-        for pool in self.kv_pools:
-            self.backend.zero_blocks(pool, ids)
+        self._zero_blocks([1, 2, 3])   # the pool as it was allocated
 
     def _wants_graphs(self) -> bool:
         pc = self.config.parallel_config
@@ -352,9 +350,12 @@ class ModelRunner:
         fresh = [b for r in sched.scheduled_new_reqs for b in r.block_ids[r.num_computed_tokens // self.block_size:]]
         fresh += [b for r in sched.scheduled_cached_reqs for b in r.new_block_ids]
         if fresh:
-            ids = to_device(fresh, torch.long, self.device)
-            for pool in self.kv_pools:
-                self.backend.zero_blocks(pool, ids)
+            self._zero_blocks(fresh)
+
+    def _zero_blocks(self, block_ids: list[int]) -> None:
+        ids = to_device(block_ids, torch.long, self.device)
+        for pool in self.kv_pools:
+            self.backend.zero_blocks(pool, ids)
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Logprobs of each prompt token given the ones before it, for requests that asked."""
