@@ -25,8 +25,15 @@ run: install  ## ask the embedded SmolLM2 model one question
 chat: install  ## interactive chat with the embedded model
 	$(VENV)/bin/shardserve chat
 
+# The whole suite on the CPU path this machine takes by itself, then the dtype- and kernel-sensitive
+# tests on every other CPU path, forced by its switch (docs/engine.md, "CPU paths"): native half-precision
+# math, and plain torch (no native kernels) with fp32 and with half-precision math.
+CPU_PATH_TESTS := tests/models tests/layers tests/engine tests/server tests/test_cli.py
 test: install
 	$(PY) -m pytest -q -m "not gpu" tests
+	SHARDSERVE_CPU_NATIVE_HALF=1 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_TESTS)
+	SHARDSERVE_CPU_KERNELS=0 SHARDSERVE_CPU_NATIVE_HALF=0 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_TESTS)
+	SHARDSERVE_CPU_KERNELS=0 SHARDSERVE_CPU_NATIVE_HALF=1 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_TESTS)
 
 test-gpu:  ## on a GPU machine with torch, transformers installed
 	NCCL_NVLS_ENABLE=0 PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu tests

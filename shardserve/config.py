@@ -6,8 +6,6 @@ later, CLI flags) into validated configs. Errors name the argument at fault and 
 from __future__ import annotations
 
 import functools
-import os
-import platform
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,20 +72,6 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype weights, activations and the KV cache are held in. On a CPU without bf16/fp16
-    matrix instructions (AVX2-only x86), PyTorch's half-precision GEMMs are several times slower than
-    fp32 (and vLLM's give wrong answers), so weights keep their half-precision values but are stored
-    and multiplied in fp32. SHARDSERVE_CPU_NATIVE_HALF=1 forces native half-precision math."""
-    if device.type != "cpu" or dtype == torch.float32 or os.environ.get("SHARDSERVE_CPU_NATIVE_HALF") == "1":
-        return dtype
-    flags = cpu_flags()
-    native = {"avx512_bf16", "amx_bf16"} if dtype == torch.bfloat16 else {"avx512_fp16", "amx_fp16"}
-    if flags & native or not flags and platform.machine() in ("arm64", "aarch64"):
-        return dtype
-    return torch.float32
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load and how: the resolved checkpoint path plus the HF-style config dict."""
@@ -100,7 +84,7 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
-    compute_dtype_override: torch.dtype | None = None   # see compute_dtype_for
+    compute_dtype_override: torch.dtype | None = None   # CPU: see layers/cpu_path.py
     load_format: str = "auto"                          # "dummy": random weights, real shapes
     enforce_eager: bool = False                        # CUDA: no graphs at all
     # CUDA: graphs for short prefill-only steps / for steps mixing decodes and prefills. Resolved once

@@ -1,14 +1,30 @@
 """EngineArgs: every user-facing knob with vLLM's name, turned into a validated EngineConfig."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
+import torch
+
 from shardserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                               compute_dtype_for, parse_size, resolve_device, resolve_dtype)
+                               parse_size, resolve_device, resolve_dtype)
+from shardserve.layers.cpu_path import choose_cpu_path
 from shardserve.models.loader import (DEFAULT_MODEL_NAME, checkpoint_dtype, load_hf_config,
                                       resolve_model_path)
 from shardserve.models.registry import resolve_model_class
+
+
+logger = logging.getLogger("shardserve")
+
+
+def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """On CPUs the dtype activations are computed in is a choice (layers/cpu_path.py), logged once."""
+    if device.type != "cpu":
+        return dtype
+    path = choose_cpu_path(dtype)
+    logger.info("CPU path: %s", path.describe(dtype))
+    return path.compute_dtype
 
 
 @dataclass
@@ -59,7 +75,7 @@ class EngineArgs:
         model_config = ModelConfig(model=path, served_model_name=name, hf_config=hf_config, dtype=dtype,
                                    max_model_len=max_model_len, seed=self.seed, tokenizer=self.tokenizer,
                                    skip_tokenizer_init=self.skip_tokenizer_init,
-                                   compute_dtype_override=compute_dtype_for(dtype, device),
+                                   compute_dtype_override=_compute_dtype(dtype, device),
                                    load_format=self.load_format, max_logprobs=self.max_logprobs,
                                    enforce_eager=self.enforce_eager,
                                    prefill_graphs=_graphs_switch("PREFILL", self.tensor_parallel_size),

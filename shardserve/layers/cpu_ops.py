@@ -72,8 +72,8 @@ def _library() -> ctypes.CDLL | None:
         logger.warning("CPU kernels off, build failed: %s", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.linear_bf16w.restype = None
-    lib.linear_bf16w.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.linear_packed.restype = None
+    lib.linear_packed.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, i64]
     lib.write_kv.restype = None
     lib.write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, i64]
     lib.paged_attention.restype = None
@@ -90,27 +90,28 @@ def available() -> bool:
     return _library() is not None
 
 
-def pack_bf16_weight(weight: torch.Tensor) -> torch.nn.Parameter:
-    """[N, K] -> bf16 panels [ceil(N / 16), K, 16] (the layout linear_bf16w reads; see cpu_ops.c),
-    rows past N zero. The result remembers N as `.out_features`."""
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Parameter:
+    """[N, K] -> panels [ceil(N / 16), K, 16] of `dtype` (bf16 or fp32; the layout linear_packed
+    reads, see cpu_ops.c), rows past N zero. The result remembers N as `.out_features`."""
     n, k = weight.shape
-    padded = torch.zeros(-(-n // 16) * 16, k, dtype=torch.bfloat16)
+    padded = torch.zeros(-(-n // 16) * 16, k, dtype=dtype)
     padded[:n] = weight
     packed = torch.nn.Parameter(padded.view(-1, 16, k).transpose(1, 2).contiguous(), requires_grad=False)
     packed.out_features = n
     return packed
 
 
-def linear_bf16w(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (fp32, [..., K]) @ W^T + bias (fp32, [N]) -> fp32 [..., N], W packed by pack_bf16_weight."""
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x ([..., K], any float dtype, widened to fp32) @ W^T + bias (fp32, [N]) -> fp32 [..., N],
+    W packed by pack_weight."""
     k = x.shape[-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    if x2.dtype != torch.float32 or x2.stride(-1) != 1:
+        x2 = x2.to(torch.float32).contiguous()
     n = packed.out_features
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    _library().linear_bf16w(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
-                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, x2.shape[0], n, k)
+    _library().linear_packed(x2.data_ptr(), x2.stride(0), packed.data_ptr(), int(packed.dtype == torch.bfloat16),
+                             None if bias is None else bias.data_ptr(), y.data_ptr(), n, x2.shape[0], n, k)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
@@ -183,17 +184,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.shape[0], q.shape[1], hk, dim, block_size, blocks * block_size, spec.scale, spec.sliding_window or 0)
 
 
-def use_bf16_weights(model: torch.nn.Module) -> int:
-    """Store the weights of every linear layer, LM head and embedding of `model` as bf16 (they
-    already hold bf16-rounded values in fp32, so only their size changes): matrices that multiply
-    are packed for linear_bf16w, embedding tables stay rows for lookups. A tied embedding and LM
-    head thus get one copy of each kind. Returns how many matrices were converted."""
+def pack_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Pack the weight of every linear layer and LM head of `model` (fp32 modules: bf16 or fp32
+    values) into `dtype` panels for linear_packed; with bf16, embedding tables are stored as bf16
+    rows for lookups too. The values do not change (bf16 weights already hold bf16-rounded values in
+    fp32), only their layout and size. A tied embedding and LM head get one copy of each layout.
+    Returns how many matrices were converted."""
     done: dict[tuple[int, str], torch.nn.Parameter] = {}
     originals = []   # keeps the fp32 parameters alive while ids are used as keys
     for module in model.modules():
-        layout = getattr(module, "bf16_weight_layout", None)
+        layout = getattr(module, "packed_weight_layout", None)
         weight = getattr(module, "weight", None)
-        if layout is None or weight is None:
+        if layout is None or weight is None or (layout == "rows" and dtype != torch.bfloat16):
             continue
         key = (id(weight), layout)
         if key not in done:
@@ -201,7 +203,7 @@ def use_bf16_weights(model: torch.nn.Module) -> int:
                 continue
             originals.append(weight)
             if layout == "packed":
-                done[key] = pack_bf16_weight(weight.detach())
+                done[key] = pack_weight(weight.detach(), dtype)
             else:
                 done[key] = torch.nn.Parameter(weight.detach().to(torch.bfloat16), requires_grad=False)
                 done[key].stored_bf16_for_fp32 = True

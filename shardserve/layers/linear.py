@@ -37,17 +37,17 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for weights packed for the native CPU kernel (cpu_ops.use_bf16_weights) and
+    """F.linear, except for weights packed for the native CPU kernel (cpu_ops.pack_weights) and
     a few rows on CUDA (a weight-streaming Triton kernel, layers/triton_gemv.py)."""
     if weight.dim() == 3:
-        return cpu_ops.linear_bf16w(x, weight, bias)
+        return cpu_ops.linear_packed(x, weight, bias)
     if triton_gemv.handles(x, weight):
         return triton_gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 class LinearBase(nn.Module):
-    bf16_weight_layout = "packed"   # how cpu_ops.use_bf16_weights may store the weight
+    packed_weight_layout = "packed"   # how cpu_ops.pack_weights may store the weight
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()

@@ -14,7 +14,7 @@ from shardserve.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
-    bf16_weight_layout = "rows"   # how cpu_ops.use_bf16_weights may store the table: rows for lookups
+    packed_weight_layout = "rows"   # how cpu_ops.pack_weights may store the table: rows for lookups
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
@@ -42,13 +42,13 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        # bf16-stored rows (cpu_ops.use_bf16_weights) are widened back to the fp32 the model computes in.
+        # bf16-stored rows (cpu_ops.pack_weights) are widened back to the fp32 the model computes in.
         out = F.embedding(ids, self.weight)
         return out.float() if getattr(self.weight, "stored_bf16_for_fp32", False) else out
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    bf16_weight_layout = "packed"   # only multiplies: packed for the native kernel
+    packed_weight_layout = "packed"   # only multiplies: packed for the native kernel
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight)

@@ -90,13 +90,21 @@ class ModelRunner:
             self.backend = CudaAttentionBackend()
 
     def _use_native_cpu_kernels(self) -> None:
-        """bf16 served on a CPU without bf16 units computes in fp32 (config.compute_dtype_for); the
-        native kernels let weights and KV stay bf16 in memory, halving the bytes each step reads."""
-        bf16_in_fp32 = self.mc.dtype == torch.bfloat16 and self.mc.compute_dtype == torch.float32
-        if bf16_in_fp32 and cpu_ops.available():
-            n = cpu_ops.use_bf16_weights(self.model)
-            logger.info("CPU: %d weight matrices stored in bf16, multiplied by the native AVX2 kernel", n)
-        kv_dtype = self.mc.dtype if bf16_in_fp32 else self.kv_cache_dtype
+        """Hand the model to the native CPU kernels where they are built (the path itself is chosen in
+        layers/cpu_path.py). With fp32 math, every matrix that multiplies is packed for the native
+        GEMM in the checkpoint's values (bf16 stays bf16: half the bytes each decode step reads);
+        with native half precision only the LM head is, for fp32 logits. Attention reads a bf16 or
+        fp32 pool in place either way."""
+        if not cpu_ops.available():
+            return
+        dtype, compute = self.mc.dtype, self.mc.compute_dtype
+        if compute == torch.float32:
+            n = cpu_ops.pack_weights(self.model, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+            logger.debug("CPU: %d weight matrices packed for the native kernel", n)
+        elif compute == torch.bfloat16 and getattr(self.model, "lm_head", None) is not None:
+            lm_head = self.model.lm_head
+            lm_head.weight = cpu_ops.pack_weight(lm_head.weight.detach(), torch.bfloat16)
+        kv_dtype = torch.bfloat16 if dtype == torch.bfloat16 else self.kv_cache_dtype
         if CpuNativeAttentionBackend.supports(self.model.attention_layers()[0].spec, kv_dtype):
             self.backend, self.kv_cache_dtype = CpuNativeAttentionBackend(), kv_dtype
 

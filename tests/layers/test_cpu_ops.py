@@ -3,6 +3,7 @@ rounding, bit-identical rows whatever the batch, and the engine giving the same 
 without them."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -22,40 +23,46 @@ def test_kernels_build_on_this_machine():
     """CI runs on x86 with AVX2 and a C compiler: the kernels must be there, not silently skipped."""
     if not {"avx2", "fma", "f16c"} <= cpu_flags() or not shutil.which("cc"):
         pytest.skip("needs an x86 CPU with AVX2/FMA/F16C and a C compiler")
+    if os.environ.get("SHARDSERVE_CPU_KERNELS") == "0":
+        pytest.skip("SHARDSERVE_CPU_KERNELS=0: this run tests the plain-torch path")
     assert cpu_ops.available()
 
 
 # Machines without AVX2 or a C compiler serve through plain torch; there is nothing native to test.
 # CI has both, and test_kernels_build_on_this_machine fails there if the kernels do not build.
-needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="needs the native CPU kernels: an x86 CPU "
-                                   "with AVX2/FMA/F16C and a C compiler")
+needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="needs the native CPU kernels (off: "
+                                   "SHARDSERVE_CPU_KERNELS=0, no AVX2/FMA/F16C, or no C compiler)")
 
 
 @needs_kernels
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(64, 32), (100, 72), (37, 13), (48, 1536)])
 @pytest.mark.parametrize("m", [1, 2, 7, 40, 130])
-def test_linear_matches_fp64_reference(m, n, k):
+def test_linear_matches_fp64_reference(m, n, k, weight_dtype):
     torch.manual_seed(m * 1000 + n)
-    w = torch.randn(n, k).bfloat16()
+    w = torch.randn(n, k).to(weight_dtype)
     bias = torch.randn(n)
     x = torch.randn(m, k)
-    got = cpu_ops.linear_bf16w(x, cpu_ops.pack_bf16_weight(w), bias)
+    packed = cpu_ops.pack_weight(w, weight_dtype)
+    assert packed.dtype == weight_dtype
+    got = cpu_ops.linear_packed(x, packed, bias)
     want = x.double() @ w.double().t() + bias.double()
     assert got.shape == (m, n)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
 @needs_kernels
-def test_linear_rows_are_batch_invariant():
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_linear_rows_are_batch_invariant(weight_dtype):
     """Each row comes out bit-identical alone, in small batches (the bf16 path) and in big ones
     (the widened-panel path)."""
     torch.manual_seed(0)
-    w = cpu_ops.pack_bf16_weight(torch.randn(200, 96).bfloat16())
+    w = cpu_ops.pack_weight(torch.randn(200, 96), weight_dtype)
     x = torch.randn(150, 96)
-    full = cpu_ops.linear_bf16w(x, w)
+    full = cpu_ops.linear_packed(x, w)
     for size in (1, 2, 5, 31, 33):
         for start in (0, 3, 117):
-            assert torch.equal(cpu_ops.linear_bf16w(x[start:start + size], w), full[start:start + size])
+            assert torch.equal(cpu_ops.linear_packed(x[start:start + size], w), full[start:start + size])
 
 
 @needs_kernels
@@ -63,8 +70,11 @@ def test_linear_takes_strided_and_3d_inputs():
     torch.manual_seed(1)
     w = torch.randn(32, 24).bfloat16()
     x = torch.randn(2, 5, 48)[..., ::2]   # last dim strided
-    got = cpu_ops.linear_bf16w(x, cpu_ops.pack_bf16_weight(w))
+    got = cpu_ops.linear_packed(x, cpu_ops.pack_weight(w))
     assert torch.allclose(got, x @ w.float().t(), atol=1e-5)
+    # bf16 activations (native half-precision compute: the LM head's fp32 logits) are widened exactly
+    xb = x.bfloat16()
+    assert torch.equal(cpu_ops.linear_packed(xb, cpu_ops.pack_weight(w)), cpu_ops.linear_packed(xb.float(), cpu_ops.pack_weight(w)))
 
 
 @needs_kernels
@@ -137,8 +147,10 @@ def test_paged_attention_matches_torch_backend(kv_dtype, window, heads, kv_heads
 @needs_kernels
 def test_engine_gives_the_same_tokens_without_the_kernels(tmp_path, monkeypatch):
     """bf16 served through the kernels (bf16 weights and KV) and through plain torch (fp32 holding
-    bf16 values): the same greedy tokens, log-probs close."""
+    bf16 values): the same greedy tokens, log-probs close. fp32 math on both sides, whatever the
+    CPU (without the kernels a CPU with bf16 units would otherwise take torch's bf16 math)."""
     from shardserve import LLM, SamplingParams
+    monkeypatch.setenv("SHARDSERVE_CPU_NATIVE_HALF", "0")
     from tests.tiny_models import make_tiny_checkpoint
     path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)

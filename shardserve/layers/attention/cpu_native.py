@@ -46,6 +46,13 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
                 kv_cache: torch.Tensor, md: NativeAttentionMetadata, rotary=None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        if q.dtype != torch.float32:
+            # Native half-precision compute (SHARDSERVE_CPU_NATIVE_HALF=1): the kernels take fp32
+            # rows, so q, k, v are widened (exactly) and the result rounded once, as SDPA would.
+            result = self.forward(spec, q.float(), k.float(), v.float(), kv_cache, md)
+            if out is None:
+                return result.to(q.dtype)
+            return out.copy_(result)
         cpu_ops.write_kv(k, v, k_cache, v_cache, md.slots)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)

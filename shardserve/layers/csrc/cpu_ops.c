@@ -1,7 +1,7 @@
 /* CPU kernels for x86 with AVX2 + FMA, compiled on first use by shardserve/layers/cpu_ops.py
  * (plain C, no torch headers; called through ctypes on tensors' data pointers).
  *
- * - linear_bf16w: fp32 activations times bf16 weights packed in panels, fp32 accumulation.
+ * - linear_packed: fp32 activations times bf16 or fp32 weights packed in panels, fp32 accumulation.
  * - write_kv / paged_attention: the paged KV pool (fp32 or bf16) written and read in place.
  * - rms_norm (with the residual add), silu_and_mul, rotary_neox: the small per-token layers, one
  *   call each instead of several torch ops.
@@ -53,10 +53,10 @@ static inline float exp1(float x) {   /* the same function for one value, so tai
     return out[0];
 }
 
-/* ---- linear layers with bf16 weights ------------------------------------------------------------
- * Weights are packed once at load time (cpu_ops.pack_bf16_weight) into panels of 16 output
- * features: wp[N / 16][K][16] bf16, so that for each k the 16 weights of a panel are one 32-byte
- * load. Every output element y[m, n] is then one sequential chain acc = fma(x[m, k], w[k, n], acc)
+/* ---- linear layers with packed weights -----------------------------------------------------------
+ * Weights are packed once at load time (cpu_ops.pack_weight) into panels of 16 output features:
+ * wp[N / 16][K][16], bf16 or fp32, so that for each k the 16 weights of a panel are one or two
+ * 32-byte loads. Every output element y[m, n] is then one sequential chain acc = fma(x[m, k], w[k, n], acc)
  * over k = 0 .. K-1, plus the bias: the same operations in the same order whatever M is and
  * wherever row m sits, so a request's results are bit-identical alone or batched.
  */
@@ -115,13 +115,13 @@ static void micro_dispatch(int mr, int wbf16, const float *x, int64_t ldx, const
 }
 #undef MICRO_ROWS
 
-/* One row of x (single-stream decode) against PN (<= 6) bf16 panels at once, widened in registers:
- * the same chain per element as micro_f32, with PN streams of weights in flight. */
+/* One row of x (single-stream decode) against PN (<= 6) panels at once, bf16 (widened in registers)
+ * or fp32: the same chain per element as micro, with PN streams of weights in flight. */
 #define PANEL(j, a, b)                                                                    \
     if (PN > j) {                                                                         \
-        const uint16_t *w = wp + (j * K + k) * 16;                                        \
-        a = _mm256_fmadd_ps(xb, load_bf16x8(w), a);                                       \
-        b = _mm256_fmadd_ps(xb, load_bf16x8(w + 8), b);                                   \
+        const int64_t at = (j * K + k) * 16;                                              \
+        a = _mm256_fmadd_ps(xb, WBF16 ? load_bf16x8(ph + at) : _mm256_loadu_ps(pf + at), a); \
+        b = _mm256_fmadd_ps(xb, WBF16 ? load_bf16x8(ph + at + 8) : _mm256_loadu_ps(pf + at + 8), b); \
     }
 #define STORE(j, a, b)                                                                    \
     if (PN > j) {                                                                         \
@@ -133,7 +133,10 @@ static void micro_dispatch(int mr, int wbf16, const float *x, int64_t ldx, const
     }
 
 static inline __attribute__((always_inline)) void
-gemv_panels(const int PN, const float *x, const uint16_t *wp, float *y, int64_t K, const float *bias, int64_t ncols) {
+gemv_panels(const int PN, const int WBF16, const float *x, const void *wp, float *y, int64_t K, const float *bias,
+            int64_t ncols) {
+    const uint16_t *ph = (const uint16_t *)wp;
+    const float *pf = (const float *)wp;
     __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
            b4 = a0, a5 = a0, b5 = a0;
     for (int64_t k = 0; k < K; k++) {
@@ -145,40 +148,50 @@ gemv_panels(const int PN, const float *x, const uint16_t *wp, float *y, int64_t 
 #undef PANEL
 #undef STORE
 
-void linear_bf16w(const float *x, int64_t ldx, const uint16_t *wp, const float *bias,
-                  float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    const int64_t panels = (N + 15) / 16;
+#define GEMV_PANELS(W)                                                         \
+    switch (pn) {                                                              \
+    case 6: gemv_panels(6, W, x, w, y + n, K, b, N - n); break;                \
+    case 5: gemv_panels(5, W, x, w, y + n, K, b, N - n); break;                \
+    case 4: gemv_panels(4, W, x, w, y + n, K, b, N - n); break;                \
+    case 3: gemv_panels(3, W, x, w, y + n, K, b, N - n); break;                \
+    case 2: gemv_panels(2, W, x, w, y + n, K, b, N - n); break;                \
+    default: gemv_panels(1, W, x, w, y + n, K, b, N - n); break;               \
+    }
+
+/* y[M, N] = x[M, K] @ W^T (+ bias) with W packed in panels of bf16 (wbf16) or fp32 values. */
+void linear_packed(const float *x, int64_t ldx, const void *wp, int wbf16, const float *bias,
+                   float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    const int64_t panels = (N + 15) / 16, esize = wbf16 ? 2 : 4;
+    const char *wbytes = (const char *)wp;
     if (M == 1) {
         const int64_t groups = (panels + 5) / 6;
 #pragma omp parallel for schedule(static) if (N * K > 65536)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t p = g * 6, pn = panels - p < 6 ? panels - p : 6, n = p * 16;
-            const uint16_t *w = wp + p * K * 16;
+            const void *w = wbytes + p * K * 16 * esize;
             const float *b = bias ? bias + n : 0;
-            switch (pn) {
-            case 6: gemv_panels(6, x, w, y + n, K, b, N - n); break;
-            case 5: gemv_panels(5, x, w, y + n, K, b, N - n); break;
-            case 4: gemv_panels(4, x, w, y + n, K, b, N - n); break;
-            case 3: gemv_panels(3, x, w, y + n, K, b, N - n); break;
-            case 2: gemv_panels(2, x, w, y + n, K, b, N - n); break;
-            default: gemv_panels(1, x, w, y + n, K, b, N - n); break;
+            if (wbf16) {
+                GEMV_PANELS(1)
+            } else {
+                GEMV_PANELS(0)
             }
         }
         return;
     }
-    if (M < 32) {   /* a few rows: panels read as bf16 straight from memory, each once */
+    if (M < 32 || !wbf16) {   /* panels read straight from memory (a few rows, or fp32 needing no widening) */
 #pragma omp parallel for schedule(static) if (M * N * K > 65536)
         for (int64_t p = 0; p < panels; p++) {
             const int64_t n = p * 16;
             const int ncols = N - n < 16 ? (int)(N - n) : 16;
             for (int64_t m = 0; m < M; m += 6)
-                micro_dispatch(M - m < 6 ? (int)(M - m) : 6, 1, x + m * ldx, ldx, wp + p * K * 16, y + m * ldy + n,
-                               ldy, K, bias ? bias + n : 0, ncols);
+                micro_dispatch(M - m < 6 ? (int)(M - m) : 6, wbf16, x + m * ldx, ldx, wbytes + p * K * 16 * esize,
+                               y + m * ldy + n, ldy, K, bias ? bias + n : 0, ncols);
         }
         return;
     }
     /* Tasks are (group of PG panels, chunk of MC rows): the group is widened to fp32 once into a
      * per-thread buffer that stays in L2 while the chunk's rows stream past it, 6 at a time. */
+    const uint16_t *wh = (const uint16_t *)wp;
     const int64_t PG = 3, MC = 96;
     const int64_t groups = (panels + PG - 1) / PG, chunks = (M + MC - 1) / MC;
 #pragma omp parallel if (M * N * K > 65536)
@@ -189,7 +202,7 @@ void linear_bf16w(const float *x, int64_t ldx, const uint16_t *wp, const float *
             for (int64_t c = 0; c < chunks; c++) {
                 const int64_t p0 = g * PG, p1 = p0 + PG < panels ? p0 + PG : panels;
                 const int64_t m0 = c * MC, m1 = m0 + MC < M ? m0 + MC : M;
-                const uint16_t *src = wp + p0 * K * 16;
+                const uint16_t *src = wh + p0 * K * 16;
                 for (int64_t i = 0; i < (p1 - p0) * K * 16; i += 8)
                     _mm256_storeu_ps(buf + i, load_bf16x8(src + i));
                 for (int64_t p = p0; p < p1; p++) {
@@ -205,6 +218,7 @@ void linear_bf16w(const float *x, int64_t ldx, const uint16_t *wp, const float *
         free(buf);
     }
 }
+#undef GEMV_PANELS
 
 /* ---- paged KV cache ---------------------------------------------------------------------------
  * Cache layout (TorchAttentionBackend's): one [num_kv_heads, num_blocks, block_size, head_dim]
