@@ -69,7 +69,7 @@ def choose_cpu_path(dtype: torch.dtype) -> CpuPath:
     if switch:
         raise ValueError(f"{NATIVE_HALF_SWITCH}={switch!r}: use 1 (native half-precision math) or 0 (fp32 math)")
     if dtype == torch.bfloat16 and kernels:
-        # Measured on an AVX512-BF16 CPU (BENCHMARKS.md): decode 2.1x faster than oneDNN's bf16.
+        # Measured on an AVX512-BF16 CPU (BENCHMARKS.md): decode 2.5x faster than oneDNN's bf16 GEMMs.
         return CpuPath(torch.float32, True, f"the native kernels decode fastest; {NATIVE_HALF_SWITCH}=1 "
                                             "for torch's bf16 math")
     if has_half_units(dtype):
