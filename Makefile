@@ -36,7 +36,7 @@ test: install
 	SHARDSERVE_CPU_KERNELS=0 SHARDSERVE_CPU_NATIVE_HALF=1 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_TESTS)
 
 test-gpu:  ## on a GPU machine with torch, transformers installed
-	NCCL_NVLS_ENABLE=0 PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu tests
+	NCCL_NVLS_ENABLE=0 PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu tests/gpu tests/doctor
 
 bench-cpu: install
 	$(PY) benchmarks/throughput_cpu.py

@@ -19,3 +19,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory():
+    """After each test on a GPU machine, hand back what torch's allocator caches, so the next test
+    (or the server process it starts) measures the memory that is really free."""
+    yield
+    if torch.cuda.is_available():
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -65,6 +65,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []   # one per attention layer (views of kv_pools)
         self.kv_pools: list[torch.Tensor] = []    # what was allocated: all layers' caches in one where it can
+        self._cuda_baseline = 0                   # bytes the GPU held before the model loaded (load_model)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
@@ -80,6 +81,9 @@ class ModelRunner:
 
     # ---- set-up ----------------------------------------------------------------------------
     def load_model(self) -> None:
+        if self.device.type == "cuda":   # what the device holds before us: other processes, our context
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._cuda_baseline = total - free - torch.cuda.memory_reserved(self.device)
         self.model = load_model(self.mc.model, self.mc.hf_config, self.mc.dtype, self.device,
                                 show_progress=self.show_progress, compute_dtype=self.mc.compute_dtype,
                                 load_format=self.mc.load_format)
@@ -126,7 +130,8 @@ class ModelRunner:
 
     def _profile_cuda_kv_budget(self) -> int:
         """Run the largest step the scheduler may issue, then give the KV pool what is left of
-        gpu_memory_utilization x total memory."""
+        gpu_memory_utilization x total memory. As in vLLM, that share is this instance's own: other
+        processes on the GPU do not count against it, only against what is really free."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         sc = self.config.scheduler_config
@@ -136,19 +141,28 @@ class ModelRunner:
         self._dummy_run(n, sc.max_model_len, sc.max_num_seqs)
         torch.cuda.synchronize(self.device)
         self._release_kv_cache()
+        torch.cuda.empty_cache()
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        others = total - free - torch.cuda.memory_reserved(self.device)   # other processes, CUDA context
-        budget = int(total * self.config.cache_config.gpu_memory_utilization) - peak - max(others, 0)
+        # Memory outside torch's allocator that loading and the step added (cuBLAS/NCCL workspaces).
+        own_non_torch = max(total - free - torch.cuda.memory_reserved(self.device) - self._cuda_baseline, 0)
+        utilization = self.config.cache_config.gpu_memory_utilization
+        share = int(total * utilization) - peak - own_non_torch
+        # Steps take their activations back up to the peak beside the pool.
+        really_free = free - (peak - torch.cuda.memory_allocated(self.device))
+        if really_free < share:
+            logger.warning("other processes hold %.1f GiB of %s: the KV cache gets the %.1f GiB really free, not "
+                           "the %.1f GiB gpu_memory_utilization=%s leaves", self._cuda_baseline / 2**30, self.device,
+                           max(really_free, 0) / 2**30, share / 2**30, utilization)
+        budget = min(share, really_free)
         if self._wants_graphs():   # decode graphs are captured after the pool is allocated
             budget -= GRAPH_MEMORY_RESERVE
-        torch.cuda.empty_cache()
         if budget <= 0:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache on {self.device}: weights and activations peak at "
-                f"{peak / 2**30:.1f} GiB and other processes hold {max(others, 0) / 2**30:.1f} GiB, of "
-                f"{total / 2**30:.1f} GiB x gpu_memory_utilization={self.config.cache_config.gpu_memory_utilization}; "
-                "raise --gpu-memory-utilization, lower --max-num-batched-tokens, free the GPU, or shard the model")
+                f"{peak / 2**30:.1f} GiB, {max(really_free, 0) / 2**30:.1f} GiB is free beside them, of "
+                f"{total / 2**30:.1f} GiB x gpu_memory_utilization={utilization}; raise "
+                "--gpu-memory-utilization, lower --max-num-batched-tokens, free the GPU, or shard the model")
         return budget
 
     def _dummy_run(self, num_tokens: int, max_model_len: int, max_num_seqs: int) -> None:
