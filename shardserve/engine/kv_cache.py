@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+from shardserve.utils import cdiv
 
 BlockHashFn = Callable[[int | None, tuple[int, ...]], int]
 
@@ -119,8 +121,29 @@ class BlockPool:
                 self._evict(block)
 
 
+@dataclass
+class ReqKV:
+    """One request's KV state, created on its first lookup or allocation and dropped whole by `free`.
+
+    Invariants: `blocks[i]` holds the request's tokens [i * block_size, (i + 1) * block_size).
+    `block_hashes[i]` is the chained hash of the i-th full block of its tokens; it is a memo and may
+    run ahead of `blocks` (a lookup hashes the whole prompt before anything is allocated).
+    `num_cached_blocks <= len(blocks)`: the leading blocks already offered to the prefix cache.
+    """
+
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+
+
 class KVCacheManager:
-    """Per-request block lists on top of a BlockPool, plus prefix-cache hit accounting."""
+    """Per-request block lists (`requests: dict[req_id, ReqKV]`) on top of a BlockPool, plus
+    prefix-cache hit accounting.
+
+    Verbs come in pairs: `can_allocate` says whether the pool can hold a request's first N tokens,
+    `allocate` takes the blocks (call it only after a yes); `allocate_slots` (vLLM's name) does both
+    and returns None, changing nothing, when the pool is short. `free` gives everything back.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  hash_fn: BlockHashFn = sha256_block_hash) -> None:
@@ -128,21 +151,20 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self.pool = BlockPool(num_blocks)
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_hashes: dict[str, list[int]] = {}
-        self.req_num_cached: dict[str, int] = {}   # leading blocks already offered to the cache
+        self.requests: dict[str, ReqKV] = {}
         self.prefix_cache_queries = 0   # tokens looked up
         self.prefix_cache_hits = 0      # tokens found
 
     # ---- hashing ---------------------------------------------------------------------------
+    def _block_tokens(self, token_ids: Sequence[int], index: int) -> tuple[int, ...]:
+        return tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+
     def _block_hashes(self, req_id: str, token_ids: Sequence[int], upto_tokens: int) -> list[int]:
         """Hashes of the request's full blocks among its first `upto_tokens` tokens (memoised)."""
-        hashes = self.req_hashes.setdefault(req_id, [])
-        bs = self.block_size
-        while (len(hashes) + 1) * bs <= upto_tokens:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(self.hash_fn(parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+        hashes = self.requests.setdefault(req_id, ReqKV()).block_hashes
+        while (len(hashes) + 1) * self.block_size <= upto_tokens:
+            parent_hash = hashes[-1] if hashes else None
+            hashes.append(self.hash_fn(parent_hash, self._block_tokens(token_ids, len(hashes))))
         return hashes
 
     # ---- scheduling API --------------------------------------------------------------------
@@ -151,67 +173,85 @@ class KVCacheManager:
         the model must run on at least one token to produce logits."""
         if not self.enable_prefix_caching:
             return [], 0
-        num_tokens = len(token_ids)
-        hashes = self._block_hashes(req_id, token_ids, num_tokens - 1)
+        hashes = self._block_hashes(req_id, token_ids, len(token_ids) - 1)
         hits: list[KVCacheBlock] = []
-        bs = self.block_size
-        for i, h in enumerate(hashes):
-            block = self.pool.lookup(h, tuple(token_ids[i * bs:(i + 1) * bs]), hashes[i - 1] if i else None)
+        for index, block_hash in enumerate(hashes):
+            parent_hash = hashes[index - 1] if index else None
+            block = self.pool.lookup(block_hash, self._block_tokens(token_ids, index), parent_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * bs
+        return hits, len(hits) * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         if self.enable_prefix_caching:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit_tokens
 
+    def num_blocks(self, req_id: str) -> int:
+        record = self.requests.get(req_id)
+        return len(record.blocks) if record else 0
+
     def num_blocks_needed(self, req_id: str, num_total_tokens: int, num_hit_blocks: int = 0) -> int:
-        have = len(self.req_blocks.get(req_id, ())) + num_hit_blocks
-        return max(0, -(-num_total_tokens // self.block_size) - have)
+        """New blocks the request needs to hold `num_total_tokens`, beyond what it has and its hits."""
+        have = self.num_blocks(req_id) + num_hit_blocks
+        return max(0, cdiv(num_total_tokens, self.block_size) - have)
+
+    def can_allocate(self, req_id: str, num_total_tokens: int,
+                     computed_blocks: Sequence[KVCacheBlock] = ()) -> bool:
+        """Whether the pool can grow the request to `num_total_tokens`, taking `computed_blocks`
+        (prefix hits from `get_computed_blocks`) first."""
+        num_needed = self.num_blocks_needed(req_id, num_total_tokens, len(computed_blocks))
+        # Hits sitting in the free queue are not available for new allocations.
+        num_free_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        return num_needed <= self.pool.num_free_blocks - num_free_hits
+
+    def allocate(self, req_id: str, token_ids: Sequence[int], num_total_tokens: int,
+                 computed_blocks: Sequence[KVCacheBlock] = ()) -> list[KVCacheBlock]:
+        """Grow the request to `num_total_tokens`: take `computed_blocks`, then new blocks. Only after
+        `can_allocate` said yes. Returns the new blocks."""
+        num_needed = self.num_blocks_needed(req_id, num_total_tokens, len(computed_blocks))
+        blocks = self.requests.setdefault(req_id, ReqKV()).blocks
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+        new_blocks = self.pool.allocate(num_needed)
+        blocks.extend(new_blocks)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(req_id, token_ids, num_total_tokens)
+        return new_blocks
 
     def allocate_slots(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                        num_new_tokens: int, computed_blocks: Sequence[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` after `num_computed_tokens`. Returns the newly allocated
         blocks, or None (and changes nothing) if the pool cannot supply them."""
-        total = num_computed_tokens + num_new_tokens
-        need = self.num_blocks_needed(req_id, total, len(computed_blocks))
-        # Hits sitting in the free queue are not available for new allocations.
-        reusable_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - reusable_free:
+        num_total_tokens = num_computed_tokens + num_new_tokens
+        if not self.can_allocate(req_id, num_total_tokens, computed_blocks):
             return None
-        blocks = self.req_blocks.setdefault(req_id, [])
-        if computed_blocks:
-            self.pool.touch(computed_blocks)
-            blocks.extend(computed_blocks)
-        new_blocks = self.pool.allocate(need)
-        blocks.extend(new_blocks)
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(req_id, token_ids, total)
-        return new_blocks
+        return self.allocate(req_id, token_ids, num_total_tokens, computed_blocks)
 
     def _cache_full_blocks(self, req_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
-        blocks = self.req_blocks[req_id]
+        record = self.requests[req_id]
         hashes = self._block_hashes(req_id, token_ids, num_tokens)
-        bs = self.block_size
+        num_full_blocks = num_tokens // self.block_size
         # The memo may reach further (a lookup hashes the whole prompt); cache only what is filled,
         # and start after the blocks already handled on earlier steps.
-        start = self.req_num_cached.get(req_id, 0)
-        for i in range(start, num_tokens // bs):
-            if blocks[i].block_hash is None:
-                self.pool.cache_block(blocks[i], hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]),
-                                      hashes[i - 1] if i else None)
-        self.req_num_cached[req_id] = max(start, num_tokens // bs)
+        for index in range(record.num_cached_blocks, num_full_blocks):
+            block = record.blocks[index]
+            if block.block_hash is None:
+                self.pool.cache_block(block, hashes[index], self._block_tokens(token_ids, index),
+                                      hashes[index - 1] if index else None)
+        record.num_cached_blocks = max(record.num_cached_blocks, num_full_blocks)
 
     def free(self, req_id: str) -> None:
-        blocks = self.req_blocks.pop(req_id, [])
-        self.pool.free(list(reversed(blocks)))
-        self.req_hashes.pop(req_id, None)
-        self.req_num_cached.pop(req_id, None)
+        """Drop the request's record and its references (tail first; unknown ids are a no-op)."""
+        record = self.requests.pop(req_id, None)
+        if record is not None:
+            self.pool.free(list(reversed(record.blocks)))
 
     def block_ids(self, req_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(req_id, ())]
+        record = self.requests.get(req_id)
+        return [block.block_id for block in record.blocks] if record else []
 
     def usage(self) -> float:
         return self.pool.usage()

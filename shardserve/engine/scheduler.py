@@ -4,7 +4,11 @@ Each step the scheduler spends at most `max_num_batched_tokens` tokens: running 
 decode costs one token, an unfinished prefill gets the next chunk), then waiting requests in FCFS
 order while `max_num_seqs` allows. When the KV pool runs dry, the most recently admitted running
 request is preempted: its blocks are freed and it goes back to the head of the queue to be
-recomputed later (vLLM's recompute preemption).
+recomputed later (vLLM's recompute preemption). A step that preempted admits nobody new.
+
+Workers keep each request's tokens and block ids between steps; `num_synced_tokens` and
+`num_synced_blocks` on the request say how much of them the workers hold, so each step sends
+only what is new.
 """
 from __future__ import annotations
 
@@ -13,10 +17,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from shardserve.config import CacheConfig, SchedulerConfig
-from shardserve.engine.kv_cache import HASH_ALGOS, KVCacheManager
+from shardserve.engine.kv_cache import HASH_ALGOS, KVCacheBlock, KVCacheManager
 from shardserve.engine.request import Request, RequestStatus
-from shardserve.engine.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                                SchedulerOutput)
+from shardserve.engine.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 
 @dataclass
@@ -38,9 +46,10 @@ class Scheduler:
         # Pipeline-parallel engines run several schedulers over disjoint slices of one KV pool.
         self.block_offset = block_offset
         self.max_model_len = scheduler_config.max_model_len
-        self.kv = kv_manager or KVCacheManager(num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching,
-                                               HASH_ALGOS[cache_config.prefix_caching_hash_algo])
+        self.kv = kv_manager or KVCacheManager(
+            num_blocks=num_blocks, block_size=cache_config.block_size,
+            enable_prefix_caching=cache_config.enable_prefix_caching,
+            hash_fn=HASH_ALGOS[cache_config.prefix_caching_hash_algo])
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -78,88 +87,127 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        """One step on one budget of `max_num_batched_tokens`: running requests first, then waiting
+        ones, unless making room for the running ones preempted someone."""
+        output = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
-        budget = self.config.max_num_batched_tokens
-        preempted = False
+        num_preemptions_before = self.num_preemptions
+        token_budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if self.num_preemptions == num_preemptions_before:   # a pool that just ran dry admits nobody
+            self._schedule_waiting(output, token_budget)
+        output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
+        return output
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            known_or_pending = req.num_tokens + req.num_output_placeholders
-            if (known_or_pending <= req.num_computed_tokens
-                    or known_or_pending >= req.max_total_tokens(self.max_model_len)):
-                i += 1   # its last token is still being sampled (async scheduling): nothing to run yet
+    def _schedule_running(self, output: SchedulerOutput, token_budget: int) -> int:
+        """Give running requests, oldest first, their next tokens (a decode is one, an unfinished
+        prefill the next chunk) while the budget lasts. Returns the budget left."""
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            req = self.running[index]
+            index += 1
+            num_new_tokens = min(self._num_tokens_ready(req), token_budget)
+            if num_new_tokens == 0:
                 continue
-            num_new = min(known_or_pending - req.num_computed_tokens, budget)
-            while self.kv.allocate_slots(req.request_id, req.all_token_ids, req.num_computed_tokens,
-                                         num_new) is None:
-                victim = self.running.pop()
-                self._preempt(victim, out)
-                preempted = True
-                if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
-                break
-            self._schedule_running(req, num_new, out)
-            self._advance(req, num_new)
-            budget -= num_new
-            i += 1
+            if not self._make_room(req, num_new_tokens, output):
+                break   # it preempted itself, after everything admitted later than it
+            self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens + num_new_tokens)
+            output.scheduled_cached_reqs.append(self._cached_request_data(req))
+            self._mark_synced(req)
+            self._schedule_tokens(req, num_new_tokens, output)
+            token_budget -= num_new_tokens
+        return token_budget
 
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+    def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> int:
+        """Admit waiting requests in FCFS order while the budget, `max_num_seqs` and the KV pool
+        allow; a head that does not fit blocks everyone behind it. Returns the budget left."""
+        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hits, num_hit = [], 0
-            if req.sampling_params.prompt_logprobs is None:   # prompt logprobs need every position computed
-                hits, num_hit = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
-            num_new = req.num_tokens - num_hit
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            hit_blocks, num_hit_tokens = self._prefix_hits(req)
+            num_new_tokens = req.num_tokens - num_hit_tokens
+            if num_new_tokens > token_budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
-            if self.kv.allocate_slots(req.request_id, req.all_token_ids, num_hit, num_new, hits) is None:
+            num_new_tokens = min(num_new_tokens, token_budget)
+            num_total_tokens = num_hit_tokens + num_new_tokens
+            if not self.kv.can_allocate(req.request_id, num_total_tokens, hit_blocks):
                 break
-            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+            self.kv.allocate(req.request_id, req.all_token_ids, num_total_tokens, hit_blocks)
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
             self.waiting.popleft()
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            out.scheduled_new_reqs.append(NewRequestData(
-                req.request_id, req.all_token_ids, req.num_prompt_tokens, req.sampling_params,
-                self._block_ids(req.request_id), num_hit))
-            req.num_synced_tokens = req.num_tokens
-            req.num_synced_blocks = len(self.kv.req_blocks[req.request_id])
-            out.num_scheduled_tokens[req.request_id] = num_new
-            self._advance(req, num_new)
-            budget -= num_new
+            self._start_running(req, num_hit_tokens)
+            output.scheduled_new_reqs.append(self._new_request_data(req))
+            self._mark_synced(req)
+            self._schedule_tokens(req, num_new_tokens, output)
+            token_budget -= num_new_tokens
+        return token_budget
 
-        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
-        return out
+    def _num_tokens_ready(self, req: Request) -> int:
+        """Tokens a running request could compute now: 0 while its last token is still being
+        sampled (async scheduling), and 0 once that pending token is the last one it may have."""
+        num_known_or_pending = req.num_tokens + req.num_output_placeholders
+        if num_known_or_pending >= req.max_total_tokens(self.max_model_len):
+            return 0
+        return max(0, num_known_or_pending - req.num_computed_tokens)
 
-    def _schedule_running(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
-        block_ids = self._block_ids(req.request_id)
-        # Workers hold the tokens and block ids they were sent; send only what is new.
-        out.scheduled_cached_reqs.append(CachedRequestData(
-            req.request_id, req.all_token_ids[req.num_synced_tokens:],
-            block_ids[req.num_synced_blocks:], req.num_computed_tokens))
+    def _prefix_hits(self, req: Request) -> tuple[list[KVCacheBlock], int]:
+        """Cached leading blocks of a waiting request and the tokens they hold; none when it asks
+        for prompt logprobs, which need every position computed."""
+        if req.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        return self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+
+    def _make_room(self, req: Request, num_new_tokens: int, output: SchedulerOutput) -> bool:
+        """Preempt the most recently admitted running requests until `req`'s next tokens fit in the
+        KV pool. Returns False if `req` itself had to go (everything admitted after it went first)."""
+        while not self.kv.can_allocate(req.request_id, req.num_computed_tokens + num_new_tokens):
+            victim = self.running.pop()
+            self._preempt(victim, output)
+            if victim is req:
+                return False
+        return True
+
+    def _start_running(self, req: Request, num_hit_tokens: int) -> None:
+        """Move an admitted request (already off the waiting queue) to running, its prefix hits
+        counted as computed."""
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_hit_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit_tokens
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        """All the workers need to start holding `req`: its whole token list and block table."""
+        return NewRequestData(req_id=req.request_id, token_ids=req.all_token_ids,
+                              num_prompt_tokens=req.num_prompt_tokens, sampling_params=req.sampling_params,
+                              block_ids=self._block_ids(req.request_id),
+                              num_computed_tokens=req.num_computed_tokens)
+
+    def _cached_request_data(self, req: Request) -> CachedRequestData:
+        """What the workers lack of `req`: the tokens and block ids added since they last saw it."""
+        return CachedRequestData(req_id=req.request_id,
+                                 new_token_ids=req.all_token_ids[req.num_synced_tokens:],
+                                 new_block_ids=self._block_ids(req.request_id)[req.num_synced_blocks:],
+                                 num_computed_tokens=req.num_computed_tokens)
+
+    def _mark_synced(self, req: Request) -> None:
+        """The workers now hold all of `req`'s tokens and block ids."""
         req.num_synced_tokens = req.num_tokens
-        req.num_synced_blocks = len(block_ids)
-        out.num_scheduled_tokens[req.request_id] = num_new
+        req.num_synced_blocks = self.kv.num_blocks(req.request_id)
 
     @staticmethod
-    def _advance(req: Request, num_new: int) -> None:
-        """Count the scheduled tokens as computed; a chunk that reaches the end samples a token."""
-        req.num_computed_tokens += num_new
+    def _schedule_tokens(req: Request, num_new_tokens: int, output: SchedulerOutput) -> None:
+        """Put `num_new_tokens` of `req` in this step and count them as computed; a chunk that
+        reaches the end samples a token."""
+        output.num_scheduled_tokens[req.request_id] = num_new_tokens
+        req.num_computed_tokens += num_new_tokens
         if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
             req.num_output_placeholders += 1
 
     def _block_ids(self, req_id: str) -> list[int]:
-        return [b + self.block_offset for b in self.kv.block_ids(req_id)]
+        return [block_id + self.block_offset for block_id in self.kv.block_ids(req_id)]
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, output: SchedulerOutput) -> None:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = req.num_output_placeholders = 0
@@ -167,22 +215,24 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-        out.finished_req_ids.add(req.request_id)   # workers drop it; it comes back as new
+        output.finished_req_ids.add(req.request_id)   # workers drop it; it comes back as new
 
     # ---- after the model ran ---------------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           result: ModelRunnerOutput) -> list[RequestUpdate]:
         updates = []
-        for req_id in sched.num_scheduled_tokens:
+        for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None:
                 continue   # finished or aborted while the step ran
             running = req.status == RequestStatus.RUNNING
-            prompt_lps = result.prompt_logprobs.get(req_id) if running else None
+            prompt_logprobs = result.prompt_logprobs.get(req_id) if running else None
             token = result.sampled_token_ids.get(req_id)
-            end = _computed_end(sched, req_id) if prompt_lps else 0
+            computed_end = _computed_end(scheduler_output, req_id) if prompt_logprobs else 0
             if token is None:
-                if prompt_lps:
-                    updates.append(RequestUpdate(req, [], False, prompt_logprobs=prompt_lps, computed_end=end))
+                if prompt_logprobs:
+                    updates.append(RequestUpdate(request=req, new_token_ids=[], finished=False,
+                                                 prompt_logprobs=prompt_logprobs, computed_end=computed_end))
                 continue
             # A request preempted while this step ran still gets its token: it was computed from
             # the right context, and the recompute will include it.
@@ -193,14 +243,15 @@ class Scheduler:
             if status is not None:
                 (self.running if running else self.waiting).remove(req)
                 self._free(req, status)
-            updates.append(RequestUpdate(req, [token], status is not None,
-                                         result.logprobs.get(req_id), prompt_lps, end))
+            updates.append(RequestUpdate(request=req, new_token_ids=[token], finished=status is not None,
+                                         logprobs=result.logprobs.get(req_id),
+                                         prompt_logprobs=prompt_logprobs, computed_end=computed_end))
         return updates
 
 
-def _computed_end(sched: SchedulerOutput, req_id: str) -> int:
-    """Where a request's computed tokens stood after `sched` ran (the scheduler's own count may
-    already include the next step's chunk)."""
-    start = next(r.num_computed_tokens for r in (*sched.scheduled_new_reqs, *sched.scheduled_cached_reqs)
-                 if r.req_id == req_id)
-    return start + sched.num_scheduled_tokens[req_id]
+def _computed_end(scheduler_output: SchedulerOutput, req_id: str) -> int:
+    """Where a request's computed tokens stood after `scheduler_output` ran (the scheduler's own
+    count may already include the next step's chunk)."""
+    scheduled = (*scheduler_output.scheduled_new_reqs, *scheduler_output.scheduled_cached_reqs)
+    start = next(data.num_computed_tokens for data in scheduled if data.req_id == req_id)
+    return start + scheduler_output.num_scheduled_tokens[req_id]

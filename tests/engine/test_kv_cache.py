@@ -16,7 +16,7 @@ def state(kv: KVCacheManager) -> tuple:
     """Everything allocate_slots could change, as plain values."""
     pool = kv.pool
     return (list(pool.free_queue), [(b.ref_cnt, b.block_hash, b.token_ids) for b in pool.blocks],
-            dict(pool.cached), {r: [b.block_id for b in bl] for r, bl in kv.req_blocks.items()})
+            dict(pool.cached), {r: [b.block_id for b in rec.blocks] for r, rec in kv.requests.items()})
 
 
 def run_request(kv: KVCacheManager, req_id: str, tokens: list[int]) -> list[int]:
@@ -77,7 +77,7 @@ def test_allocate_rounds_up_to_blocks_and_caches_only_full_blocks():
     tokens = toks(100, 10)          # 2 full blocks + 2 tokens
     new = kv.allocate_slots("a", tokens, 0, 10)
     assert len(new) == 3 and kv.num_free_blocks == 9 - 3
-    blocks = kv.req_blocks["a"]
+    blocks = kv.requests["a"].blocks
     assert [b.token_ids for b in blocks] == [tuple(tokens[0:4]), tuple(tokens[4:8]), None]
     assert blocks[2].block_hash is None
     assert len(kv.pool.cached) == 2
@@ -110,7 +110,7 @@ def test_free_puts_blocks_in_queue_tail_first():
     assert len(ids) == 3
     kv.free("a")
     assert list(kv.pool.free_queue)[-3:] == ids[::-1]   # the prefix's first block is evicted last
-    assert "a" not in kv.req_blocks and "a" not in kv.req_hashes
+    assert "a" not in kv.requests   # blocks, hashes and all
     kv.free("a")   # freeing an unknown request is a no-op
     assert kv.num_free_blocks == 9
 
@@ -280,7 +280,7 @@ def test_free_prefix_hits_do_not_count_as_allocatable():
     # 16 tokens = 4 blocks: 2 hits + 2 new fits exactly.
     assert len(kv.allocate_slots("b", tokens + toks(20, 7), 8, 8, hits)) == 2
     assert kv.num_free_blocks == 0
-    assert all(b.ref_cnt == 1 for b in kv.req_blocks["b"])
+    assert all(b.ref_cnt == 1 for b in kv.requests["b"].blocks)
 
 
 def test_usage():
@@ -299,8 +299,8 @@ def test_chunked_allocation_caches_only_filled_blocks():
     hits, num_hit = kv.get_computed_blocks("a", tokens)
     assert num_hit == 0
     kv.allocate_slots("a", tokens, 0, 6, hits)          # first chunk: 6 tokens, 2 blocks
-    assert [b.token_ids for b in kv.req_blocks["a"]] == [tuple(tokens[:4]), None]
+    assert [b.token_ids for b in kv.requests["a"].blocks] == [tuple(tokens[:4]), None]
     assert len(kv.pool.cached) == 1
     kv.allocate_slots("a", tokens, 6, 10)               # the rest
-    assert [b.token_ids for b in kv.req_blocks["a"]] == [tuple(tokens[i:i + 4]) for i in range(0, 16, 4)]
+    assert [b.token_ids for b in kv.requests["a"].blocks] == [tuple(tokens[i:i + 4]) for i in range(0, 16, 4)]
     assert kv.get_computed_blocks("b", tokens + [0])[1] == 16

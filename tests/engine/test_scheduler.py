@@ -21,9 +21,11 @@ EOS = 2
 class Harness:
     def __init__(self, num_blocks: int = 64, max_num_batched_tokens: int = 16, max_num_seqs: int = 8,
                  max_model_len: int = 256, prefix_caching: bool = True, chunked_prefill: bool = True) -> None:
-        sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill)
-        self.sched = Scheduler(sc, CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching), num_blocks)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill)
+        cache_config = CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching)
+        self.sched = Scheduler(scheduler_config, cache_config, num_blocks)
         self.worker: dict[str, CachedRequestState] = {}
         self.next_token = 1000   # fake model: distinct tokens unless told otherwise
         self.history: list[SchedulerOutput] = []
@@ -83,7 +85,7 @@ def prompt(start: int, n: int) -> list[int]:
 
 def free_blocks_all_returned(h: Harness) -> bool:
     kv = h.sched.kv
-    return kv.num_free_blocks == kv.pool.num_usable_blocks and not kv.req_blocks
+    return kv.num_free_blocks == kv.pool.num_usable_blocks and not kv.requests
 
 
 # ---- budgets ------------------------------------------------------------------------------
@@ -214,7 +216,7 @@ def test_preemption_when_blocks_run_out():
     assert "b" in out.finished_req_ids and "b" not in out.num_scheduled_tokens
     assert out.num_scheduled_tokens == {"a": 1}
     assert list(h.sched.waiting) == [b] and h.sched.running == [a]
-    assert "b" not in h.sched.kv.req_blocks and b.num_computed_tokens == 0
+    assert "b" not in h.sched.kv.requests and b.num_computed_tokens == 0
     assert h.sched.kv.num_free_blocks == 6 - 4       # a holds 4 blocks, b's were freed
     b_tokens = b.all_token_ids
     assert b.num_output_tokens == 5
@@ -310,7 +312,7 @@ def test_stop_on_eos_and_ignore_eos():
     assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason is None
     assert r.output_token_ids == [7, EOS]
     assert keep.status == RequestStatus.RUNNING
-    assert "r" not in h.sched.kv.req_blocks
+    assert "r" not in h.sched.kv.requests
 
 
 def test_stop_token_ids_sets_stop_reason():
