@@ -30,6 +30,8 @@ chat: install  ## interactive chat with the embedded model
 # math, and plain torch (no native kernels) with fp32 and with half-precision math.
 CPU_PATH_TESTS := tests/models tests/layers tests/engine tests/server tests/test_cli.py
 test: install
+	$(VENV)/bin/ruff check shardserve tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -m "not gpu" tests
 	SHARDSERVE_CPU_NATIVE_HALF=1 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_TESTS)
 	SHARDSERVE_CPU_KERNELS=0 SHARDSERVE_CPU_NATIVE_HALF=0 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_TESTS)

@@ -18,7 +18,8 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shardserve.worker.graph_profile import graph_call_ms   # noqa: E402
+from shardserve.worker.graph_profile import graph_call_ms  # noqa: E402
+
 CALLS, REPLAYS, NUMEL = 64, 20, 4096
 
 
@@ -30,7 +31,7 @@ def time_graph(fn) -> float:
 
 def norm_after_all_reduce(rank: int, device: torch.device) -> None:
     from shardserve.distributed import comm
-    from shardserve.layers import triton_ops
+    from shardserve.kernels import triton_ops
     x = torch.randn(1, NUMEL, dtype=torch.bfloat16, device=device)
     res, w = torch.randn_like(x), torch.randn(NUMEL, dtype=torch.bfloat16, device=device)
     separate = time_graph(lambda: triton_ops.rms_norm(comm.tensor_model_parallel_all_reduce(x), w, 1e-5, res))
@@ -42,7 +43,7 @@ def norm_after_all_reduce(rank: int, device: torch.device) -> None:
 
 def worker(rank: int, fast: bool, init: str) -> None:
     from shardserve.distributed import comm
-    from shardserve.distributed.parallel_state import init_distributed
+    from shardserve.distributed.setup import init_distributed
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     init_distributed(rank, 2, 1, init, device, fast_all_reduce=fast)

@@ -73,7 +73,7 @@ def main() -> None:
         "offline_tok_s": max(r["offline_tok_s"] for r in rounds),
         "prefill_128_ms": min(r["prefill_128_ms"] for r in rounds)} for name, rounds in results.items()}
     print(f"CPU flags: {' '.join(isa)}; {os.cpu_count()} cores")
-    print(f"| path | decode tok/s | 128-token prefill ms | offline tok/s | France |")
+    print("| path | decode tok/s | 128-token prefill ms | offline tok/s | France |")
     print("| --- | --- | --- | --- | --- |")
     for name, r in best.items():
         print(f"| {name} | {r['decode_tok_s']:.1f} | {r['prefill_128_ms']:.1f} | {r['offline_tok_s']:.1f} "

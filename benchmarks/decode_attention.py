@@ -18,9 +18,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shardserve.bench.report import save   # noqa: E402
-from shardserve.worker.graph_profile import graph_call_ms   # noqa: E402
-
+from shardserve.bench.report import save  # noqa: E402
+from shardserve.worker.graph_profile import graph_call_ms  # noqa: E402
 
 HQ, HK, DIM, BLOCK = 32, 8, 128, 16   # Llama-3-8B's attention, 16-token blocks
 
@@ -47,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.sweep:
         return sweep(args.json)
-    from shardserve.layers.attention.triton_decode import num_splits, paged_decode_attention
+    from shardserve.kernels.attention.triton_decode import num_splits, paged_decode_attention
     dev = torch.device("cuda")
     results = []
     for batch, ctx in [(1, 256), (1, 2048), (1, 8192), (1, 32768), (8, 2048), (8, 8192), (32, 1024), (32, 4096)]:
@@ -62,7 +61,8 @@ def main() -> None:
         row["speedup"] = row["one_program_us"] / row["split_us"]
         results.append(row)
         print(f"batch {batch:3d} context {ctx:6d}: one program per head {row['one_program_us']:8.1f} us, "
-              f"{row['split_splits']:2d} splits {row['split_us']:8.1f} us ({kv_bytes / row['split_us'] / 1e6:.2f} TB/s), "
+              f"{row['split_splits']:2d} splits {row['split_us']:8.1f} us "
+              f"({kv_bytes / row['split_us'] / 1e6:.2f} TB/s), "
               f"{row['speedup']:.2f}x", flush=True)
         pools = None
         torch.cuda.empty_cache()
@@ -70,7 +70,7 @@ def main() -> None:
 
 
 def sweep(json_path: str | None) -> None:
-    from shardserve.layers.attention.triton_decode import paged_decode_attention
+    from shardserve.kernels.attention.triton_decode import paged_decode_attention
     dev, scale = torch.device("cuda"), DIM ** -0.5
     results = []
     for batch, ctx in [(64, 1024), (256, 512), (256, 1024), (256, 2048)]:

@@ -79,6 +79,7 @@ def _allreduce_worker(rank: int, world: int, port: int, q) -> None:
 
 def allreduce_latency_us(world: int) -> float:
     import multiprocessing as mp
+
     from shardserve.executor.multiproc import free_port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -17,9 +17,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shardserve.bench.offline import run_latency   # noqa: E402
-from shardserve.bench.report import report   # noqa: E402
-from shardserve.bench.shapes import shape_config   # noqa: E402
+from shardserve.bench.offline import run_latency  # noqa: E402
+from shardserve.bench.report import report  # noqa: E402
+from shardserve.bench.shapes import shape_config  # noqa: E402
 
 
 def hf_tokens_per_s(config: dict, batch: int, input_len: int, output_len: int, iters: int) -> float:

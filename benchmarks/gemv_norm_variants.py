@@ -12,6 +12,7 @@ Each variant runs 100 calls in a CUDA graph (one weight, so the smaller ones par
 compare variants, not absolute bandwidths); best of 5 replays, us per call and weight GB/s.
 """
 import sys
+
 import torch
 import triton
 import triton.language as tl
@@ -75,16 +76,21 @@ def main() -> None:
             def call():
                 gemv_norm_variant[(triton.cdiv(n, bn),)](x, w, out, inv, g, 1, n, k, 1e-5, BLOCK_M=16, BLOCK_N=bn,
                                                          BLOCK_K=bk, GATED=gated, NORM=norm, num_warps=4, num_stages=4)
-            call(); torch.cuda.synchronize()
+            call()
+            torch.cuda.synchronize()
             gr = torch.cuda.CUDAGraph()
             with torch.cuda.graph(gr):
                 for _ in range(100):
                     call()
-            gr.replay(); torch.cuda.synchronize()
+            gr.replay()
+            torch.cuda.synchronize()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             best = 1e9
             for _ in range(5):
-                s.record(); gr.replay(); e.record(); torch.cuda.synchronize()
+                s.record()
+                gr.replay()
+                e.record()
+                torch.cuda.synchronize()
                 best = min(best, s.elapsed_time(e) * 10)   # us per call
             nbytes = w.numel() * 2
             res.append(f"N{norm} {best:6.1f}us {nbytes / best / 1e3:5.0f}GB/s")

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shardserve.bench.report import save   # noqa: E402
-from shardserve.worker.graph_profile import graph_call_ms   # noqa: E402
+from shardserve.bench.report import save  # noqa: E402
+from shardserve.worker.graph_profile import graph_call_ms  # noqa: E402
 
 # name: (N, K, gated) — N is the output features (per gate/up half when gated)
 SHAPES = {
@@ -48,7 +48,8 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     from shardserve.bench.offline import measure_bandwidth
-    from shardserve.layers import triton_gemv, triton_ops
+    from shardserve.kernels import triton_ops
+    from shardserve.kernels.gemv import triton_gemv
     dev = torch.device("cuda")
     copy_bw = measure_bandwidth(dev)
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size

@@ -12,9 +12,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shardserve import LLM, SamplingParams   # noqa: E402
-from shardserve.bench.report import save   # noqa: E402
-from shardserve.bench.shapes import shape_config, write_shape_dir   # noqa: E402
+from shardserve import LLM, SamplingParams  # noqa: E402
+from shardserve.bench.report import save  # noqa: E402
+from shardserve.bench.shapes import shape_config, write_shape_dir  # noqa: E402
 
 
 def main() -> None:

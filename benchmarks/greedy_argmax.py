@@ -12,8 +12,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shardserve.layers import triton_argmax   # noqa: E402
-from shardserve.worker.graph_profile import graph_call_ms   # noqa: E402
+from shardserve.kernels.argmax import triton_argmax  # noqa: E402
+from shardserve.worker.graph_profile import graph_call_ms  # noqa: E402
 
 if __name__ == "__main__":
     for rows in (1, 8):

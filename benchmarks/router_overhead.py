@@ -22,9 +22,9 @@ import time
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shardserve.bench.report import report   # noqa: E402
-from tests.server.server_process import ServerProcess, get, post   # noqa: E402
-from tests.tiny_models import make_tiny_checkpoint   # noqa: E402
+from shardserve.bench.report import report  # noqa: E402
+from tests.server.server_process import ServerProcess, get, post  # noqa: E402
+from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -47,6 +47,7 @@ def bench_ours(args, prompts):
 
 def bench_hf(args, prompts):
     from transformers import AutoModelForCausalLM
+
     from shardserve.models.loader import default_model_path
     path = default_model_path()
     dtype = getattr(torch, args.dtype)
@@ -83,7 +84,8 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(args.seed)
     prompts = random_prompts(args.num_prompts, args.input_len_min, args.input_len_max, 49152, args.seed)
-    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    machine = platform.processor() or platform.machine()
+    result = {"machine": f"{machine}, {os.cpu_count()} cores, torch {torch.__version__}, "
                          f"{torch.get_num_threads()} threads", "dtype": args.dtype, "ours": bench_ours(args, prompts)}
     print(json.dumps(result, indent=2), flush=True)
     if not args.skip_hf:

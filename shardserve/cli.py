@@ -19,13 +19,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=d.device, help="auto, cpu or cuda (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="default: %(default)s")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 2048)")
-    parser.add_argument("--block-size", type=int, default=d.block_size, help="KV block size in tokens (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget per step (default: 2048)")
+    parser.add_argument("--block-size", type=int, default=d.block_size,
+                        help="KV block size in tokens (default: %(default)s)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse KV blocks of shared prefixes (default: on)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                         help="fraction of GPU memory to use (default: %(default)s)")
-    parser.add_argument("--kv-cache-memory", default=None, help="KV cache budget in bytes, e.g. 4GiB (CPU default: 4GiB)")
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="KV cache budget in bytes, e.g. 4GiB (CPU default: 4GiB)")
     parser.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
     parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                         help="largest logprobs a request may ask for; -1: no limit (default: %(default)s)")
@@ -229,6 +232,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_plan(ns: argparse.Namespace) -> int:
     import json
+
     from shardserve.planner import plan_from_options
     from shardserve.planner.report import format_plan
     plan = plan_from_options(ns.model, gpu=ns.gpu, gpu_memory=ns.gpu_memory, gpus_per_node=ns.gpus_per_node,

@@ -7,7 +7,8 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from shardserve.engine.args import EngineArgs
-from shardserve.engine.engine import LLMEngine, PromptType
+from shardserve.engine.create import create_engine
+from shardserve.engine.engine import PromptType
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
 from shardserve.tokenizer.tokenizer import Tokenizer
@@ -37,7 +38,7 @@ class LLM:
         _setup_logging()
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, seed=seed, **kwargs)
-        self.engine = LLMEngine.from_engine_args(args, show_progress=show_progress)
+        self.engine = create_engine(args, show_progress=show_progress)
         self.show_progress = show_progress
 
     def get_tokenizer(self) -> Tokenizer | None:

@@ -79,7 +79,7 @@ def assert_serves_bf16_values(llm) -> None:
     """A bf16 model holds bf16 values, never more precision than the checkpoint has. On CPUs without
     bf16 matrix units it computes in fp32: the native kernels keep the matrices and the KV cache in
     bf16 and widen them in registers; without those kernels everything is held in fp32."""
-    from shardserve.layers import cpu_ops
+    from shardserve.kernels.cpu import cpu_ops
     mc = llm.engine.config.model_config
     runner = llm.engine.executor.worker.model_runner
     native = mc.compute_dtype == torch.float32 and cpu_ops.available()

@@ -71,7 +71,8 @@ def _bench_tokenizer(path: str | None, model: str):
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (default: from --host/--port)")
+    p.add_argument("--base-url", default=None,
+                   help="server root, e.g. http://127.0.0.1:8000 (default: from --host/--port)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
@@ -100,6 +101,7 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench_offline(ns: argparse.Namespace) -> int:
     import json
+
     from shardserve.bench import offline
     from shardserve.llm import _setup_logging
     _setup_logging()

@@ -109,7 +109,8 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _ONE_SHOT is not None and _ONE_SHOT.handles(x):
         _ONE_SHOT(x)
         return x
-    if x.device.type == "cpu" and x.is_contiguous() and x.numel() * x.element_size() * tp.world_size <= GATHER_SUM_MAX_BYTES:
+    gathered_bytes = x.numel() * x.element_size() * tp.world_size
+    if x.device.type == "cpu" and x.is_contiguous() and gathered_bytes <= GATHER_SUM_MAX_BYTES:
         # Gloo's all_reduce costs 1.5-2.5 ms for a few KiB between two processes of a 2-core
         # machine; gathering the parts and summing them here costs 0.3-0.8 ms (up to 512 KiB;
         # equal near 2 MiB). Every rank sums the same parts in rank order, so all get the same bits.

@@ -114,11 +114,10 @@ def _join_world(rank: int, world: int, init_method: str, device: torch.device, t
     dist.init_process_group(backend_for(device), rank=rank, world_size=world, timeout=timeout, **kwargs)
 
 
-def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device,
-                     timeout_s: float = 120.0, fast_all_reduce: bool = True) -> None:
-    """Join the engine's process group and build the TP and PP groups. Every rank calls this.
-    fast_all_reduce: small TP all-reduces on GPUs of one host go one-shot over symmetric memory
-    (distributed/comm.py) rather than through NCCL."""
+def init_groups(rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device,
+                timeout_s: float = 120.0) -> None:
+    """Join the engine's process group and build the TP and PP groups. Every rank calls this
+    (through distributed/setup.py's init_distributed)."""
     import torch.distributed as dist
     global _TP, _PP, _WORLD
     world = tp_size * pp_size
@@ -141,15 +140,11 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, de
         group = dist.new_group(list(ranks), timeout=timeout) if pp_size > 1 else None
         if t == tp_rank:
             _PP = GroupInfo(pp_rank, pp_size, ranks, group)
-    from shardserve.distributed import comm
-    comm.init_fast_all_reduce(device if fast_all_reduce else None)
 
 
-def destroy_distributed() -> None:
+def destroy_groups() -> None:
     import torch.distributed as dist
     global _TP, _PP, _WORLD
-    from shardserve.distributed import comm
-    comm.init_fast_all_reduce(None)
     if dist.is_initialized():
         dist.destroy_process_group()
     _TP, _PP, _WORLD = GroupInfo(), GroupInfo(), GroupInfo()

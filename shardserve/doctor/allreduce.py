@@ -30,7 +30,7 @@ def _worker(rank: int, world: int, init: str, device_type: str, sizes: list[int]
     import torch
 
     from shardserve.distributed import comm
-    from shardserve.distributed.parallel_state import destroy_distributed, init_distributed
+    from shardserve.distributed.setup import destroy_distributed, init_distributed
     device = torch.device("cuda", rank % torch.cuda.device_count()) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -9,8 +9,22 @@ from dataclasses import asdict
 from typing import Any
 
 from shardserve.doctor import allreduce
-from shardserve.doctor.checks import (FAIL, PASS, SKIP, WARN, Check, System, check_gpus, check_mtu, check_nccl_env,
-                                      check_rdma, check_topology, check_versions, gpu_info, rdma_devices)
+from shardserve.doctor.checks import (
+    FAIL,
+    PASS,
+    SKIP,
+    WARN,
+    Check,
+    System,
+    check_gpus,
+    check_mtu,
+    check_nccl_env,
+    check_rdma,
+    check_topology,
+    check_versions,
+    gpu_info,
+    rdma_devices,
+)
 from shardserve.doctor.topology import parse_nccl_log
 
 

@@ -7,13 +7,19 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                               parse_size, resolve_device, resolve_dtype)
+from shardserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    parse_size,
+    resolve_device,
+    resolve_dtype,
+)
 from shardserve.layers.cpu_path import choose_cpu_path
-from shardserve.models.loader import (DEFAULT_MODEL_NAME, checkpoint_dtype, load_hf_config,
-                                      resolve_model_path)
+from shardserve.models.loader import DEFAULT_MODEL_NAME, checkpoint_dtype, load_hf_config, resolve_model_path
 from shardserve.models.registry import resolve_model_class
-
 
 logger = logging.getLogger("shardserve")
 

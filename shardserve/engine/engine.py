@@ -13,17 +13,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardserve.config import EngineConfig
-from shardserve.engine.args import EngineArgs
 from shardserve.engine.detokenizer import IncrementalDetokenizer
 from shardserve.engine.output_processor import OutputProcessor, RequestState, SampleState
 from shardserve.engine.request import Request, RequestStatus
 from shardserve.engine.scheduler import Scheduler
-from shardserve.engine.scheduler_output import SchedulerOutput
-from shardserve.executor.base import make_executor
+from shardserve.executor.factory import make_executor
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
 from shardserve.tokenizer.tokenizer import Tokenizer
 from shardserve.worker.profiler import require_profiler_dir
+from shardserve.worker.step_io import SchedulerOutput
 
 logger = logging.getLogger("shardserve")
 
@@ -74,15 +73,6 @@ class LLMEngine:
     def scheduler(self) -> Scheduler:
         """The first (and, without pipeline parallelism, only) scheduler."""
         return self.schedulers[0]
-
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs, show_progress: bool = True):
-        """An LLMEngine, or a DataParallelEngine of replicas when data_parallel_size > 1."""
-        config = args.create_engine_config()
-        if config.parallel_config.data_parallel_size > 1:
-            from shardserve.engine.dp_engine import DataParallelEngine
-            return DataParallelEngine(config, show_progress)
-        return cls(config, show_progress)
 
     def _init_kv_cache(self) -> int:
         bs = self.config.cache_config.block_size

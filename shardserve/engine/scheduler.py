@@ -19,12 +19,7 @@ from dataclasses import dataclass
 from shardserve.config import CacheConfig, SchedulerConfig
 from shardserve.engine.kv_cache import HASH_ALGOS, KVCacheBlock, KVCacheManager
 from shardserve.engine.request import Request, RequestStatus
-from shardserve.engine.scheduler_output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from shardserve.worker.step_io import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 @dataclass

@@ -21,14 +21,10 @@ from typing import Any
 
 from shardserve.config import EngineConfig
 from shardserve.distributed.parallel_state import host_store
-from shardserve.executor.base import Executor
+from shardserve.executor.base import Executor, WorkerDiedError
 from shardserve.executor.worker_proc import no_delay
 
 _POLL_S = 0.5
-
-
-class WorkerDiedError(RuntimeError):
-    pass
 
 
 def cluster_key() -> bytes:
@@ -173,7 +169,8 @@ class MultiprocExecutor(Executor):
         code = proc.poll() if proc else None
         self.shutdown()
         where = f"(pid {proc.pid})" if proc else "(on another node)"
-        raise WorkerDiedError(f"worker rank {rank} {where} died" + (f" with exit code {code}" if code is not None else ""))
+        exit_code = f" with exit code {code}" if code is not None else ""
+        raise WorkerDiedError(f"worker rank {rank} {where} died{exit_code}")
 
     def shutdown(self) -> None:
         for conn in self.conns:

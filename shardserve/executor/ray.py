@@ -11,8 +11,7 @@ from collections import deque
 from typing import Any
 
 from shardserve.config import EngineConfig
-from shardserve.executor.base import Executor
-from shardserve.executor.multiproc import WorkerDiedError
+from shardserve.executor.base import Executor, WorkerDiedError
 
 
 class _RayWorker:

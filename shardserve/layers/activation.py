@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from shardserve.kernels.activation import reference
 from shardserve.layers.fused import ops_for
 
 
@@ -14,5 +14,4 @@ class SiluAndMul(nn.Module):
         ops = ops_for(x) if x.is_contiguous() else None
         if ops is not None:
             return ops.silu_and_mul(x)
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        return reference.silu_and_mul(x)

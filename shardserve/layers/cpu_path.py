@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.config import cpu_flags
-from shardserve.layers import cpu_ops
+from shardserve.kernels.cpu import cpu_ops
 
 NATIVE_HALF_SWITCH = "SHARDSERVE_CPU_NATIVE_HALF"
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from shardserve.layers import cpu_ops, triton_ops
+from shardserve.kernels import triton_ops
+from shardserve.kernels.cpu import cpu_ops
 
 
 def ops_for(*tensors: torch.Tensor):

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.comm import partial_sum_matmul, tensor_model_parallel_all_reduce
-from shardserve.layers import cpu_ops, triton_gemv
-from shardserve.distributed.parallel_state import (get_tensor_model_parallel_rank,
-                                                   get_tensor_model_parallel_world_size)
+from shardserve.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from shardserve.kernels.cpu import cpu_ops
+from shardserve.kernels.gemv import triton_gemv
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:

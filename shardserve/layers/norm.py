@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from shardserve.distributed import comm
+from shardserve.kernels.norm import reference
 from shardserve.layers.fused import ops_for
 
 
@@ -15,10 +16,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return reference.rms_norm(x, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: bool = False):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual).

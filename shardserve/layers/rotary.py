@@ -8,7 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardserve.layers import cpu_ops
+from shardserve.kernels.cpu import cpu_ops
+from shardserve.kernels.rope.layout import heads_packed, triton_tileable
+from shardserve.kernels.rope.reference import rotate_neox
 from shardserve.layers.fused import ops_for
 
 
@@ -35,18 +37,6 @@ def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> tor
     raise ValueError(f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3")
 
 
-def heads_packed(*tensors: torch.Tensor) -> bool:
-    """[T, H, D] views whose head rows are contiguous and back to back, as views of a fresh qkv
-    are: what the fused rotary kernels (native and Triton) index."""
-    return all(t.stride(-1) == 1 and t.stride(1) == t.shape[-1] for t in tensors)
-
-
-def triton_tileable(head_dim: int) -> bool:
-    """The Triton rotary kernels take a power-of-two half head as one tile."""
-    half = head_dim // 2
-    return half & (half - 1) == 0
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
                  rope_scaling: dict[str, Any] | None = None, freq_factors: list[float] | None = None) -> None:
@@ -70,11 +60,4 @@ class RotaryEmbedding(nn.Module):
             return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # Computed in x's dtype like the HF reference (cos/sin cast down first).
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardserve.layers import triton_argmax, triton_ops
+from shardserve.kernels import triton_ops
+from shardserve.kernels.argmax import triton_argmax
 
 LogprobRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # token ids, logprobs, ranks: [B, 1+k]
 

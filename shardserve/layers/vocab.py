@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.comm import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
-from shardserve.distributed.parallel_state import (get_tensor_model_parallel_rank,
-                                                   get_tensor_model_parallel_world_size)
+from shardserve.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from shardserve.layers.linear import linear
 
 

@@ -112,7 +112,8 @@ def dequantize(tensor) -> torch.Tensor:
     return out.reshape(shape)
 
 
-def iter_gguf_weights(reader, hf_config: dict[str, Any], wanted=lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(reader, hf_config: dict[str, Any],
+                      wanted=lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
     permute = hf_config.get("gguf_architecture") == "llama"
     heads, kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     for tensor in reader.tensors:

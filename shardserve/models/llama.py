@@ -13,11 +13,15 @@ import torch
 from torch import nn
 
 from shardserve.distributed.parallel_state import get_pp_group, get_pp_layer_range, get_tensor_model_parallel_world_size
-from shardserve.layers import triton_gemv
+from shardserve.kernels.gemv import triton_gemv
 from shardserve.layers.activation import SiluAndMul
 from shardserve.layers.attention import Attention, AttentionContext, AttentionSpec
-from shardserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                      default_weight_loader)
+from shardserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding
 from shardserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding

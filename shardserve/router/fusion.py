@@ -138,7 +138,8 @@ class FusionRunner:
                 done, _ = await asyncio.wait(pending | {waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if not done:   # the round timed out: whatever is still running failed
                     for t in pending:
-                        results[tasks[t]].error = f"no answer within round_timeout_seconds={settings.round_timeout_seconds:g}"
+                        results[tasks[t]].error = (
+                            f"no answer within round_timeout_seconds={settings.round_timeout_seconds:g}")
                     break
                 for t in done - {waiter}:
                     pending.discard(t)

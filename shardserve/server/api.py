@@ -17,8 +17,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shardserve import __version__
 from shardserve.engine.async_engine import AsyncLLMEngine
 from shardserve.server.metrics import ServerMetrics
-from shardserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                        TokenizeRequest, error_body)
+from shardserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
 from shardserve.server.serving import ServerSettings
 from shardserve.server.serving_chat import ChatServing
 from shardserve.server.serving_completion import CompletionServing

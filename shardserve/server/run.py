@@ -14,7 +14,7 @@ from typing import Any
 
 from shardserve.engine.args import EngineArgs
 from shardserve.engine.async_engine import AsyncLLMEngine
-from shardserve.engine.engine import LLMEngine
+from shardserve.engine.create import create_engine
 from shardserve.server.serving import ServerSettings
 
 logger = logging.getLogger("shardserve")
@@ -59,7 +59,7 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
 
     from shardserve.server.api import build_app
     template = read_chat_template(chat_template)
-    engine = LLMEngine.from_engine_args(engine_args)
+    engine = create_engine(engine_args)
     async_engine = AsyncLLMEngine(engine)
     try:
         mc = engine.config.model_config

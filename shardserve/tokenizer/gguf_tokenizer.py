@@ -44,7 +44,7 @@ def tokenizer_from_gguf(reader, path: str) -> tuple[Tokenizer, dict]:
                           if (i := field_value(reader, key)) is not None],
     }
     if kind != "gpt2":
-        from transformers import AutoTokenizer   # slow path for sentencepiece-style vocabularies
+        from transformers import AutoTokenizer  # slow path for sentencepiece-style vocabularies
         hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
         return hf.backend_tokenizer, info
     merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shardserve.engine.scheduler_output import SchedulerOutput
 from shardserve.layers.attention import CommonAttentionMetadata
 from shardserve.sampling_params import SamplingParams
 from shardserve.transfer import to_device
+from shardserve.worker.step_io import SchedulerOutput
 
 
 @dataclass

@@ -10,17 +10,17 @@ import torch.distributed as dist
 from shardserve.config import EngineConfig
 from shardserve.distributed.comm import pp_recv_prev, pp_send_next
 from shardserve.distributed.parallel_state import get_pp_group, get_tp_group
-from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from shardserve.layers import cpu_ops
+from shardserve.kernels.cpu import cpu_ops
 from shardserve.layers.attention import AttentionContext, TorchAttentionBackend
 from shardserve.layers.attention.cpu_native import CpuNativeAttentionBackend
 from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
 from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
 from shardserve.models.loader import load_model
-from shardserve.worker.cuda_graphs import DecodeGraphs
 from shardserve.transfer import to_device
+from shardserve.worker.cuda_graphs import DecodeGraphs
 from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
 from shardserve.worker.sampling_inputs import build_sampling_metadata
+from shardserve.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from shardserve.worker.piecewise_graphs import PiecewiseGraphs
@@ -166,8 +166,8 @@ class ModelRunner:
         return budget
 
     def _dummy_run(self, num_tokens: int, max_model_len: int, max_num_seqs: int) -> None:
-        from shardserve.engine.scheduler_output import NewRequestData, SchedulerOutput
         from shardserve.sampling_params import SamplingParams
+        from shardserve.worker.step_io import NewRequestData, SchedulerOutput
         sched = SchedulerOutput()
         remaining, block = num_tokens, 1
         while remaining > 0:
@@ -205,8 +205,8 @@ class ModelRunner:
         Compiled at the first such step in service, they stalled it for seconds (8B offline
         throughput on a fresh machine: MFU 30% instead of 35%). Blocks 1-3 are written (no request
         holds any block yet), then zeroed again."""
-        from shardserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
         from shardserve.sampling_params import SamplingParams
+        from shardserve.worker.step_io import CachedRequestData, NewRequestData, SchedulerOutput
         bs = self.block_size
         if self.config.scheduler_config.max_model_len < bs + 2 or self.kv_caches[0].shape[-3] < 4:   # blocks 1-3
             return
@@ -223,9 +223,10 @@ class ModelRunner:
         self._zero_blocks([1, 2, 3])   # the pool as it was allocated
 
     def _wants_graphs(self) -> bool:
-        pc = self.config.parallel_config
-        return (self.device.type == "cuda" and not self.mc.enforce_eager and isinstance(self.backend, CudaAttentionBackend)
-                and pc.pipeline_parallel_size == 1)   # TP all-reduces (NCCL) are captured inside
+        parallel = self.config.parallel_config
+        return (self.device.type == "cuda" and not self.mc.enforce_eager
+                and isinstance(self.backend, CudaAttentionBackend)
+                and parallel.pipeline_parallel_size == 1)   # TP all-reduces (NCCL) are captured inside
 
     def _release_kv_cache(self) -> None:
         self.kv_caches, self.kv_pools = [], []
@@ -259,7 +260,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, self.device, sc.max_num_seqs, max_blocks,
                                        self.block_size, scratch, pool, stream)
             if self.mc.prefill_graphs:
-                from shardserve.worker.prefill_graphs import PrefillGraphs   # imports Triton
+                from shardserve.worker.prefill_graphs import PrefillGraphs  # imports Triton
                 self.prefill_graphs = PrefillGraphs(self.model, self.backend, self.device, sc.max_num_batched_tokens,
                                                     max_blocks, self.block_size, scratch, pool, stream)
             if self.mc.piecewise_graphs:

@@ -21,9 +21,9 @@ import time
 
 import torch
 
+from shardserve.kernels.attention.prefill_tiles import PrefillTiles, tiles_data
 from shardserve.layers.attention import AttentionContext, CommonAttentionMetadata
 from shardserve.layers.attention.cuda_backend import CudaAttentionBackend, prefill_metadata
-from shardserve.layers.attention.prefill_tiles import PrefillTiles, tiles_data
 from shardserve.worker.cuda_graphs import StaticTokens, token_ladder
 
 logger = logging.getLogger("shardserve")

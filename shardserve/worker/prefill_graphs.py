@@ -22,9 +22,9 @@ import time
 import numpy as np
 import torch
 
+from shardserve.kernels.attention.prefill_tiles import PrefillTiles, max_tiles, tiles_data
 from shardserve.layers.attention import AttentionContext, CommonAttentionMetadata
 from shardserve.layers.attention.cuda_backend import CudaAttentionBackend, prefill_metadata
-from shardserve.layers.attention.prefill_tiles import PrefillTiles, max_tiles, tiles_data
 from shardserve.worker.cuda_graphs import StaticTokens, token_ladder
 
 logger = logging.getLogger("shardserve")

@@ -9,10 +9,11 @@ from dataclasses import replace
 import torch
 
 from shardserve.config import EngineConfig
-from shardserve.distributed.parallel_state import destroy_distributed, init_distributed, set_pp_partition
-from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shardserve.distributed.parallel_state import set_pp_partition
+from shardserve.distributed.setup import destroy_distributed, init_distributed
 from shardserve.worker.model_runner import ModelRunner, PendingOutput
 from shardserve.worker.profiler import StepProfiler
+from shardserve.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 
 class Worker:

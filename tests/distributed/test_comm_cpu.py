@@ -17,12 +17,13 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, init: str, results) -> None:
     from shardserve.distributed import comm
-    from shardserve.distributed.parallel_state import destroy_distributed, init_distributed
+    from shardserve.distributed.setup import destroy_distributed, init_distributed
     torch.set_num_threads(1)
     init_distributed(rank, world, 1, init, torch.device("cpu"))
     out = {}
     big_rows = comm.GATHER_SUM_MAX_BYTES // (world * 64 * 4) + 1   # just past the gathered path, fp32
-    for name, rows, dtype in [("small", 3, torch.float32), ("bf16", 5, torch.bfloat16), ("large", big_rows, torch.float32)]:
+    cases = [("small", 3, torch.float32), ("bf16", 5, torch.bfloat16), ("large", big_rows, torch.float32)]
+    for name, rows, dtype in cases:
         x = (torch.randn(rows, 64, generator=torch.Generator().manual_seed(rank)) * (rank + 1)).to(dtype)
         y = x.clone()
         assert comm.tensor_model_parallel_all_reduce(y) is y
@@ -44,7 +45,8 @@ def test_cpu_all_reduce_and_all_gather_across_three_ranks():
         for r in range(world):
             got = results[r][name]
             assert got.dtype == dtype
-            assert torch.allclose(got.float(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2), (name, r)
+            rtol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            assert torch.allclose(got.float(), want, rtol=rtol, atol=1e-2), (name, r)
         if name != "large":   # the gathered sum: the same bits on every rank
             assert all(torch.equal(results[r][name], results[0][name]) for r in range(world)), name
     for r in range(world):   # the ranks' parts side by side in the last dim, in rank order

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from shardserve import LLM, SamplingParams
-from shardserve.executor.multiproc import WorkerDiedError
+from shardserve.executor.base import WorkerDiedError
 from tests.tiny_models import make_tiny_checkpoint
 
 

@@ -7,10 +7,11 @@ import subprocess
 import sys
 
 import pytest
-import ray   # a test dependency (pyproject's test extra): missing Ray fails, never skips
+import ray  # a test dependency (pyproject's test extra): missing Ray fails, never skips
 
 from shardserve import LLM, SamplingParams
-from shardserve.executor.multiproc import WorkerDiedError, free_port
+from shardserve.executor.base import WorkerDiedError
+from shardserve.executor.multiproc import free_port
 from tests.tiny_models import make_tiny_checkpoint
 
 PROMPTS = [[5, 17, 99, 3, 250, 7, 8, 9, 10, 11, 200, 100, 42] * 3, list(range(1, 10))]

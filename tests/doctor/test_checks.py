@@ -3,9 +3,22 @@ from __future__ import annotations
 
 import os
 
-from shardserve.doctor.checks import (FAIL, PASS, SKIP, WARN, System, check_gpus, check_mtu, check_nccl_env,
-                                      check_rdma, check_topology, check_versions, nccl_list_matches,
-                                      parse_ibv_devinfo, rdma_devices)
+from shardserve.doctor.checks import (
+    FAIL,
+    PASS,
+    SKIP,
+    WARN,
+    System,
+    check_gpus,
+    check_mtu,
+    check_nccl_env,
+    check_rdma,
+    check_topology,
+    check_versions,
+    nccl_list_matches,
+    parse_ibv_devinfo,
+    rdma_devices,
+)
 from shardserve.doctor.run import check_transport, find_node_rank, parse_peers
 from shardserve.doctor.topology import parse_nccl_log
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from shardserve import LLM, SamplingParams
-from shardserve.layers import cpu_ops
+from shardserve.kernels.cpu import cpu_ops
 from tests.tiny_models import make_tiny_checkpoint
 
 PROMPTS = [[5, 17, 99, 3, 250, 7, 8, 9, 10, 11, 200, 100, 42] * 3, list(range(1, 10)), [300, 12, 7] * 9,

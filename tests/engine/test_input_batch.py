@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from shardserve import LLM, SamplingParams
-from shardserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from shardserve.worker.input_batch import prepare_inputs, update_states
+from shardserve.worker.step_io import CachedRequestData, NewRequestData, SchedulerOutput
 from tests.tiny_models import make_tiny_checkpoint
 
 

@@ -104,11 +104,11 @@ def test_decode_graph_profile_on_cpu_says_why_it_cannot(llm):
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("value,tp,want", [(None, 1, True), (None, 2, False), ("1", 2, True), ("0", 1, False),
-                                           ("off", 1, False), ("false", 1, False), ("", 1, False)])
+@pytest.mark.parametrize("value,tp,want", [(None, 1, True), (None, 2, True), ("1", 2, True), ("0", 1, False),
+                                           ("0", 2, False), ("off", 1, False), ("false", 1, False), ("", 1, False)])
 def test_prefill_and_piecewise_graph_switches_resolve_once_in_the_config(tmp_path, monkeypatch, value, tp, want):
     """SHARDSERVE_PREFILL_GRAPHS / SHARDSERVE_PIECEWISE_GRAPHS are read by the engine and shipped to
-    the workers in the config (ranks must agree on which steps replay graphs). Unset: on without TP."""
+    the workers in the config (ranks must agree on which steps replay graphs). Unset: on, with TP too."""
     from shardserve.engine.args import EngineArgs
     path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama", num_attention_heads=4, num_key_value_heads=2)
     for env in ("SHARDSERVE_PREFILL_GRAPHS", "SHARDSERVE_PIECEWISE_GRAPHS"):

@@ -10,9 +10,9 @@ import pytest
 from shardserve.config import CacheConfig, SchedulerConfig
 from shardserve.engine.request import Request, RequestStatus
 from shardserve.engine.scheduler import RequestUpdate, Scheduler
-from shardserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shardserve.sampling_params import SamplingParams
 from shardserve.worker.input_batch import CachedRequestState, update_states
+from shardserve.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 BS = 4
 EOS = 2

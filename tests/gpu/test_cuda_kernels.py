@@ -33,7 +33,7 @@ def _scattered_decodes(lens: list[int], bs: int, pool: int, dev: torch.device) -
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize("splits", [1, 3, None])   # None: as many as the kernel picks for this batch
 def test_triton_decode_matches_torch_reference(dtype, head_dim, heads, kv_heads, window, bs, splits, monkeypatch):
-    from shardserve.layers.attention import triton_decode
+    from shardserve.kernels.attention import triton_decode
     from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
     if splits is not None:
         monkeypatch.setattr(triton_decode, "num_splits", lambda *a: splits)
@@ -58,30 +58,30 @@ def test_triton_decode_matches_torch_reference(dtype, head_dim, heads, kv_heads,
 
 
 def test_triton_small_layers_match_torch():
-    from shardserve.layers import triton_ops
+    from shardserve.kernels import triton_ops
+    from shardserve.kernels.activation import reference as activation_reference
+    from shardserve.kernels.norm import reference as norm_reference
+    from shardserve.kernels.rope.reference import rotate_neox
     from shardserve.layers.rotary import RotaryEmbedding
     torch.manual_seed(1)
     dev, dt = "cuda", torch.bfloat16
     x, res = (torch.randn(7, 4096, device=dev, dtype=dt) for _ in range(2))
     w = torch.randn(4096, device=dev, dtype=dt)
 
-    def torch_norm(v):
-        f = v.float()
-        return w * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dt)
-
     r = res.clone()
     got = triton_ops.rms_norm(x, w, 1e-5, r)
     assert torch.equal(r, x + res)
-    assert (got.float() - torch_norm(x + res).float()).abs().max() <= 0.02 * got.float().abs().max()
+    want = norm_reference.rms_norm(x + res, w, 1e-5)
+    assert (got.float() - want.float()).abs().max() <= 0.02 * got.float().abs().max()
     gu = torch.randn(5, 2 * 3000, device=dev, dtype=dt) * 3
-    want = torch.nn.functional.silu(gu[:, :3000]) * gu[:, 3000:]
+    want = activation_reference.silu_and_mul(gu)
     assert torch.allclose(triton_ops.silu_and_mul(gu).float(), want.float(), rtol=1e-2, atol=1e-2)
     rope = RotaryEmbedding(128, 4096, 500000.0).to(dev)
     qkv = torch.randn(6, (8 + 2 + 2) * 128, device=dev, dtype=dt)
     q, k = qkv[:, :1024].view(6, 8, 128), qkv[:, 1024:1280].view(6, 2, 128)
     pos = torch.tensor([0, 1, 7, 100, 2000, 4095], device=dev)
     cos, sin = rope.cos[pos].unsqueeze(1).to(dt), rope.sin[pos].unsqueeze(1).to(dt)
-    want_q, want_k = rope._rotate(q.clone(), cos, sin), rope._rotate(k.clone(), cos, sin)
+    want_q, want_k = rotate_neox(q.clone(), cos, sin), rotate_neox(k.clone(), cos, sin)
     triton_ops.rotary_neox_(pos, q, k, rope.cos, rope.sin)
     # The torch path's bf16 roundings, each product rounded (no fma contraction): the same bits.
     assert torch.equal(q, want_q)
@@ -198,8 +198,8 @@ def test_piecewise_graphs_give_the_eager_tokens(tmp_path, monkeypatch):
 def test_triton_prefill_padded_tiles_change_nothing():
     """A prefill graph's tile list, padded to its most tiles and a padding request, gives the bits
     of the exact list."""
-    from shardserve.layers.attention.prefill_tiles import PrefillTiles, max_tiles, tiles_data
-    from shardserve.layers.attention.triton_prefill import paged_prefill_attention
+    from shardserve.kernels.attention.prefill_tiles import PrefillTiles, max_tiles, tiles_data
+    from shardserve.kernels.attention.triton_prefill import paged_prefill_attention
     torch.manual_seed(0)
     dev, bs, pool = torch.device("cuda"), 16, 100
     context, query = [0, 16, 5], [70, 1, 33]
@@ -259,10 +259,10 @@ def test_triton_prefill_matches_torch_reference(dtype, head_dim, heads, kv_heads
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 8, 2), (128, 32, 8)])
 def test_rotary_fused_with_kv_write_matches_separate_kernels(dtype, head_dim, heads, kv_heads):
     """One kernel (rotate q and k, store k and v) against the rotary kernel then the K/V write."""
+    from shardserve.kernels.attention.triton_decode import write_kv
+    from shardserve.kernels.rope.triton_rope import rotary_neox_
     from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
     from shardserve.layers.rotary import RotaryEmbedding
-    from shardserve.layers.attention.triton_decode import write_kv
-    from shardserve.layers.triton_rope import rotary_neox_
     torch.manual_seed(3)
     dev, bs, pool, t = torch.device("cuda"), 16, 40, 9
     rope = RotaryEmbedding(head_dim, 4096, 500000.0).to(dev)
@@ -297,7 +297,8 @@ def test_decode_with_rotary_inside_matches_separate_kernels(dtype, head_dim, hea
                                                             monkeypatch):
     """A decode-only step with the rotation and the K/V store inside the attention kernel gives the
     bits of the rotary + K/V write kernel followed by the attention kernel: output and pool."""
-    from shardserve.layers.attention import cuda_backend, triton_decode
+    from shardserve.kernels.attention import triton_decode
+    from shardserve.layers.attention import cuda_backend
     from shardserve.layers.rotary import RotaryEmbedding
     if splits is not None:
         monkeypatch.setattr(triton_decode, "num_splits", lambda *a: splits)
@@ -332,7 +333,8 @@ def test_triton_gemv_matches_cublas(rows, n, k, gated, bias):
     """The skinny-matmul kernel against F.linear (and SiLU-and-mul for the gated form): the same
     result up to the order of an fp32 sum, i.e. within a bf16 ulp or two of the output."""
     import torch.nn.functional as F
-    from shardserve.layers import triton_gemv
+
+    from shardserve.kernels.gemv import triton_gemv
     torch.manual_seed(rows)
     dev, dt = "cuda", torch.bfloat16
     w = torch.randn(2 * n if gated else n, k, device=dev, dtype=dt) * 0.03
@@ -352,7 +354,7 @@ def test_triton_gemv_matches_cublas(rows, n, k, gated, bias):
 def test_triton_argmax_is_torch_argmax(rows, n):
     """Greedy sampling's chunked argmax: the same index as torch.argmax, ties (coarse values repeat
     the maximum many times) going to the first, and rows of -inf included."""
-    from shardserve.layers import triton_argmax
+    from shardserve.kernels.argmax import triton_argmax
     from shardserve.layers.sampler import Sampler, SamplingMetadata
     torch.manual_seed(n)
     for dt in (torch.bfloat16, torch.float32):

@@ -36,7 +36,8 @@ def _run(path: str, together: bool = False, **kwargs):
         torch.cuda.empty_cache()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU-only: NCCL TP=2 / PP=2 need two CUDA GPUs (run on an H200 x2 machine)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="GPU-only: NCCL TP=2 / PP=2 need two CUDA GPUs (run on a 2-GPU machine)")
 def test_nccl_tp2_and_pp2_match_tp1(checkpoint, monkeypatch):
     # Prefills eager in every layout (PP stages always run them so): a graph pads the step, and
     # cuBLAS may pick another kernel for the padded shape (test_prefill_and_piecewise_graphs_...).
@@ -76,7 +77,8 @@ def _assert_same_up_to_near_ties(base, other, name: str, base_name: str) -> None
                 f"prompt {i}: {name} token {j} is not a near-tie under {base_name}")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU-only: NCCL TP=2 needs two CUDA GPUs (run on an H200 x2 machine)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="GPU-only: NCCL TP=2 needs two CUDA GPUs (run on a 2-GPU machine)")
 def test_prefill_and_piecewise_graphs_give_the_eager_tokens(checkpoint, monkeypatch):
     """At TP=1 and TP=2 (the TP all-reduces captured inside): prompts of 17 and 100 tokens prefill in
     a CUDA graph (prefill_graphs.py) and the 333-token one eagerly; served together under a 256-token
@@ -96,7 +98,8 @@ def test_prefill_and_piecewise_graphs_give_the_eager_tokens(checkpoint, monkeypa
                                          f"TP={tp} {'mixed' if together else 'prefill'} graphs", "eager")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU-only: the fused all-reduce needs two CUDA GPUs of one host (run on an H200 x2 machine)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="GPU-only: the fused all-reduce needs two CUDA GPUs of one host (run on a 2-GPU machine)")
 def test_fused_all_reduce_norm_gives_the_one_shot_tokens(checkpoint, monkeypatch):
     """The fused all-reduce + add + norm (the default) does the arithmetic of the one-shot
     all-reduce followed by the norm kernel (SHARDSERVE_FUSED_ALLREDUCE=0), so TP=2 greedy tokens
@@ -110,7 +113,8 @@ def test_fused_all_reduce_norm_gives_the_one_shot_tokens(checkpoint, monkeypatch
         assert j is None, f"prompt {i}: the fused path's tokens differ from token {j} on"
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="GPU-only: a TP=2 x PP=2 grid needs four CUDA GPUs (run on an H200 x4 machine)")
+@pytest.mark.skipif(torch.cuda.device_count() < 4,
+                    reason="GPU-only: a TP=2 x PP=2 grid needs four CUDA GPUs (run on a 4-GPU machine)")
 def test_nccl_tp2_x_pp2_matches_tp2(checkpoint):
     """A TP=2 x PP=2 grid does the same arithmetic as TP=2 alone (pipelining moves no sums), so its
     greedy tokens are identical to TP=2's."""
@@ -120,10 +124,10 @@ def test_nccl_tp2_x_pp2_matches_tp2(checkpoint):
 
 
 def _fused_norm_worker(rank: int, init: str) -> None:
-    from shardserve.distributed import comm
-    from shardserve.distributed.parallel_state import init_distributed
-    from shardserve.distributed import fused_allreduce
-    from shardserve.layers import triton_gemv, triton_ops
+    from shardserve.distributed import comm, fused_allreduce
+    from shardserve.distributed.setup import init_distributed
+    from shardserve.kernels import triton_ops
+    from shardserve.kernels.gemv import triton_gemv
     from shardserve.layers.norm import RMSNorm
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -206,7 +210,8 @@ def _fused_norm_worker(rank: int, init: str) -> None:
     os._exit(0)   # no teardown: destroying symmetric-memory state can stall; the OS frees it
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="GPU-only: the fused all-reduce needs two CUDA GPUs of one host (run on an H200 x2 machine)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="GPU-only: the fused all-reduce needs two CUDA GPUs of one host (run on a 2-GPU machine)")
 def test_fused_all_reduce_add_norm_matches_separate_kernels(monkeypatch):
     """All-reduce + residual add + RMSNorm in one kernel equals the one-shot all-reduce followed by
     the norm kernel bit for bit (rows 1/3/16, hidden 4096/5120/8192, a -0.0 in the input), eagerly
@@ -214,6 +219,7 @@ def test_fused_all_reduce_add_norm_matches_separate_kernels(monkeypatch):
     exchanges the partial sums itself (RowParallelLinear(reduce=False)), sending them or summing
     them too."""
     import torch.multiprocessing as mp
+
     from shardserve.distributed.parallel_state import host_store
     monkeypatch.delenv("SHARDSERVE_FUSED_ALLREDUCE", raising=False)   # on by default
     store, init = host_store(2)

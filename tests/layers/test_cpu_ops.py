@@ -8,10 +8,12 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from shardserve.config import cpu_flags
-from shardserve.layers import cpu_ops
+from shardserve.kernels.activation import reference as activation_reference
+from shardserve.kernels.cpu import cpu_ops
+from shardserve.kernels.norm import reference as norm_reference
+from shardserve.kernels.rope.reference import rotate_neox
 from shardserve.layers.activation import SiluAndMul
 from shardserve.layers.attention import AttentionSpec, CommonAttentionMetadata, TorchAttentionBackend
 from shardserve.layers.attention.cpu_native import CpuNativeAttentionBackend
@@ -74,7 +76,8 @@ def test_linear_takes_strided_and_3d_inputs():
     assert torch.allclose(got, x @ w.float().t(), atol=1e-5)
     # bf16 activations (native half-precision compute: the LM head's fp32 logits) are widened exactly
     xb = x.bfloat16()
-    assert torch.equal(cpu_ops.linear_packed(xb, cpu_ops.pack_weight(w)), cpu_ops.linear_packed(xb.float(), cpu_ops.pack_weight(w)))
+    packed = cpu_ops.pack_weight(w)
+    assert torch.equal(cpu_ops.linear_packed(xb, packed), cpu_ops.linear_packed(xb.float(), packed))
 
 
 @needs_kernels
@@ -83,18 +86,18 @@ def test_small_layers_match_torch():
     x, res = torch.randn(5, 40), torch.randn(5, 40)
     norm = RMSNorm(40, eps=1e-5)
     norm.weight.data.normal_()
-    want = norm._norm(x + res)
+    want = norm_reference.rms_norm(x + res, norm.weight, 1e-5)
     got, new_res = norm(x, res.clone())
     assert torch.allclose(got, want, atol=1e-5) and torch.allclose(new_res, x + res)
-    assert torch.allclose(norm(x), norm._norm(x), atol=1e-5)
+    assert torch.allclose(norm(x), norm_reference.rms_norm(x, norm.weight, 1e-5), atol=1e-5)
     gate_up = torch.randn(3, 2 * 20) * 4
-    assert torch.allclose(SiluAndMul()(gate_up), F.silu(gate_up[:, :20]) * gate_up[:, 20:], atol=1e-5)
+    assert torch.allclose(SiluAndMul()(gate_up), activation_reference.silu_and_mul(gate_up), atol=1e-5)
     rope = RotaryEmbedding(16, 64, 10000.0)
     qkv = torch.randn(4, (3 + 1 + 1) * 16)
     q, k = qkv[:, :48].view(4, 3, 16), qkv[:, 48:64].view(4, 1, 16)
     positions = torch.tensor([0, 5, 63, 7])
     cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
-    want_q, want_k = rope._rotate(q.clone(), cos, sin), rope._rotate(k.clone(), cos, sin)
+    want_q, want_k = rotate_neox(q.clone(), cos, sin), rotate_neox(k.clone(), cos, sin)
     got_q, got_k = rope(positions, q, k)   # rotated in place, inside qkv
     assert torch.allclose(got_q, want_q, atol=1e-6) and torch.allclose(got_k, want_k, atol=1e-6)
     assert torch.equal(qkv[:, :48].view(4, 3, 16), got_q)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from shardserve.layers.attention.prefill_tiles import BLOCK_M, max_tiles, tiles_data
+from shardserve.kernels.attention.prefill_tiles import BLOCK_M, max_tiles, tiles_data
 
 
 def _read(data, num_tiles: int, num_reqs: int) -> list[tuple[int, int, int]]:

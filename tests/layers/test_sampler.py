@@ -2,8 +2,6 @@
 the sampling metadata built from SamplingParams."""
 from __future__ import annotations
 
-
-
 import pytest
 import torch
 
@@ -11,6 +9,7 @@ from shardserve import SamplingParams
 from shardserve.layers.sampler import Sampler, SamplingMetadata, _apply_top_k_top_p, apply_penalties
 from shardserve.worker.input_batch import CachedRequestState
 from shardserve.worker.sampling_inputs import build_sampling_metadata
+
 V = 5
 LOGITS = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
 COUNTS = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0]])          # outputs so far: token 1 twice, token 3 once

@@ -1,13 +1,11 @@
 """Dequantization of every block format we claim (F32 ... Q6_K), against the original values."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 
 from shardserve.models import gguf_loader
-
 
 QK_K = 256
 

@@ -9,12 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-
 from shardserve.llm import LLM
 from shardserve.sampling_params import SamplingParams
+from tests.models.gguf_files import (
+    VOCAB,
+    gguf_vocab,
+    hf_logprobs,
+    hf_with_roundtripped_weights,
+    prompt_logprobs,
+    random_prompt,
+    write_gguf,
+)
 from tests.tiny_models import EOS_ID, assert_serves_bf16_values, load_hf_model, make_tiny_checkpoint
-from tests.models.gguf_files import (VOCAB, hf_logprobs, hf_with_roundtripped_weights, prompt_logprobs,
-                                     random_prompt, write_gguf, gguf_vocab)
 
 
 @pytest.mark.parametrize("arch,qtype,loose_tol", [("llama", "F32", 1e-4), ("smollm2", "F16", 0.02),

@@ -14,7 +14,6 @@ from tests.models.gguf_files import random_prompt
 from tests.tiny_models import make_tiny_checkpoint
 
 
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
     """A pristine tiny llama checkpoint; tests that break a checkpoint work on a copy."""

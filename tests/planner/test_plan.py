@@ -8,7 +8,7 @@ import pytest
 
 from shardserve.planner import plan_from_options
 from shardserve.planner.catalog import model_config
-from shardserve.planner.hardware import GPUS, LINKS, allreduce_seconds, fit_alpha_beta, H200X2_NVLINK_ALLREDUCE
+from shardserve.planner.hardware import GPUS, H200X2_NVLINK_ALLREDUCE, LINKS, allreduce_seconds, fit_alpha_beta
 from shardserve.planner.memory import ModelShape
 from shardserve.planner.report import format_plan
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.layers import cpu_ops
+from shardserve.kernels.cpu import cpu_ops
 from shardserve.layers.attention.backend import AttentionSpec, CommonAttentionMetadata
 from shardserve.layers.attention.torch_ref import TorchAttentionBackend
 

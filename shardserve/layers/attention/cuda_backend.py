@@ -13,7 +13,6 @@ from shardserve.layers.attention.backend import AttentionSpec, CommonAttentionMe
 from shardserve.layers.attention.torch_ref import TorchAttentionBackend, TorchAttentionMetadata
 from shardserve.transfer import to_device
 
-
 # Decode-only steps: the attention kernel rotates q and k and stores the new K/V itself (=0: the
 # rotary + K/V write kernel first, for A/B runs).
 ROPE_IN_DECODE = os.environ.get("SHARDSERVE_ROPE_IN_DECODE", "1") != "0"
@@ -30,7 +29,7 @@ class CudaAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def supports(spec: AttentionSpec, block_size: int) -> bool:
-        from shardserve.layers.attention.triton_decode import supported
+        from shardserve.kernels.attention.triton_decode import supported
         return supported(spec.head_dim, block_size)
 
     def _build_decodes(self, common: CommonAttentionMetadata, device: torch.device) -> CudaDecodes:
@@ -39,12 +38,12 @@ class CudaAttentionBackend(TorchAttentionBackend):
                            to_device([c + 1 for c in common.context_lens[:d]], torch.int32, device))   # pinned
 
     def _build_prefills(self, common: CommonAttentionMetadata, prefills, device: torch.device):
-        from shardserve.layers.attention.prefill_tiles import build_prefill_tiles
+        from shardserve.kernels.attention.prefill_tiles import build_prefill_tiles
         return build_prefill_tiles([p.token_start for p in prefills], [p.query_len for p in prefills],
                                    [p.context_len for p in prefills], common.block_tables[common.num_decodes:], device)
 
     def _prefills(self, spec, q, k, v, k_cache, v_cache, md: TorchAttentionMetadata, out) -> None:
-        from shardserve.layers.attention.triton_prefill import paged_prefill_attention
+        from shardserve.kernels.attention.triton_prefill import paged_prefill_attention
         paged_prefill_attention(q, k_cache, v_cache, md.prefill_batch, out, spec.scale, spec.sliding_window)
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -54,7 +53,7 @@ class CudaAttentionBackend(TorchAttentionBackend):
             return super().forward(spec, q, k, v, kv_cache, md, rotary, out)
         # A decode-only step (every decode graph): the attention kernel itself rotates q and k and
         # stores the new K/V, one launch instead of two.
-        from shardserve.layers.attention.triton_decode import paged_decode_attention
+        from shardserve.kernels.attention.triton_decode import paged_decode_attention
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_decode_attention(q, kv_cache[0], kv_cache[1], md.decodes.block_tables, md.decodes.seq_lens, out,
@@ -62,13 +61,13 @@ class CudaAttentionBackend(TorchAttentionBackend):
         return out
 
     def fuses_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        from shardserve.layers.triton_rope import fusable
+        from shardserve.kernels.rope.triton_rope import fusable
         return fusable(q, k, v)
 
     def _write(self, q, k, v, k_cache, v_cache, md: TorchAttentionMetadata, rotary) -> None:
-        from shardserve.layers.attention.triton_decode import write_kv
+        from shardserve.kernels.attention.triton_decode import write_kv
         if rotary is not None:   # one kernel: rotate q and k in place, store k and v
-            from shardserve.layers.triton_rope import rotary_and_write_kv
+            from shardserve.kernels.rope.triton_rope import rotary_and_write_kv
             rotary_and_write_kv(rotary[0], q, k, v, rotary[1], rotary[2], k_cache, v_cache, md.slots)
             return
         if k.stride(2) != 1 or v.stride(2) != 1:
@@ -76,7 +75,7 @@ class CudaAttentionBackend(TorchAttentionBackend):
         write_kv(k, v, k_cache, v_cache, md.slots)
 
     def _decodes(self, spec, q, k_cache, v_cache, md: TorchAttentionMetadata, out) -> None:
-        from shardserve.layers.attention.triton_decode import paged_decode_attention
+        from shardserve.kernels.attention.triton_decode import paged_decode_attention
         n = md.num_decodes
         paged_decode_attention(q[:n], k_cache, v_cache, md.decodes.block_tables, md.decodes.seq_lens, out[:n],
                                spec.scale, spec.sliding_window)

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.layers.attention.prefill_tiles import BLOCK_M, PrefillTiles
-from shardserve.layers.attention.triton_paged import load_pages, online_softmax_step
+from shardserve.kernels.attention.prefill_tiles import BLOCK_M, PrefillTiles
+from shardserve.kernels.attention.triton_paged import load_pages, online_softmax_step
 
 KEYS_PER_ITER = 64
 

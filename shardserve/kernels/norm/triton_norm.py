@@ -1,33 +1,20 @@
-"""Fused small layers for CUDA in Triton: RMSNorm with the residual add, SiLU-and-mul, and rotary
-embedding applied in place to q and k (its kernels live in triton_rope.py). Each replaces several
-torch kernels per layer (a decode step on a GPU is made of hundreds of these tiny launches). They
-round where the torch code rounds (to bf16 after each op the torch path does in bf16), so the two
-paths agree within one bf16 ulp.
+"""RMSNorm with the residual add, for CUDA in Triton: one launch instead of several torch kernels per
+layer (a decode step on a GPU is made of hundreds of these tiny launches). It rounds where the
+torch code (kernels/norm/reference.py) rounds, so the two agree within one bf16 ulp.
 """
 from __future__ import annotations
 
 import functools
-import importlib.util
 from types import SimpleNamespace
 
 import torch
 
-from shardserve.layers import pdl
-
+from shardserve.kernels import pdl
 
 # Warps of every RMSNorm launch: the sum of squares is reduced in an order set by the warp count, so
-# kernels that norm the same rows (this one, distributed/fused_allreduce.py) share it to agree bit
-# for bit.
+# kernels that norm the same rows (this one, kernels/allreduce/triton_allreduce.py) share it to agree
+# bit for bit.
 NORM_WARPS = 4
-
-
-@functools.cache
-def available() -> bool:
-    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
-
-
-def handles(*tensors: torch.Tensor) -> bool:
-    return all(t.is_cuda for t in tensors) and available()
 
 
 @functools.cache
@@ -37,7 +24,7 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def add_rms_norm(x, res, w, res_ptr, out_ptr, row, cols, mask, n_cols, eps, HAS_RES: tl.constexpr):
-        """Stores rmsnorm(x) * w for row `row` (also used by distributed/fused_allreduce.py). x, res
+        """Stores rmsnorm(x) * w for row `row` (also used by kernels/allreduce/triton_allreduce.py). x, res
         and w: the row's values, loaded by the caller (which may load them early). With HAS_RES,
         x + res first, in the activations' dtype as torch adds them, stored back as the new residual."""
         if HAS_RES:
@@ -62,19 +49,7 @@ def _kernels() -> SimpleNamespace:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         add_rms_norm(x, res, w, res_ptr, out_ptr, row, cols, mask, n_cols, eps, HAS_RES)
 
-    @triton.jit
-    def silu_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < d
-        g = tl.load(x_ptr + row * 2 * d + cols, mask=mask, other=0.0)
-        u = tl.load(x_ptr + row * 2 * d + d + cols, mask=mask, other=0.0).to(tl.float32)
-        gf = g.to(tl.float32)
-        s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-        tl.store(out_ptr + row * d + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
-
-    return SimpleNamespace(triton=triton, add_rms_norm=add_rms_norm, rms_norm=rms_norm_kernel,
-                           silu_mul=silu_mul_kernel)
+    return SimpleNamespace(triton=triton, add_rms_norm=add_rms_norm, rms_norm=rms_norm_kernel)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,19 +62,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                         HAS_RES=residual is not None, BLOCK=k.triton.next_power_of_2(n), num_warps=NORM_WARPS,
                         **pdl.launch_args(x))
     return out
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    k = _kernels()
-    d = x.shape[-1] // 2
-    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
-    rows = x.numel() // (2 * d)
-    block = 1024
-    k.silu_mul[(rows, k.triton.cdiv(d, block))](x, out, d, BLOCK=block)
-    return out
-
-
-def rotary_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """NeoX-style rotation of q [T, Hq, D] and k [T, Hk, D] in place (head rows packed)."""
-    from shardserve.layers import triton_rope
-    triton_rope.rotary_neox_(positions, q, k, cos, sin)

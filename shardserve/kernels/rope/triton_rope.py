@@ -2,7 +2,7 @@
 place, or fused with the attention's K/V write, where one launch rotates q, rotates k and stores it
 with v into the paged pool (a decode layer would otherwise spend two launches on them). Both round
 where the torch code rounds (cos/sin cast to the activations' dtype, each product rounded), so the
-paths agree bit for bit. Imported only where Triton runs (triton_ops.rotary_neox_, the CUDA backend).
+paths agree bit for bit. Imported only where Triton runs (kernels/triton_ops.rotary_neox_, the CUDA attention backend).
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.layers import pdl
-from shardserve.layers.rotary import heads_packed, triton_tileable
+from shardserve.kernels import pdl
+from shardserve.kernels.rope.layout import heads_packed, triton_tileable
 
 
 @triton.jit

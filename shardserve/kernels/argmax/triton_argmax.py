@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from shardserve.layers import pdl
+from shardserve.kernels import pdl
 
 CHUNK = 2048   # logits per first-pass program
 

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from shardserve.layers import pdl
+from shardserve.kernels import pdl
 
 MAX_ROWS = 16   # one tensor-core tile of activation rows; larger batches go to cuBLAS
 ENABLED = os.environ.get("SHARDSERVE_TRITON_GEMV", "1") != "0"   # off: cuBLAS everywhere (for A/B runs)
@@ -30,7 +30,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    from shardserve.distributed.fused_allreduce import exchange_fns
+    from shardserve.kernels.allreduce.triton_allreduce import exchange_fns
     send_to_peers, sum_with_peers = exchange_fns()
 
     @triton.jit

@@ -18,12 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.layers import pdl
-from shardserve.layers.attention.triton_paged import load_pages, online_softmax_step
-from shardserve.layers.triton_rope import rotate_whole
+from shardserve.kernels import pdl
+from shardserve.kernels.attention.triton_paged import load_pages, online_softmax_step
+from shardserve.kernels.rope.triton_rope import rotate_whole
 
 
-@triton.jit(do_not_specialize=["stride_tb", "window", "max_pages", "num_splits", "pool_slots"])   # they change between steps
+# The arguments not specialised on change between steps.
+@triton.jit(do_not_specialize=["stride_tb", "window", "max_pages", "num_splits", "pool_slots"])
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr,
                          stride_qt, stride_qh, stride_kh, stride_kb, stride_tb, stride_ot, stride_oh,
                          scale, window, max_pages, num_splits,

@@ -1,0 +1,1 @@
+"""argmax kernels."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: protocol, FastAPI app, chat/completion serving, metrics."""
