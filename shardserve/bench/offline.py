@@ -107,15 +107,16 @@ def random_prompts(n: int, input_len: int, ratio: float, vocab: int, seed: int) 
 
 
 def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
-    mc = llm.engine.config.model_config
+    model_config = llm.engine.config.model_config
     device = llm.engine.config.device
     tp = llm.engine.config.parallel_config.tensor_parallel_size
-    elem = torch.tensor([], dtype=mc.dtype).element_size()
+    elem = torch.tensor([], dtype=model_config.dtype).element_size()
     counts = param_counts(config)
     return {"device": device, "tp": tp, "elem": elem, "counts": counts,
             "weight_bytes_per_rank": counts["total"] * elem / tp,
-            "bandwidth": measure_bandwidth(device), "peak_flops": measure_matmul_peak(device, mc.compute_dtype),
-            "dtype": str(mc.dtype).replace("torch.", "")}
+            "bandwidth": measure_bandwidth(device),
+            "peak_flops": measure_matmul_peak(device, model_config.compute_dtype),
+            "dtype": str(model_config.dtype).replace("torch.", "")}
 
 
 def run_latency(ns) -> dict[str, Any]:

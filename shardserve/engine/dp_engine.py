@@ -18,13 +18,14 @@ from shardserve.tokenizer.tokenizer import Tokenizer
 
 class DataParallelEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
-        mc = config.model_config
-        self.tokenizer = None if mc.skip_tokenizer_init else Tokenizer.from_path(mc.tokenizer or mc.model)
+        model_config = config.model_config
+        self.tokenizer = (None if model_config.skip_tokenizer_init
+                          else Tokenizer.from_path(model_config.tokenizer or model_config.model))
         self.config = config
         self.replicas: list[LLMEngine] = []
         try:
             for r in range(config.parallel_config.data_parallel_size):
-                seeded = replace(config, model_config=replace(mc, seed=mc.seed + r))
+                seeded = replace(config, model_config=replace(model_config, seed=model_config.seed + r))
                 self.replicas.append(LLMEngine(seeded, show_progress and r == 0, replica=r,
                                                tokenizer=self.tokenizer))
         except BaseException:

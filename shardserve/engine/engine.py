@@ -21,6 +21,7 @@ from shardserve.executor.factory import make_executor
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
 from shardserve.tokenizer.tokenizer import Tokenizer
+from shardserve.utils import cdiv
 from shardserve.worker.profiler import require_profiler_dir
 from shardserve.worker.step_io import SchedulerOutput
 
@@ -43,11 +44,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True, replica: int = 0,
                  tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        mc = config.model_config
-        if tokenizer is None and not mc.skip_tokenizer_init:
-            tokenizer = Tokenizer.from_path(mc.tokenizer or mc.model)
+        model_config = config.model_config
+        if tokenizer is None and not model_config.skip_tokenizer_init:
+            tokenizer = Tokenizer.from_path(model_config.tokenizer or model_config.model)
         self.tokenizer = tokenizer
-        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else _config_eos_ids(mc.hf_config)
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else _config_eos_ids(model_config.hf_config)
         self.executor = make_executor(config, self.eos_token_ids, show_progress, replica)
         try:
             num_blocks = self._init_kv_cache()
@@ -75,19 +76,19 @@ class LLMEngine:
         return self.schedulers[0]
 
     def _init_kv_cache(self) -> int:
-        bs = self.config.cache_config.block_size
+        block_size = self.config.cache_config.block_size
         max_len = self.config.model_config.max_model_len
         num_blocks = self.executor.determine_num_blocks()
-        tokens = (num_blocks - 1) * bs   # block 0 is reserved
+        tokens = (num_blocks - 1) * block_size   # block 0 is reserved
         per_block = self.executor.kv_bytes_per_block()
         if tokens < max_len:
-            need = (-(-max_len // bs) + 1) * per_block
+            need = (cdiv(max_len, block_size) + 1) * per_block
             raise ValueError(
                 f"the KV cache holds {max(tokens, 0)} tokens ({num_blocks * per_block / 2**30:.3f} GiB) but one "
                 f"request of max_model_len={max_len} tokens needs at least {need / 2**30:.3f} GiB "
                 f"({need} bytes): raise --kv-cache-memory (or --gpu-memory-utilization), or lower --max-model-len")
         self.executor.initialize_kv_cache(num_blocks)
-        logger.info("KV cache size: %d tokens (%d blocks of %d, %.2f GiB)", tokens, num_blocks - 1, bs,
+        logger.info("KV cache size: %d tokens (%d blocks of %d, %.2f GiB)", tokens, num_blocks - 1, block_size,
                     num_blocks * per_block / 2**30)
         logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_len, tokens / max_len)
         return num_blocks
@@ -146,14 +147,15 @@ class LLMEngine:
         if request_id in self.output_processor.requests or any(self._id_in_use(r) for r in engine_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         self.output_processor.add(RequestState(request_id, text, token_ids, samples), engine_ids)
-        scheduler = min(self.schedulers, key=lambda sc: len(sc.running) + len(sc.waiting))
+        scheduler = min(self.schedulers, key=lambda scheduler: len(scheduler.running) + len(scheduler.waiting))
         for req in requests:
             scheduler.add_request(req)
 
     def _id_in_use(self, engine_id: str) -> bool:
         # Includes ids finished but not yet reported to the workers, whose state is shared by all
         # schedulers: reusing one too early would let a stale "finished" drop the new request's state.
-        return any(engine_id in sc.requests or engine_id in sc.finished_req_ids for sc in self.schedulers) or any(
+        return any(engine_id in scheduler.requests or engine_id in scheduler.finished_req_ids
+                   for scheduler in self.schedulers) or any(
             engine_id in sched.finished_req_ids for _, sched in self.in_flight)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -175,7 +177,7 @@ class LLMEngine:
         async scheduling: until two batches are in flight)."""
         if self.async_scheduling:
             return self._submit_ahead()
-        busy = {id(sc) for sc, _ in self.in_flight}
+        busy = {id(scheduler) for scheduler, _ in self.in_flight}
         for scheduler in self.schedulers:
             if id(scheduler) not in busy and scheduler.has_unfinished_requests():
                 sched = scheduler.schedule()
@@ -187,14 +189,14 @@ class LLMEngine:
         first. Its decodes take their input tokens from the device (the first step's samples); the
         price is that a request stopped by the first step's token (EOS, a stop string) computes one
         token more, which is dropped."""
-        sc = self.scheduler
-        while len(self.in_flight) < 2 and sc.has_unfinished_requests():
-            sched = sc.schedule()
+        scheduler = self.scheduler
+        while len(self.in_flight) < 2 and scheduler.has_unfinished_requests():
+            sched = scheduler.schedule()
             if sched.is_empty and self.in_flight:   # every running request awaits its token
-                sc.finished_req_ids |= sched.finished_req_ids   # tell the workers with the next step
+                scheduler.finished_req_ids |= sched.finished_req_ids   # tell the workers with the next step
                 return
             self.executor.submit_execute(sched)
-            self.in_flight.append((sc, sched))
+            self.in_flight.append((scheduler, sched))
 
     def finish_step(self) -> list[RequestOutput]:
         """Collect the oldest batch in flight and turn its tokens into outputs."""
@@ -209,7 +211,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.in_flight) or any(sc.has_unfinished_requests() for sc in self.schedulers)
+        return bool(self.in_flight) or any(scheduler.has_unfinished_requests() for scheduler in self.schedulers)
 
     def finish_in_flight(self) -> list[RequestOutput]:
         """Collect every batch in flight (without submitting more): the workers are then idle, so
@@ -241,11 +243,12 @@ class LLMEngine:
             raise RuntimeError("steps are in flight: call finish_in_flight() first")
 
     def stats(self) -> EngineStats:
-        kvs = [sc.kv for sc in self.schedulers]
-        return EngineStats(sum(len(sc.running) for sc in self.schedulers),
-                           sum(len(sc.waiting) for sc in self.schedulers),
+        kvs = [scheduler.kv for scheduler in self.schedulers]
+        return EngineStats(sum(len(scheduler.running) for scheduler in self.schedulers),
+                           sum(len(scheduler.waiting) for scheduler in self.schedulers),
                            sum(kv.usage() for kv in kvs) / len(kvs), sum(kv.prefix_cache_queries for kv in kvs),
-                           sum(kv.prefix_cache_hits for kv in kvs), sum(sc.num_preemptions for sc in self.schedulers))
+                           sum(kv.prefix_cache_hits for kv in kvs),
+                           sum(scheduler.num_preemptions for scheduler in self.schedulers))
 
     def check_health(self) -> None:
         self.executor.check_health()

@@ -52,22 +52,22 @@ def free_port() -> int:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
                  show_progress: bool = True, replica: int = 0) -> None:
-        pc = config.parallel_config
-        startup_timeout_s = pc.distributed_timeout_s
-        self.world_size = pc.world_size
+        parallel_config = config.parallel_config
+        startup_timeout_s = parallel_config.distributed_timeout_s
+        self.world_size = parallel_config.world_size
         first_device = replica * self.world_size
-        self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
-        if pc.nnodes > 1 and pc.data_parallel_size > 1:
+        self.output_rank = (parallel_config.pipeline_parallel_size - 1) * parallel_config.tensor_parallel_size
+        if parallel_config.nnodes > 1 and parallel_config.data_parallel_size > 1:
             raise ValueError("data parallelism across nodes is not supported; use tensor/pipeline parallelism")
-        per_node = pc.ranks_per_node
+        per_node = parallel_config.ranks_per_node
         self._store = None
-        if pc.nnodes > 1:   # remote ranks dial in to the engine at master_port + 1
-            init_method = f"tcp://{pc.master_addr}:{pc.master_port}"
-            address, authkey = (pc.master_addr, pc.master_port + 1), cluster_key()
+        if parallel_config.nnodes > 1:   # remote ranks dial in to the engine at master_port + 1
+            init_method = f"tcp://{parallel_config.master_addr}:{parallel_config.master_port}"
+            address, authkey = (parallel_config.master_addr, parallel_config.master_port + 1), cluster_key()
         else:   # the engine hosts the ranks' rendezvous store for as long as they run
             self._store, init_method = host_store(self.world_size, startup_timeout_s)
             address, authkey = ("127.0.0.1", 0), secrets.token_bytes(16)
-        procs_total = per_node * pc.data_parallel_size
+        procs_total = per_node * parallel_config.data_parallel_size
         threads = max(1, (os.cpu_count() or 1) // procs_total) if config.device.type == "cpu" else 1
         self.procs: dict[int, subprocess.Popen] = {}   # local ranks only
         self.conns: list[Connection] = []
@@ -78,7 +78,7 @@ class MultiprocExecutor(Executor):
             try:
                 by_rank: dict[int, Connection] = {}
                 while len(by_rank) < self.world_size:
-                    conn = self._accept(listener, startup_timeout_s, pc, sorted(by_rank))
+                    conn = self._accept(listener, startup_timeout_s, parallel_config, sorted(by_rank))
                     rank = conn.recv()
                     if not isinstance(rank, int) or not 0 <= rank < self.world_size or rank in by_rank:
                         conn.close()   # not one of ours, or a rank already taken
@@ -94,7 +94,7 @@ class MultiprocExecutor(Executor):
                 self.shutdown()
                 raise
 
-    def _accept(self, listener: Listener, timeout_s: float, pc, connected: list[int]) -> Connection:
+    def _accept(self, listener: Listener, timeout_s: float, parallel_config, connected: list[int]) -> Connection:
         """accept() that gives up if a local worker dies first or the deadline passes."""
         sock = listener._listener._socket
         deadline = time.monotonic() + timeout_s
@@ -111,8 +111,9 @@ class MultiprocExecutor(Executor):
                     raise TimeoutError(
                         f"worker ranks {missing} did not connect to the engine at {listener.address[0]}:"
                         f"{listener.address[1]} within {timeout_s:.0f} s" + (
-                            f"; start the other nodes with `shardserve worker --nnodes {pc.nnodes} --node-rank N "
-                            f"--master-addr {pc.master_addr} --master-port {pc.master_port}`" if pc.nnodes > 1 else ""))
+                            f"; start the other nodes with `shardserve worker --nnodes {parallel_config.nnodes} "
+                            f"--node-rank N --master-addr {parallel_config.master_addr} "
+                            f"--master-port {parallel_config.master_port}`" if parallel_config.nnodes > 1 else ""))
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout_s: float | None = None) -> list[Any]:

@@ -53,9 +53,9 @@ class RayExecutor(Executor):
             raise ImportError("distributed_executor_backend='ray' needs Ray: pip install ray") from e
         self._ray = ray
         self._in_flight: deque[list] = deque()
-        pc = config.parallel_config
-        self.world_size = pc.world_size
-        self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        parallel_config = config.parallel_config
+        self.world_size = parallel_config.world_size
+        self.output_rank = (parallel_config.pipeline_parallel_size - 1) * parallel_config.tensor_parallel_size
         if not ray.is_initialized():
             ray.init(address="auto", log_to_driver=False)
         gpu = config.device.type == "cuda"
@@ -71,9 +71,9 @@ class RayExecutor(Executor):
         ray = self._ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        pc = config.parallel_config
+        parallel_config = config.parallel_config
         self.pg = placement_group([bundle] * self.world_size, strategy="PACK")
-        ray.get(self.pg.ready(), timeout=pc.distributed_timeout_s)
+        ray.get(self.pg.ready(), timeout=parallel_config.distributed_timeout_s)
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(_RayWorker)
         actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=self.pg, placement_group_bundle_index=i)).remote() for i in range(self.world_size)]
@@ -82,10 +82,11 @@ class RayExecutor(Executor):
         order = sorted(range(self.world_size), key=lambda i: ips[i])
         self.actors = [actors[i] for i in order]
         ips = [ips[i] for i in order]
-        init_method = ray.get(self.actors[0].host_store.remote(self.world_size, ips[0], pc.distributed_timeout_s))
+        init_method = ray.get(self.actors[0].host_store.remote(self.world_size, ips[0],
+                                                               parallel_config.distributed_timeout_s))
         # Ray gives each actor exactly one GPU through CUDA_VISIBLE_DEVICES: it is always cuda:0.
         self._get([a.start.remote(config, r, 0, init_method, eos_token_ids, show_progress and r == self.output_rank, 1)
-                   for r, a in enumerate(self.actors)], pc.distributed_timeout_s)
+                   for r, a in enumerate(self.actors)], parallel_config.distributed_timeout_s)
         self.collective_rpc("load_model")
 
     def _get(self, refs: list, timeout_s: float | None = None) -> list[Any]:

@@ -10,6 +10,7 @@ from torch import nn
 from shardserve.distributed.comm import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from shardserve.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from shardserve.layers.linear import linear
+from shardserve.utils import cdiv
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -20,7 +21,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.num_embeddings = num_embeddings
-        self.per_rank = -(-num_embeddings // self.tp_size)
+        self.per_rank = cdiv(num_embeddings, self.tp_size)
         self.vocab_start = self.tp_rank * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader

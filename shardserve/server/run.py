@@ -62,10 +62,10 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
     engine = create_engine(engine_args)
     async_engine = AsyncLLMEngine(engine)
     try:
-        mc = engine.config.model_config
-        model_dir = mc.model if os.path.isdir(mc.model) else os.path.dirname(mc.model)
-        settings = ServerSettings(served_model_name or engine_args.model or DEFAULT_MODEL_NAME, mc.max_model_len,
-                                  max_log_len, max_queue_len, template,
+        model_config = engine.config.model_config
+        model_dir = model_config.model if os.path.isdir(model_config.model) else os.path.dirname(model_config.model)
+        settings = ServerSettings(served_model_name or engine_args.model or DEFAULT_MODEL_NAME,
+                                  model_config.max_model_len, max_log_len, max_queue_len, template,
                                   generation_defaults(generation_config, model_dir))
         app = build_app(async_engine, settings, api_key)
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", settings.served_model_name, host, port)

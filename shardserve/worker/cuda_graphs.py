@@ -87,10 +87,11 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         before, t0 = torch.cuda.memory_allocated(device), time.perf_counter()
         side = torch.cuda.Stream(device)   # one warm-up stream: its cached memory is shared by all sizes
-        for bs in reversed(self.sizes):   # largest first: the smaller graphs reuse its memory
-            md = decode_metadata(self.tokens.slots[:bs], self.block_tables[:bs], self.seq_lens[:bs], block_size)
-            self.graphs[bs], self.outputs[bs] = self.tokens.capture(model, bs, AttentionContext(backend, md), side,
-                                                                    pool, stream)
+        for batch in reversed(self.sizes):   # largest first: the smaller graphs reuse its memory
+            md = decode_metadata(self.tokens.slots[:batch], self.block_tables[:batch], self.seq_lens[:batch],
+                                 block_size)
+            self.graphs[batch], self.outputs[batch] = self.tokens.capture(model, batch, AttentionContext(backend, md),
+                                                                          side, pool, stream)
         logger.info("CUDA graphs captured for decode batches %s (%.2f GiB, %.1f s)", self.sizes,
                     (torch.cuda.memory_allocated(device) - before) / 2**30, time.perf_counter() - t0)
 
@@ -101,11 +102,11 @@ class DecodeGraphs:
             block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Hidden states of a decode-only batch (one token per request)."""
         b = input_ids.shape[0]
-        bs = next(s for s in self.sizes if s >= b)
-        self.tokens.load(input_ids, positions, slots, bs)
-        self.block_tables[:bs].zero_()
+        batch = next(s for s in self.sizes if s >= b)
+        self.tokens.load(input_ids, positions, slots, batch)
+        self.block_tables[:batch].zero_()
         self.block_tables[:b, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
-        self.seq_lens[b:bs].fill_(1)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:b]
+        self.seq_lens[b:batch].fill_(1)
+        self.graphs[batch].replay()
+        return self.outputs[batch][:b]

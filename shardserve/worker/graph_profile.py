@@ -43,12 +43,12 @@ def graph_call_ms(fn, calls: int, replays: int = 10, warmups: int = 2) -> float:
 def profile_decode_graph(graphs, batch_size: int, context: int = 256, replays: int = 20) -> dict[str, Any]:
     if graphs is None:
         raise RuntimeError("no decode graphs on this rank (CPU, --enforce-eager, or pipeline parallelism)")
-    bs = next(s for s in graphs.sizes if s >= batch_size)
-    graph = graphs.graphs[bs]
+    batch = next(s for s in graphs.sizes if s >= batch_size)
+    graph = graphs.graphs[batch]
     with torch.inference_mode():
-        graphs.seq_lens[:bs].fill_(context)
-        graphs.tokens.slots[:bs].fill_(graphs.tokens.scratch_slot)
-        graphs.block_tables[:bs].zero_()
+        graphs.seq_lens[:batch].fill_(context)
+        graphs.tokens.slots[:batch].fill_(graphs.tokens.scratch_slot)
+        graphs.block_tables[:batch].zero_()
     try:
         ms = replay_ms(graph, replays)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -57,9 +57,9 @@ def profile_decode_graph(graphs, batch_size: int, context: int = 256, replays: i
             torch.cuda.synchronize()
     finally:
         with torch.inference_mode():
-            graphs.seq_lens[:bs].fill_(1)
+            graphs.seq_lens[:batch].fill_(1)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     kernels = sorted(((e.key, e.device_time_total / 10 / 1000, e.count // 10) for e in events), key=lambda k: -k[1])
-    return {"graph_batch": bs, "context": context, "replay_ms": ms,
+    return {"graph_batch": batch, "context": context, "replay_ms": ms,
             "kernels_per_replay": sum(k[2] for k in kernels), "kernel_ms": sum(k[1] for k in kernels),
             "kernels": [{"name": n, "ms": ms, "count": c} for n, ms, c in kernels]}

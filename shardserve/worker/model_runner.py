@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -17,18 +17,14 @@ from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
 from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
 from shardserve.models.loader import load_model
 from shardserve.transfer import to_device
-from shardserve.worker.cuda_graphs import DecodeGraphs
+from shardserve.utils import cdiv
+from shardserve.worker import kv_sizing
 from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
 from shardserve.worker.sampling_inputs import build_sampling_metadata
+from shardserve.worker.step_graphs import StepGraphs
 from shardserve.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
-if TYPE_CHECKING:
-    from shardserve.worker.piecewise_graphs import PiecewiseGraphs
-    from shardserve.worker.prefill_graphs import PrefillGraphs
-
 logger = logging.getLogger(__name__)
-DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3   # vLLM's CPU backend default (VLLM_CPU_KVCACHE_SPACE=4)
-GRAPH_MEMORY_RESERVE = 2 * 1024**3         # kept out of the KV pool for CUDA-graph capture
 
 
 def _rows_to_lists(ids: torch.Tensor, lps: torch.Tensor, ranks: torch.Tensor, k: int):
@@ -54,7 +50,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
                  show_progress: bool = True) -> None:
         self.config = config
-        self.mc = config.model_config
+        self.model_config = config.model_config
         self.device = config.device
         self.block_size = config.cache_config.block_size
         self.eos_token_ids = eos_token_ids
@@ -65,13 +61,11 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []   # one per attention layer (views of kv_pools)
         self.kv_pools: list[torch.Tensor] = []    # what was allocated: all layers' caches in one where it can
-        self._cuda_baseline = 0                   # bytes the GPU held before the model loaded (load_model)
-        self.graphs: DecodeGraphs | None = None
-        self.prefill_graphs: PrefillGraphs | None = None
-        self.piecewise_graphs: PiecewiseGraphs | None = None
+        self.cuda_baseline = 0                   # bytes the GPU held before the model loaded (load_model)
+        self.graphs: StepGraphs | None = None   # CUDA graphs of every kind, where steps replay them
         # The cache holds what attention multiplies: the compute dtype (fp32 where a CPU lacks
         # bf16 units; converting every gathered block each step would cost more than it saves).
-        self.kv_cache_dtype = self.mc.compute_dtype
+        self.kv_cache_dtype = self.model_config.compute_dtype
         # The last step's sampled tokens, on the device, by request: async scheduling runs the next
         # step before they reach the scheduler, so its inputs take them from here.
         self.prev_sampled: torch.Tensor | None = None
@@ -83,10 +77,11 @@ class ModelRunner:
     def load_model(self) -> None:
         if self.device.type == "cuda":   # what the device holds before us: other processes, our context
             free, total = torch.cuda.mem_get_info(self.device)
-            self._cuda_baseline = total - free - torch.cuda.memory_reserved(self.device)
-        self.model = load_model(self.mc.model, self.mc.hf_config, self.mc.dtype, self.device,
-                                show_progress=self.show_progress, compute_dtype=self.mc.compute_dtype,
-                                load_format=self.mc.load_format)
+            self.cuda_baseline = total - free - torch.cuda.memory_reserved(self.device)
+        model_config = self.model_config
+        self.model = load_model(model_config.model, model_config.hf_config, model_config.dtype, self.device,
+                                show_progress=self.show_progress, compute_dtype=model_config.compute_dtype,
+                                load_format=model_config.load_format)
         if self.device.type == "cpu":
             self._use_native_cpu_kernels()
         elif self.device.type == "cuda" and CudaAttentionBackend.supports(self.model.attention_layers()[0].spec,
@@ -101,7 +96,7 @@ class ModelRunner:
         fp32 pool in place either way."""
         if not cpu_ops.available():
             return
-        dtype, compute = self.mc.dtype, self.mc.compute_dtype
+        dtype, compute = self.model_config.dtype, self.model_config.compute_dtype
         if compute == torch.float32:
             n = cpu_ops.pack_weights(self.model, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
             logger.debug("CPU: %d weight matrices packed for the native kernel", n)
@@ -113,77 +108,31 @@ class ModelRunner:
             self.backend, self.kv_cache_dtype = CpuNativeAttentionBackend(), kv_dtype
 
     def kv_bytes_per_block(self) -> int:
-        layers = self.model.attention_layers()
-        spec = layers[0].spec
-        elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return 2 * len(layers) * self.block_size * spec.num_kv_heads * spec.head_dim * elem
+        return kv_sizing.kv_bytes_per_block(self.model, self.block_size, self.kv_cache_dtype)
 
     def determine_num_blocks(self) -> int:
-        cc = self.config.cache_config
-        if cc.num_gpu_blocks_override:
-            return cc.num_gpu_blocks_override
-        if self.device.type == "cuda" and cc.kv_cache_memory is None:
-            budget = self._profile_cuda_kv_budget()
-        else:
-            budget = cc.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
-        return budget // self.kv_bytes_per_block()
+        return kv_sizing.determine_num_blocks(self)
 
-    def _profile_cuda_kv_budget(self) -> int:
-        """Run the largest step the scheduler may issue, then give the KV pool what is left of
-        gpu_memory_utilization x total memory. As in vLLM, that share is this instance's own: other
-        processes on the GPU do not count against it, only against what is really free."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        sc = self.config.scheduler_config
-        n = sc.max_num_batched_tokens
-        blocks = -(-min(n, sc.max_model_len) // self.block_size)
-        self.initialize_kv_cache(blocks * max(1, -(-n // sc.max_model_len)) + 1, capture_graphs=False)
-        self._dummy_run(n, sc.max_model_len, sc.max_num_seqs)
-        torch.cuda.synchronize(self.device)
-        self._release_kv_cache()
-        torch.cuda.empty_cache()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        # Memory outside torch's allocator that loading and the step added (cuBLAS/NCCL workspaces).
-        own_non_torch = max(total - free - torch.cuda.memory_reserved(self.device) - self._cuda_baseline, 0)
-        utilization = self.config.cache_config.gpu_memory_utilization
-        share = int(total * utilization) - peak - own_non_torch
-        # Steps take their activations back up to the peak beside the pool.
-        really_free = free - (peak - torch.cuda.memory_allocated(self.device))
-        if really_free < share:
-            logger.warning("other processes hold %.1f GiB of %s: the KV cache gets the %.1f GiB really free, not "
-                           "the %.1f GiB gpu_memory_utilization=%s leaves", self._cuda_baseline / 2**30, self.device,
-                           max(really_free, 0) / 2**30, share / 2**30, utilization)
-        budget = min(share, really_free)
-        if self._wants_graphs():   # decode graphs are captured after the pool is allocated
-            budget -= GRAPH_MEMORY_RESERVE
-        if budget <= 0:
-            raise RuntimeError(
-                f"no GPU memory left for the KV cache on {self.device}: weights and activations peak at "
-                f"{peak / 2**30:.1f} GiB, {max(really_free, 0) / 2**30:.1f} GiB is free beside them, of "
-                f"{total / 2**30:.1f} GiB x gpu_memory_utilization={utilization}; raise "
-                "--gpu-memory-utilization, lower --max-num-batched-tokens, free the GPU, or shard the model")
-        return budget
-
-    def _dummy_run(self, num_tokens: int, max_model_len: int, max_num_seqs: int) -> None:
+    def dummy_run(self, num_tokens: int, max_model_len: int, max_num_seqs: int) -> None:
         from shardserve.sampling_params import SamplingParams
         from shardserve.worker.step_io import NewRequestData, SchedulerOutput
         sched = SchedulerOutput()
         remaining, block = num_tokens, 1
         while remaining > 0:
             n = min(remaining, max_model_len)
-            nblocks = -(-n // self.block_size)
+            num_blocks = cdiv(n, self.block_size)
             req_id = f"_profile_{len(sched.scheduled_new_reqs)}"
-            sched.scheduled_new_reqs.append(NewRequestData(req_id, [0] * n, n, SamplingParams(max_tokens=1),
-                                                           list(range(block, block + nblocks)), 0))
+            sched.scheduled_new_reqs.append(NewRequestData(
+                req_id=req_id, token_ids=[0] * n, num_prompt_tokens=n, sampling_params=SamplingParams(max_tokens=1),
+                block_ids=list(range(block, block + num_blocks)), num_computed_tokens=0))
             sched.num_scheduled_tokens[req_id] = n
-            block += nblocks
+            block += num_blocks
             remaining -= n
         sched.total_num_scheduled_tokens = num_tokens
         self.execute_model(sched)
         # The sampler's largest batch, with every option that allocates: sort for top-k/top-p,
         # penalty tensors and logprobs.
-        n, vocab = max_num_seqs, self.mc.vocab_size
+        n, vocab = max_num_seqs, self.model_config.vocab_size
         logits = torch.randn(n, vocab, device=self.device)
         column = torch.ones(n, device=self.device)
         md = SamplingMetadata(temperature=column, greedy=torch.zeros(n, dtype=torch.bool, device=self.device),
@@ -191,7 +140,8 @@ class ModelRunner:
                               presence_penalty=column, frequency_penalty=column, repetition_penalty=column * 1.1,
                               output_token_counts=torch.zeros(n, vocab, device=self.device),
                               prompt_token_mask=torch.zeros(n, vocab, dtype=torch.bool, device=self.device),
-                              num_logprobs=self.mc.max_logprobs if self.mc.max_logprobs >= 0 else vocab)
+                              num_logprobs=(self.model_config.max_logprobs if self.model_config.max_logprobs >= 0
+                                            else vocab))
         self.sampler(logits, md)
         del logits, md
         sched = SchedulerOutput(finished_req_ids=set(sched.num_scheduled_tokens))
@@ -207,36 +157,40 @@ class ModelRunner:
         holds any block yet), then zeroed again."""
         from shardserve.sampling_params import SamplingParams
         from shardserve.worker.step_io import CachedRequestData, NewRequestData, SchedulerOutput
-        bs = self.block_size
-        if self.config.scheduler_config.max_model_len < bs + 2 or self.kv_caches[0].shape[-3] < 4:   # blocks 1-3
+        block_size = self.block_size
+        if self.config.scheduler_config.max_model_len < block_size + 2 or self.kv_caches[0].shape[-3] < 4:
             return
         params = SamplingParams(temperature=0, max_tokens=2)   # greedy: the argmax kernels too
-        prompt = NewRequestData("_warm_0", [0] * (bs + 1), bs + 1, params, [1, 2], 0)
-        first = SchedulerOutput(scheduled_new_reqs=[prompt], num_scheduled_tokens={"_warm_0": bs + 1},
-                                total_num_scheduled_tokens=bs + 1)
+        prompt = NewRequestData(req_id="_warm_0", token_ids=[0] * (block_size + 1), num_prompt_tokens=block_size + 1,
+                                sampling_params=params, block_ids=[1, 2], num_computed_tokens=0)
+        first = SchedulerOutput(scheduled_new_reqs=[prompt], num_scheduled_tokens={"_warm_0": block_size + 1},
+                                total_num_scheduled_tokens=block_size + 1)
         self.execute_model(first)
-        mixed = SchedulerOutput(scheduled_new_reqs=[NewRequestData("_warm_1", [0, 0], 2, params, [3], 0)],
-                                scheduled_cached_reqs=[CachedRequestData("_warm_0", [0], [], bs + 1)],
+        second = NewRequestData(req_id="_warm_1", token_ids=[0, 0], num_prompt_tokens=2, sampling_params=params,
+                                block_ids=[3], num_computed_tokens=0)
+        decode = CachedRequestData(req_id="_warm_0", new_token_ids=[0], new_block_ids=[],
+                                   num_computed_tokens=block_size + 1)
+        mixed = SchedulerOutput(scheduled_new_reqs=[second], scheduled_cached_reqs=[decode],
                                 num_scheduled_tokens={"_warm_0": 1, "_warm_1": 2}, total_num_scheduled_tokens=3)
         self.execute_model(mixed)
         update_states(self.states, SchedulerOutput(finished_req_ids={"_warm_0", "_warm_1"}))
         self._zero_blocks([1, 2, 3])   # the pool as it was allocated
 
-    def _wants_graphs(self) -> bool:
+    def wants_graphs(self) -> bool:
         parallel = self.config.parallel_config
-        return (self.device.type == "cuda" and not self.mc.enforce_eager
+        return (self.device.type == "cuda" and not self.model_config.enforce_eager
                 and isinstance(self.backend, CudaAttentionBackend)
                 and parallel.pipeline_parallel_size == 1)   # TP all-reduces (NCCL) are captured inside
 
-    def _release_kv_cache(self) -> None:
+    def release_kv_cache(self) -> None:
         self.kv_caches, self.kv_pools = [], []
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.empty(0)
 
     def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
-        self._release_kv_cache()   # a previous pool goes before the new one is allocated
-        self.graphs, self.prefill_graphs, self.piecewise_graphs = None, None, None
-        graphs = capture_graphs and self._wants_graphs()
+        self.release_kv_cache()   # a previous pool goes before the new one is allocated
+        self.graphs = None
+        graphs = capture_graphs and self.wants_graphs()
         pool_blocks = num_blocks + 1 if graphs else num_blocks   # + a scratch block for graph padding rows
         layers = self.model.attention_layers()
         shapes = [self.backend.kv_cache_shape(pool_blocks, self.block_size, layer.spec.num_kv_heads,
@@ -252,22 +206,8 @@ class ModelRunner:
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
         if graphs:
-            sc = self.config.scheduler_config
-            max_blocks, scratch = -(-sc.max_model_len // self.block_size), num_blocks * self.block_size
-            # One memory pool, captured on one stream (a pool's blocks belong to a stream): one graph
-            # replays at a time, so they can share their intermediate memory.
-            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
-            self.graphs = DecodeGraphs(self.model, self.backend, self.device, sc.max_num_seqs, max_blocks,
-                                       self.block_size, scratch, pool, stream)
-            if self.mc.prefill_graphs:
-                from shardserve.worker.prefill_graphs import PrefillGraphs  # imports Triton
-                self.prefill_graphs = PrefillGraphs(self.model, self.backend, self.device, sc.max_num_batched_tokens,
-                                                    max_blocks, self.block_size, scratch, pool, stream)
-            if self.mc.piecewise_graphs:
-                from shardserve.worker.piecewise_graphs import PiecewiseGraphs
-                self.piecewise_graphs = PiecewiseGraphs(self.model, self.backend, self.device,
-                                                        sc.max_num_batched_tokens, self.block_size, scratch, pool,
-                                                        stream)
+            self.graphs = StepGraphs(self.model, self.backend, self.device, self.model_config,
+                                     self.config.scheduler_config, self.block_size, num_blocks)
         if capture_graphs and isinstance(self.backend, CudaAttentionBackend):   # the pool in service
             self._warm_up_mixed_step()
 
@@ -289,19 +229,11 @@ class ModelRunner:
         pp = get_pp_group()
         intermediate = None
         if not pp.is_first:   # activations from the previous stage: [tokens, hidden] twice
-            shape = (sched.total_num_scheduled_tokens, self.mc.hf_config["hidden_size"])
-            intermediate = tuple(pp_recv_prev([shape, shape], self.mc.compute_dtype, self.device))
-        attn = inputs.attn
-        if (self.graphs is not None and attn.num_decodes == len(inputs.req_ids)
-                and self.graphs.fits(attn.num_decodes)):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, attn.slot_mapping, attn.block_tables,
-                                     inputs.seq_lens)
-        elif self.prefill_graphs is not None and self.prefill_graphs.fits(attn):
-            hidden = self.prefill_graphs.run(inputs.input_ids, inputs.positions, attn)
-        elif self.piecewise_graphs is not None and self.piecewise_graphs.fits(attn):
-            hidden = self.piecewise_graphs.run(inputs.input_ids, inputs.positions, attn)
-        else:
-            ctx = AttentionContext(self.backend, self.backend.build(attn, self.device))
+            shape = (sched.total_num_scheduled_tokens, self.model_config.hf_config["hidden_size"])
+            intermediate = tuple(pp_recv_prev([shape, shape], self.model_config.compute_dtype, self.device))
+        hidden = self.graphs.try_run(inputs) if self.graphs is not None else None
+        if hidden is None:
+            ctx = AttentionContext(self.backend, self.backend.build(inputs.attn, self.device))
             hidden = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)
         if not pp.is_last:
             pp_send_next(list(hidden))
@@ -317,8 +249,8 @@ class ModelRunner:
                 self._remember_samples(inputs.sample_req_ids, torch.empty(len(states), dtype=torch.long,
                                                                           device=self.device))
             return PendingOutput(out)
-        md = build_sampling_metadata(states, inputs.outputs_before_sample, self.mc.vocab_size, self.eos_token_ids,
-                                     self.device, self._pending_tokens(inputs, states, in_flight))
+        md = build_sampling_metadata(states, inputs.outputs_before_sample, self.model_config.vocab_size,
+                                     self.eos_token_ids, self.device, self._pending_tokens(inputs, states, in_flight))
         sampled, lp_rows = self.sampler(logits, md)
         self._remember_samples(inputs.sample_req_ids, sampled)
         return self._pending_output(out, inputs.sample_req_ids, states, sampled, lp_rows)

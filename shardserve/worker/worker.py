@@ -20,16 +20,16 @@ class Worker:
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
                  show_progress: bool = True, rank: int = 0, local_rank: int = 0,
                  init_method: str | None = None) -> None:
-        pc = config.parallel_config
+        parallel_config = config.parallel_config
         if config.device.type == "cuda":
             config = replace(config, device=torch.device("cuda", local_rank))
             torch.cuda.set_device(config.device)
         self.config = config
         self.rank = rank
-        if pc.world_size > 1:
-            set_pp_partition(pc.pp_layer_partition)
-            init_distributed(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
-                             config.device, pc.distributed_timeout_s)
+        if parallel_config.world_size > 1:
+            set_pp_partition(parallel_config.pp_layer_partition)
+            init_distributed(rank, parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size,
+                             init_method, config.device, parallel_config.distributed_timeout_s)
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, eos_token_ids, show_progress)
         self.profiler = StepProfiler(rank, config.device)
@@ -61,7 +61,8 @@ class Worker:
     def profile_decode_graph(self, batch_size: int, context: int = 256) -> dict:
         """The decode graph for batch_size replayed alone: its time and kernels (worker/graph_profile.py)."""
         from shardserve.worker.graph_profile import profile_decode_graph
-        return profile_decode_graph(self.model_runner.graphs, batch_size, context)
+        graphs = self.model_runner.graphs
+        return profile_decode_graph(graphs.decode if graphs is not None else None, batch_size, context)
 
     def start_profile(self, directory: str) -> None:
         self.profiler.start(directory)

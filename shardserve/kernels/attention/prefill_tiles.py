@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from shardserve.transfer import to_device
+from shardserve.utils import cdiv
 
 BLOCK_M = 64   # queries per tile (the kernel's BLOCK_M)
 
@@ -52,5 +53,5 @@ def max_tiles(num_tokens: int, num_reqs: int) -> int:
 def build_prefill_tiles(token_starts: list[int], query_lens: list[int], context_lens: list[int],
                         block_tables: torch.Tensor, device: torch.device) -> PrefillTiles:
     data = tiles_data(token_starts, query_lens, context_lens)
-    num_tiles = sum(-(-n // BLOCK_M) for n in query_lens)
+    num_tiles = sum(cdiv(n, BLOCK_M) for n in query_lens)
     return PrefillTiles(to_device(data, torch.int32, device), num_tiles, len(query_lens), block_tables)

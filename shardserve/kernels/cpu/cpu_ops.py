@@ -22,6 +22,7 @@ import tempfile
 import torch
 
 from shardserve.config import cpu_flags
+from shardserve.utils import cdiv
 
 logger = logging.getLogger("shardserve")
 
@@ -94,7 +95,7 @@ def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> to
     """[N, K] -> panels [ceil(N / 16), K, 16] of `dtype` (bf16 or fp32; the layout linear_packed
     reads, see cpu_ops.c), rows past N zero. The result remembers N as `.out_features`."""
     n, k = weight.shape
-    padded = torch.zeros(-(-n // 16) * 16, k, dtype=dtype)
+    padded = torch.zeros(cdiv(n, 16) * 16, k, dtype=dtype)
     padded[:n] = weight
     packed = torch.nn.Parameter(padded.view(-1, 16, k).transpose(1, 2).contiguous(), requires_grad=False)
     packed.out_features = n

@@ -20,6 +20,7 @@ import os
 import torch
 
 from shardserve.kernels import pdl
+from shardserve.utils import cdiv
 
 MAX_ROWS = 16   # one tensor-core tile of activation rows; larger batches go to cuBLAS
 ENABLED = os.environ.get("SHARDSERVE_TRITON_GEMV", "1") != "0"   # off: cuBLAS everywhere (for A/B runs)
@@ -99,7 +100,7 @@ def _tiles(n: int, k: int, gated: bool) -> tuple[int, int]:
 def programs(weight: torch.Tensor, gated: bool = False, block_n: int | None = None) -> int:
     """How many programs gemv() runs for this weight (one per strip of output features)."""
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    return -(-n // (block_n or _tiles(n, weight.shape[1], gated)[0]))
+    return cdiv(n, block_n or _tiles(n, weight.shape[1], gated)[0])
 
 
 def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from shardserve.layers.attention.backend import AttentionBackend, AttentionSpec, CommonAttentionMetadata
+from shardserve.utils import cdiv
 
 
 @dataclass
@@ -65,13 +66,13 @@ _GROUP_MIN = 16   # below this many decodes one padded batch is cheapest
 
 def _decode_group(common: CommonAttentionMetadata, rows: list[int], device: torch.device,
                   all_rows: bool) -> _DecodeGroup:
-    bs = common.block_size
+    block_size = common.block_size
     lens_list = [common.seq_lens[r] for r in rows]
-    max_blocks = -(-max(lens_list) // bs)
+    max_blocks = cdiv(max(lens_list), block_size)
     index = torch.tensor(rows, device=device)
     blocks = common.block_tables[:, :max_blocks].index_select(0, index).long().reshape(-1)
     lens = torch.tensor(lens_list, device=device)
-    valid = torch.arange(max_blocks * bs, device=device).unsqueeze(0) < lens.unsqueeze(1)
+    valid = torch.arange(max_blocks * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1)
     return _DecodeGroup(None if all_rows else index, blocks, valid, lens - 1)
 
 
@@ -89,18 +90,18 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache.index_fill_(kv_cache.dim() - 3, block_ids, 0.0)   # [..., blocks, block_size, head_dim]
 
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> TorchAttentionMetadata:
-        bs = common.block_size
+        block_size = common.block_size
         d = common.num_decodes
         seq_lens = common.seq_lens
         prefills = []
         start = d
         for i in range(d, len(seq_lens)):
-            nblocks = -(-seq_lens[i] // bs)
+            nblocks = cdiv(seq_lens[i], block_size)
             prefills.append(_Prefill(start, common.query_lens[i], common.context_lens[i],
                                      common.block_tables[i, :nblocks]))
             start += common.query_lens[i]
         slots = common.slot_mapping
-        return TorchAttentionMetadata(slots, bs, d, self._build_decodes(common, device), prefills,
+        return TorchAttentionMetadata(slots, block_size, d, self._build_decodes(common, device), prefills,
                                       self._build_prefills(common, prefills, device) if prefills else None)
 
     def _build_prefills(self, common: CommonAttentionMetadata, prefills: list[_Prefill],
@@ -114,7 +115,7 @@ class TorchAttentionBackend(AttentionBackend):
         # Four length buckets: far less padding to gather when lengths differ.
         seq_lens = common.seq_lens
         order = sorted(range(d), key=lambda r: seq_lens[r])
-        size = -(-d // 4)
+        size = cdiv(d, 4)
         return [_decode_group(common, order[i:i + size], device, all_rows=False) for i in range(0, d, size)]
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -185,9 +186,9 @@ class TorchAttentionBackend(AttentionBackend):
 
 def _sequence(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
     """One sequence's keys (or values) as [Hk, length, D]."""
-    blocks = cache.index_select(1, block_ids)                # [Hk, n, bs, D]
-    hk, n, bs, dim = blocks.shape
-    return blocks.view(hk, n * bs, dim)[:, :length]
+    blocks = cache.index_select(1, block_ids)                # [Hk, n, block_size, D]
+    hk, n, block_size, dim = blocks.shape
+    return blocks.view(hk, n * block_size, dim)[:, :length]
 
 
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
