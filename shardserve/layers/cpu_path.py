@@ -32,7 +32,7 @@ NATIVE_HALF_SWITCH = "SHARDSERVE_CPU_NATIVE_HALF"
 @dataclass(frozen=True)
 class CpuPath:
     compute_dtype: torch.dtype   # activations, and the dtype torch's own ops compute in
-    native_kernels: bool         # the native kernels (layers/csrc/cpu_ops.c) are built and used
+    native_kernels: bool         # the native kernels (kernels/cpu/csrc/cpu_ops.c) are built and used
     reason: str                  # why, for the start-up log line
 
     def describe(self, dtype: torch.dtype) -> str:

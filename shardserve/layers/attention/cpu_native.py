@@ -1,4 +1,4 @@
-"""Paged attention on x86 CPUs through the native kernels in layers/csrc/cpu_ops.c.
+"""Paged attention on x86 CPUs through the native kernels in kernels/cpu/csrc/cpu_ops.c.
 
 Every new token (a decode, or one token of a prefill chunk) is one query that reads the keys and
 values at positions 0..its own through its request's block table, straight from the paged pool:
