@@ -4,8 +4,18 @@ Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` th
 this rank's slice, so a checkpoint tensor is read once and no rank ever holds the full matrix.
 - ColumnParallelLinear: output features split across TP ranks; no communication.
 - RowParallelLinear: input features split; partial sums all-reduced; bias added once, after it.
-- MergedColumnParallelLinear: several column layers fused into one matmul (gate_up_proj).
+- MergedColumnParallelLinear: several column layers fused into one matmul (gate_up_proj), with
+  the gated form `silu_and_mul(x)` for a [gate, up] pair.
 - QKVParallelLinear: q, k and v fused; KV heads are replicated when TP exceeds their count.
+
+Each layer picks its matmul kernel (`linear()`): packed native CPU panels, the Triton
+skinny-matmul for a few rows on CUDA, else F.linear. Models never call kernels themselves.
+
+Partial sums (the deferred TP reduction): `RowParallelLinear.forward(x, partial_sum=True)` returns
+this rank's unreduced output, and the RMSNorm that comes next takes it with `partial_sum=True` and
+all-reduces it there, in one kernel with the residual add and the norm where it can
+(distributed/fused_allreduce.py). The two calls of a pair always say the same; the model decides
+once per layer whether its pairs use it (`supports_partial_sum`: TP > 1 and no bias).
 """
 from __future__ import annotations
 
@@ -17,6 +27,7 @@ from shardserve.distributed.comm import partial_sum_matmul, tensor_model_paralle
 from shardserve.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from shardserve.kernels.cpu import cpu_ops
 from shardserve.kernels.gemv import triton_gemv
+from shardserve.layers.activation import silu_and_mul
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -38,7 +49,7 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except for weights packed for the native CPU kernel (cpu_ops.pack_weights) and
-    a few rows on CUDA (a weight-streaming Triton kernel, layers/triton_gemv.py)."""
+    a few rows on CUDA (a weight-streaming Triton kernel, kernels/gemv/triton_gemv.py)."""
     if weight.dim() == 3:
         return cpu_ops.linear_packed(x, weight, bias)
     if triton_gemv.handles(x, weight):
@@ -94,9 +105,17 @@ class RowParallelLinear(LinearBase):
             loaded = loaded.narrow(1, self.tp_rank * size, size)
         default_weight_loader(param, loaded)   # the bias is replicated
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        """reduce=False: this rank's partial sum, left for the next RMSNorm to all-reduce (no bias)."""
-        if not reduce:
+    @property
+    def supports_partial_sum(self) -> bool:
+        """Whether forward(x, partial_sum=True) is worth it and allowed: TP > 1 (else the sum is
+        already whole) and no bias (added once, after the reduction, so not to a partial sum)."""
+        return self.tp_size > 1 and self.bias is None
+
+    def forward(self, x: torch.Tensor, partial_sum: bool = False) -> torch.Tensor:
+        """x [tokens, input_size / TP] -> [tokens, output_size], all-reduced over TP with the bias.
+        partial_sum=True: this rank's partial sum instead (no bias), which the next RMSNorm must take
+        with partial_sum=True (the module docstring says why)."""
+        if partial_sum:
             assert self.bias is None, "a partial sum cannot take the bias (it is added once, after the reduction)"
             sent = partial_sum_matmul(x, self.weight)   # also sent to the peers, where the fused path runs
             return sent if sent is not None else linear(x, self.weight)
@@ -120,6 +139,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(per_rank[:shard_id])
         size = per_rank[shard_id]
         default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for a [gate, up] pair of equal sizes: [tokens, input_size] -> [tokens,
+        output_size / 2]. A few rows on CUDA (no bias): one Triton kernel for both matmuls and the
+        activation; otherwise this layer's matmul, then SiLU-and-mul."""
+        if self.bias is None and triton_gemv.handles(x, self.weight):
+            return triton_gemv.gemv(x, self.weight, gated=True)
+        return silu_and_mul(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -1,4 +1,8 @@
-"""RMSNorm computed in fp32, with the residual add fused into the same call (vLLM's shape)."""
+"""RMSNorm computed in fp32, with the residual add fused into the same call (vLLM's shape).
+
+With tensor parallelism the norm is also where a row-parallel layer's partial sum gets all-reduced
+(`partial_sum=True`, layers/linear.py's module docstring): the reduction, the residual add and the
+norm run as one kernel where distributed/fused_allreduce.py can, else one after the other."""
 from __future__ import annotations
 
 import torch
@@ -18,10 +22,11 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return reference.rms_norm(x, self.weight, self.eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: bool = False):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, partial_sum: bool = False):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual).
-        reduce: x is a TP rank's partial sum, all-reduced first (in the same kernel where it can)."""
-        if reduce and not comm.take_reduced(x):   # (the matmul that made x may have all-reduced it)
+        partial_sum: x is a TP rank's partial sum (RowParallelLinear(partial_sum=True)), all-reduced
+        first (in the same kernel where it can)."""
+        if partial_sum and not comm.take_reduced(x):   # (the matmul that made x may have all-reduced it)
             out = comm.fused_all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
             if out is not None:
                 return out, residual

@@ -1,18 +1,20 @@
 """Find, describe and load checkpoints: HF directories (config.json + safetensors shards) and GGUF
 files. Weights stream one tensor at a time into already-allocated parameters, so the full model is
-never held twice; a progress bar shows the load."""
+never held twice; a progress bar shows the load. `load_weights` routes checkpoint tensors to
+parameters for every model (fused q/k/v and gate/up, pipeline stages, tied embeddings)."""
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from shardserve.layers.linear import default_weight_loader
 from shardserve.models import gguf_loader
 from shardserve.models.registry import resolve_model_class
 
@@ -154,6 +156,54 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
                 p.fill_(1.0 if "norm" in name else 0.0)
 
 
+def _checkpoint_targets(model: nn.Module) -> Callable[[str], list[str]]:
+    return getattr(model, "checkpoint_targets", lambda checkpoint_name: [checkpoint_name])
+
+
+def _packed_name(name: str, packed_modules_mapping: dict[str, tuple[str, int | str]]) -> tuple[str, int | str | None]:
+    """(parameter name, shard id) for a checkpoint name: `...q_proj.weight` -> (`...qkv_proj.weight`, "q")."""
+    for fragment, (fused, shard_id) in packed_modules_mapping.items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{fused}."), shard_id
+    return name, None
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Feed checkpoint tensors (HF names) to the model's parameters, one at a time, through each
+    parameter's `weight_loader` (which also cuts out this rank's tensor-parallel shard).
+
+    The model says what only it knows:
+    - `packed_modules_mapping` (class attribute): checkpoint name fragment -> (fused parameter's
+      fragment, shard id), e.g. "q_proj" -> ("qkv_proj", "q"); the shard id tells the fused
+      parameter's weight_loader which slice the tensor fills.
+    - `checkpoint_targets(checkpoint_name) -> list[str]` (optional; default: the name itself): the
+      parameter names, before packing, that the tensor feeds on this pipeline stage; [] for a
+      tensor this stage does not hold or that is no parameter (also skipped unread, see load_model).
+    A parameter shared under two names (tied embeddings) is loaded through either. A tensor with no
+    parameter, or a parameter no tensor filled, is an error naming it."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed_modules_mapping = getattr(model, "packed_modules_mapping", {})
+    targets = _checkpoint_targets(model)
+    loaded: set[int] = set()   # ids of the parameters filled
+    for checkpoint_name, tensor in weights:
+        for target in targets(checkpoint_name):
+            name, shard_id = _packed_name(target, packed_modules_mapping)
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no matching parameter in "
+                                 f"{type(model).__name__}")
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            weight_loader(param, tensor.to(param.dtype), shard_id)
+            loaded.add(id(param))
+    missing: dict[int, str] = {}   # one name per parameter left empty
+    for name, param in params.items():
+        if id(param) not in loaded:
+            missing.setdefault(id(param), name)
+    if missing:
+        names = sorted(missing.values())
+        raise ValueError(f"checkpoint is missing {len(names)} tensors, e.g. {names[:5]}")
+
+
 def load_model(path: str, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device,
                show_progress: bool = True, compute_dtype: torch.dtype | None = None,
                load_format: str = "auto") -> nn.Module:
@@ -165,9 +215,10 @@ def load_model(path: str, hf_config: dict[str, Any], dtype: torch.dtype, device:
         return model
     # Tensors stay on the CPU until each parameter's weight_loader has cut out this rank's shard,
     # so no device ever holds a full matrix it does not own.
-    weights, total = iter_weights(path, hf_config, getattr(model, "wants_weight", lambda name: True))
+    targets = _checkpoint_targets(model)
+    weights, total = iter_weights(path, hf_config, lambda name: bool(targets(name)))
     bar = tqdm(weights, total=total, desc=f"Loading {os.path.basename(path.rstrip('/'))}", unit="tensor",
                disable=not show_progress, leave=False)
     with torch.no_grad():
-        model.load_weights((name, t.to(dtype=dtype) if t.is_floating_point() else t) for name, t in bar)
+        load_weights(model, ((name, t.to(dtype=dtype) if t.is_floating_point() else t) for name, t in bar))
     return model

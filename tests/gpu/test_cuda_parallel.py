@@ -148,10 +148,10 @@ def _fused_norm_worker(rank: int, init: str) -> None:
             h = norm(h, res, w) * (0.5 if rank == 0 else 0.25)
         return h
 
-    def matmul_then_norm(h, res, weight, norm):   # as a layer does: o_proj(reduce=False), then the norm
+    def matmul_then_norm(h, res, weight, norm):   # as a layer does: o_proj(partial_sum=True), then the norm
         part = comm.partial_sum_matmul(h, weight)
         assert part is not None, "the matmul takes a few bf16 rows"
-        out, res_after = norm(part, res, reduce=True)
+        out, res_after = norm(part, res, partial_sum=True)
         assert res_after is res
         return out
 
@@ -216,7 +216,7 @@ def test_fused_all_reduce_add_norm_matches_separate_kernels(monkeypatch):
     """All-reduce + residual add + RMSNorm in one kernel equals the one-shot all-reduce followed by
     the norm kernel bit for bit (rows 1/3/16, hidden 4096/5120/8192, a -0.0 in the input), eagerly
     and over 40 chained calls replayed from a CUDA graph; so does the matmul before it that
-    exchanges the partial sums itself (RowParallelLinear(reduce=False)), sending them or summing
+    exchanges the partial sums itself (RowParallelLinear(partial_sum=True)), sending them or summing
     them too."""
     import torch.multiprocessing as mp
 
