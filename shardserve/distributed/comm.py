@@ -88,7 +88,7 @@ def fused_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weigh
 
 
 def partial_sum_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """x @ weight^T for a row-parallel layer whose partial sum the next RMSNorm(reduce=True)
+    """x @ weight^T for a row-parallel layer whose partial sum the next RMSNorm(partial_sum=True)
     all-reduces: where the fused path runs, the matmul exchanges the sum's parts with the peers
     itself (fused_allreduce.AllReduceAddRMSNorm.matmul). None where it does not (use the plain matmul)."""
     return _FUSED_NORM.matmul(x, weight) if _FUSED_NORM is not None else None

@@ -113,8 +113,8 @@ class AllReduceAddRMSNorm:
         not be reduced again."""
         if self._sent is not None or self._reduced is not None:
             raise RuntimeError("a row-parallel matmul's output was exchanged with the TP peers but not "
-                               "handed to the norm (RowParallelLinear(reduce=False) output must go to "
-                               "RMSNorm(reduce=True) next)")
+                               "handed to the norm (RowParallelLinear(partial_sum=True) output must go to "
+                               "RMSNorm(partial_sum=True) next)")
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         sent = x is self._sent
