@@ -2,7 +2,7 @@
 
     python3 benchmarks/gemv_norm_variants.py [tp2]
 
-A stand-alone copy of layers/triton_gemv.py's loop (no bias, no TP exchange) with the norm done in
+A stand-alone copy of kernels/gemv/triton_gemv.py's loop (no bias, no TP exchange) with the norm done in
 one of several ways, on Llama-3-8B's qkv / gate_up / o / down shapes at TP=1 (or qkv and gate_up
 at TP=2 with `tp2`), one row:
   N0 no norm (the plain matmul)           N1 x^T x on the tensor cores + weighing x in the loop

@@ -1,5 +1,5 @@
 """Skinny linear layers (decode batches of 1..16 rows) on one GPU: the Triton weight-streaming kernel
-(layers/triton_gemv.py) against cuBLAS (F.linear), on the weight shapes of Llama-3-8B (TP 1 and 2)
+(kernels/gemv/triton_gemv.py) against cuBLAS (F.linear), on the weight shapes of Llama-3-8B (TP 1 and 2)
 and Llama-3-70B (TP 2), issue 6.
 
     python3 benchmarks/gemv_vs_cublas.py [--sweep] [--json out.json]

@@ -90,7 +90,7 @@ def compute_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> Lo
 
 def _plain_greedy(logits: torch.Tensor, md: SamplingMetadata) -> bool:
     """Every row takes its argmax of the raw logits, and nothing else is asked for: on CUDA that is
-    one Triton kernel pair (layers/triton_argmax.py) instead of a cast and torch's one-block argmax."""
+    one Triton kernel pair (kernels/argmax/triton_argmax.py) instead of a cast and torch's one-block argmax."""
     return (md.all_greedy and md.num_logprobs is None and md.blocked_tokens is None
             and md.output_token_counts is None and logits.dim() == 2 and triton_ops.handles(logits))
 

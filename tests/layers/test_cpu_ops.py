@@ -1,4 +1,4 @@
-"""The native CPU kernels (layers/csrc/cpu_ops.c) against plain torch: the same numbers to fp32
+"""The native CPU kernels (kernels/cpu/csrc/cpu_ops.c) against plain torch: the same numbers to fp32
 rounding, bit-identical rows whatever the batch, and the engine giving the same tokens with and
 without them."""
 from __future__ import annotations

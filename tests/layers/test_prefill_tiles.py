@@ -1,4 +1,4 @@
-"""The prefill kernel's tile list (layers/attention/prefill_tiles.py), read back the way the kernel
+"""The prefill kernel's tile list (kernels/attention/prefill_tiles.py), read back the way the kernel
 reads it: every query of every chunk in exactly one real tile, padded lists (CUDA graphs) adding
 only tiles of a request with no queries, and max_tiles a tight bound."""
 from __future__ import annotations
