@@ -49,6 +49,8 @@ def add_parallel_args(parser: argparse.ArgumentParser, engine: bool = True) -> N
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages (default: 1)")
     if engine:
         g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas (default: 1)")
+        g.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                       help="MoE models: split whole experts over the TP ranks instead of slicing every expert")
         g.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None,
                        help="uni for one device, mp (default for more) or ray")
         g.add_argument("--pp-layer-partition", default=None,
@@ -70,6 +72,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
                       tensor_parallel_size=ns.tensor_parallel_size,
                       pipeline_parallel_size=ns.pipeline_parallel_size, data_parallel_size=ns.data_parallel_size,
+                      enable_expert_parallel=ns.enable_expert_parallel,
                       distributed_executor_backend=ns.distributed_executor_backend,
                       pp_layer_partition=[int(x) for x in ns.pp_layer_partition.split(",")]
                       if ns.pp_layer_partition else None,

@@ -149,6 +149,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False   # MoE experts split whole over TP (x DP) ranks, not sliced
     distributed_executor_backend: str | None = None   # None: uni for one device, else mp
     pp_layer_partition: tuple[int, ...] | None = None  # layers per pipeline stage
     distributed_timeout_s: float = 120.0               # rendezvous and collectives

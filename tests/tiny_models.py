@@ -28,6 +28,13 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
     "smollm2": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True,
                     num_attention_heads=6, num_key_value_heads=2, rope_theta=100000.0),
+    # Mixtures of experts: 8 experts, more than top-k picks per token, so routing matters.
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=32, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1]),
+    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4,
+                    num_experts_per_tok=2, intermediate_size=64, sliding_window=None),
+    "olmoe": dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], num_experts=8, num_experts_per_tok=3,
+                  intermediate_size=64, norm_topk_prob=False, clip_qkv=3.0),
 }
 
 

@@ -32,6 +32,7 @@ class GroupInfo:
 _TP = GroupInfo()
 _PP = GroupInfo()
 _WORLD = GroupInfo()
+_EP = GroupInfo()   # the ranks that split a MoE layer's experts; size 1 without expert parallelism
 _PP_PARTITION: tuple[int, ...] | None = None   # layers per stage; None = as even as possible
 
 
@@ -45,6 +46,10 @@ def get_pp_group() -> GroupInfo:
 
 def get_world_group() -> GroupInfo:
     return _WORLD
+
+
+def get_ep_group() -> GroupInfo:
+    return _EP
 
 
 def get_tensor_model_parallel_rank() -> int:
@@ -115,11 +120,12 @@ def _join_world(rank: int, world: int, init_method: str, device: torch.device, t
 
 
 def init_groups(rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device,
-                timeout_s: float = 120.0) -> None:
-    """Join the engine's process group and build the TP and PP groups. Every rank calls this
-    (through distributed/setup.py's init_distributed)."""
+                timeout_s: float = 120.0, enable_expert_parallel: bool = False) -> None:
+    """Join the engine's process group and build the TP and PP groups (and, with expert
+    parallelism, the EP group: the TP group of the stage). Every rank calls this (through
+    distributed/setup.py's init_distributed)."""
     import torch.distributed as dist
-    global _TP, _PP, _WORLD
+    global _TP, _PP, _WORLD, _EP
     world = tp_size * pp_size
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
@@ -140,11 +146,12 @@ def init_groups(rank: int, tp_size: int, pp_size: int, init_method: str, device:
         group = dist.new_group(list(ranks), timeout=timeout) if pp_size > 1 else None
         if t == tp_rank:
             _PP = GroupInfo(pp_rank, pp_size, ranks, group)
+    _EP = _TP if enable_expert_parallel else GroupInfo()
 
 
 def destroy_groups() -> None:
     import torch.distributed as dist
-    global _TP, _PP, _WORLD
+    global _TP, _PP, _WORLD, _EP
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP, _PP, _WORLD = GroupInfo(), GroupInfo(), GroupInfo()
+    _TP, _PP, _WORLD, _EP = GroupInfo(), GroupInfo(), GroupInfo(), GroupInfo()

@@ -53,6 +53,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str | None = None
     pp_layer_partition: list[int] | None = None
     distributed_timeout_s: float = 120.0
@@ -86,11 +87,13 @@ class EngineArgs:
                                    enforce_eager=self.enforce_eager,
                                    prefill_graphs=_graphs_switch("PREFILL"),
                                    piecewise_graphs=_graphs_switch("PIECEWISE"))
-        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                  self.data_parallel_size, self.distributed_executor_backend,
-                                  tuple(self.pp_layer_partition) if self.pp_layer_partition else None,
-                                  self.distributed_timeout_s, self.nnodes, self.node_rank, self.master_addr,
-                                  self.master_port)
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size, enable_expert_parallel=self.enable_expert_parallel,
+            distributed_executor_backend=self.distributed_executor_backend,
+            pp_layer_partition=tuple(self.pp_layer_partition) if self.pp_layer_partition else None,
+            distributed_timeout_s=self.distributed_timeout_s, nnodes=self.nnodes, node_rank=self.node_rank,
+            master_addr=self.master_addr, master_port=self.master_port)
         check_parallel_layout(hf_config, parallel)
         batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
@@ -123,25 +126,40 @@ class EngineArgs:
         return self.max_model_len
 
 
-def valid_tp_sizes(hf_config: dict) -> list[int]:
+def _num_experts(hf_config: dict) -> int:
+    return int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+
+
+def valid_tp_sizes(hf_config: dict, expert_parallel: bool = False) -> list[int]:
     """TP sizes the model's shapes allow: they divide the attention heads and the MLP width, and
-    KV heads either split evenly or are replicated evenly."""
+    KV heads either split evenly or are replicated evenly. For a MoE model they also divide each
+    expert's width (experts sliced over TP) or, with expert parallelism, the number of experts."""
     heads = int(hf_config["num_attention_heads"])
     kv = int(hf_config.get("num_key_value_heads") or heads)
-    inter = int(hf_config["intermediate_size"])
+    widths = [int(hf_config["intermediate_size"])]
+    if _num_experts(hf_config):
+        widths.append(_num_experts(hf_config) if expert_parallel
+                      else int(hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"]))
     return [t for t in range(1, heads + 1)
-            if heads % t == 0 and inter % t == 0 and (kv % t == 0 or t % kv == 0)]
+            if heads % t == 0 and all(w % t == 0 for w in widths) and (kv % t == 0 or t % kv == 0)]
 
 
 def check_parallel_layout(hf_config: dict, parallel: ParallelConfig) -> None:
     from shardserve.distributed.parallel_state import pp_layer_partition
-    tp = parallel.tensor_parallel_size
-    valid = valid_tp_sizes(hf_config)
+    tp, ep = parallel.tensor_parallel_size, parallel.enable_expert_parallel
+    if ep and not _num_experts(hf_config):
+        raise ValueError("enable_expert_parallel needs a mixture-of-experts model; "
+                         f"{(hf_config.get('architectures') or ['this model'])[0]} has no experts")
+    valid = valid_tp_sizes(hf_config, ep)
     if tp not in valid:
+        experts = ""
+        if _num_experts(hf_config):
+            experts = (f", {_num_experts(hf_config)} experts split whole over the expert-parallel ranks" if ep else
+                       f", expert width {hf_config.get('moe_intermediate_size') or hf_config['intermediate_size']}")
         raise ValueError(
             f"tensor_parallel_size={tp} does not divide this model's {hf_config['num_attention_heads']} attention "
             f"heads ({hf_config.get('num_key_value_heads')} KV heads, intermediate size "
-            f"{hf_config['intermediate_size']}); sizes that work: {', '.join(map(str, valid))}")
+            f"{hf_config['intermediate_size']}{experts}); sizes that work: {', '.join(map(str, valid))}")
     pp_layer_partition(int(hf_config["num_hidden_layers"]), parallel.pipeline_parallel_size,
                        parallel.pp_layer_partition)
 

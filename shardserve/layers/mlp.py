@@ -16,6 +16,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
+    @property
+    def supports_partial_sum(self) -> bool:
+        return self.down_proj.supports_partial_sum
+
     def forward(self, x: torch.Tensor, partial_sum: bool = False) -> torch.Tensor:
         """partial_sum: leave down_proj's output as this rank's partial sum for the next norm
         (layers/linear.py's module docstring)."""

@@ -42,3 +42,28 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a vector whose features are split across the TP ranks by heads (OLMoE's q and k
+    norms span all heads): each rank sums its squares, the sums are all-reduced, and each rank
+    scales its own slice. `replicas`: how many ranks hold the same slice (KV heads replicated when
+    TP exceeds them), whose sums the all-reduce would otherwise count that many times."""
+
+    def __init__(self, full_size: int, shard: int, num_shards: int, eps: float, replicas: int = 1) -> None:
+        super().__init__()
+        self.full_size, self.shard, self.replicas, self.eps = full_size, shard, replicas, eps
+        self.weight = nn.Parameter(torch.ones(full_size // num_shards))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.shard * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        squares = x.pow(2).sum(-1, keepdim=True)
+        if self.full_size != x.shape[-1]:
+            squares = comm.tensor_model_parallel_all_reduce(squares) / self.replicas
+        return self.weight * (x * torch.rsqrt(squares / self.full_size + self.eps)).to(dtype)

@@ -1,8 +1,9 @@
-"""The Llama family in one implementation: Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, SmolLM2.
+"""The Llama family in one implementation: Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, SmolLM2, and
+the mixture-of-experts models built the same way (models/moe.py: Qwen3-MoE, Mixtral, OLMoE).
 
 Differences between the members are fields of `LlamaSpec` (models/spec.py): QKV bias (Qwen2),
 per-head q/k RMSNorm (Qwen3), rope scaling (Llama 3.1), sliding windows (Mistral), tied embeddings
-(SmolLM2, small Qwens). The model holds no communication code and calls no kernels: sharding and
+(SmolLM2, small Qwens), experts in place of the dense MLP (`spec.moe`). The model holds no communication code and calls no kernels: sharding and
 kernel choice live in the layers, weight routing in models/loader.py (`load_weights`), which reads
 `packed_modules_mapping` and `checkpoint_targets` here.
 """
@@ -18,7 +19,8 @@ from shardserve.distributed.parallel_state import get_pp_group, get_pp_layer_ran
 from shardserve.layers.attention import Attention, AttentionContext, AttentionSpec
 from shardserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from shardserve.layers.mlp import GatedMLP
-from shardserve.layers.norm import RMSNorm
+from shardserve.layers.moe import SparseMoeBlock
+from shardserve.layers.norm import RMSNorm, ShardedRMSNorm
 from shardserve.layers.rotary import RotaryEmbedding
 from shardserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from shardserve.models.spec import LlamaSpec
@@ -32,10 +34,16 @@ class LlamaAttention(nn.Module):
                                           spec.num_key_value_heads, bias=spec.qkv_bias)
         self.o_proj = RowParallelLinear(spec.num_attention_heads * self.head_dim, spec.hidden_size, bias=spec.o_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.qk_norm = spec.qk_norm
-        if self.qk_norm:
+        self.qk_norm, self.clip_qkv = spec.qk_norm, spec.clip_qkv
+        if self.qk_norm == "head":
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+        elif self.qk_norm == "full":   # over all heads, which TP splits across ranks
+            qkv, tp = self.qkv_proj, self.qkv_proj.tp_size
+            self.q_norm = ShardedRMSNorm(spec.num_attention_heads * self.head_dim, qkv.tp_rank, tp, spec.rms_norm_eps)
+            kv_shards = tp // qkv.kv_replicas
+            self.k_norm = ShardedRMSNorm(spec.num_key_value_heads * self.head_dim, qkv.tp_rank // qkv.kv_replicas,
+                                         kv_shards, spec.rms_norm_eps, qkv.kv_replicas)
         self.rotary_emb = RotaryEmbedding(self.head_dim, spec.max_position_embeddings, spec.rope_theta,
                                           spec.rope_scaling, spec.rope_freq_factors)
         self.attn = Attention(AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
@@ -47,10 +55,14 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:   # after the full q/k norm, as OLMoE does
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn(q, k, v, ctx, rotary=(self.rotary_emb, positions))
         return self.o_proj(out.reshape(out.shape[0], -1), partial_sum=partial_sum)
@@ -62,10 +74,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = LlamaAttention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
-        # With TP, o_proj and down_proj hand partial sums to the norm after each, which all-reduces
+        moe = spec.moe
+        if moe is not None and moe.sparse_layers[layer]:
+            self.mlp = SparseMoeBlock(spec.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
+                                      moe.renormalize)
+        else:
+            self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        # With TP, o_proj and the MLP hand partial sums to the norm after each, which all-reduces
         # them (with the add and the norm in one kernel where it can: layers/linear.py's docstring).
-        self.partial_sums = self.self_attn.o_proj.supports_partial_sum and self.mlp.down_proj.supports_partial_sum
+        self.partial_sums = self.self_attn.o_proj.supports_partial_sum and self.mlp.supports_partial_sum
         # Whether the output leaves as a partial sum for the next layer's (or the final) norm; the
         # last layer of a pipeline stage before the last sends finished sums (LlamaModel sets it).
         self.output_partial_sum = self.partial_sums

@@ -176,6 +176,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     - `packed_modules_mapping` (class attribute): checkpoint name fragment -> (fused parameter's
       fragment, shard id), e.g. "q_proj" -> ("qkv_proj", "q"); the shard id tells the fused
       parameter's weight_loader which slice the tensor fills.
+    - `expert_shard(name) -> (parameter name, shard id) | None` (optional, MoE models): where an
+      expert's tensor goes in the stacked expert weights (models/moe.py).
     - `checkpoint_targets(checkpoint_name) -> list[str]` (optional; default: the name itself): the
       parameter names, before packing, that the tensor feeds on this pipeline stage; [] for a
       tensor this stage does not hold or that is no parameter (also skipped unread, see load_model).
@@ -183,11 +185,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     parameter, or a parameter no tensor filled, is an error naming it."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed_modules_mapping = getattr(model, "packed_modules_mapping", {})
+    expert_shard = getattr(model, "expert_shard", lambda name: None)
     targets = _checkpoint_targets(model)
     loaded: set[int] = set()   # ids of the parameters filled
     for checkpoint_name, tensor in weights:
         for target in targets(checkpoint_name):
-            name, shard_id = _packed_name(target, packed_modules_mapping)
+            name, shard_id = expert_shard(target) or _packed_name(target, packed_modules_mapping)
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no matching parameter in "

@@ -33,10 +33,39 @@ def _sliding_window(cfg: dict[str, Any], layer: int) -> int | None:
     return int(window)
 
 
+_QK_NORM = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "full"}
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The sparse MLP of a mixture-of-experts member (Qwen3-MoE, Mixtral, OLMoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int         # each expert's
+    renormalize: bool              # rescale the top-k weights to sum to 1 (`norm_topk_prob`; Mixtral always)
+    sparse_layers: tuple[bool, ...]   # per layer: experts (True) or the dense MLP (Qwen3-MoE's `mlp_only_layers`)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], architecture: str) -> MoeSpec | None:
+        num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        if not num_experts:
+            return None
+        dense = set(cfg.get("mlp_only_layers") or [])
+        step = cfg.get("decoder_sparse_step") or 1
+        return cls(
+            num_experts=int(num_experts),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            renormalize=architecture == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
+            sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(cfg["num_hidden_layers"])),
+        )
+
+
 @dataclass(frozen=True)
 class LlamaSpec:
     """The shape and switches of a Llama-family model (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3,
-    SmolLM2). Sizes are the full model's; the parallel layers divide them by the TP size."""
+    SmolLM2) and of the mixture-of-experts models built the same way (Qwen3-MoE, Mixtral, OLMoE). Sizes are the full model's; the parallel layers divide them by the TP size."""
 
     architecture: str
     vocab_size: int
@@ -55,8 +84,11 @@ class LlamaSpec:
     qkv_bias: bool          # Qwen2, or `attention_bias`
     o_bias: bool            # Llama's `attention_bias` also biases o_proj; Qwen2's does not
     mlp_bias: bool
-    qk_norm: bool           # Qwen3: a per-head RMSNorm on q and k before the rotary
+    qk_norm: str | None     # RMSNorm on q and k before the rotary: "head" (Qwen3: per head), "full"
+                            # (OLMoE: over all heads at once), None
+    clip_qkv: float | None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv]
     tie_word_embeddings: bool
+    moe: MoeSpec | None     # the experts of a mixture-of-experts model; None: every layer dense
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaSpec:
@@ -85,6 +117,8 @@ class LlamaSpec:
             qkv_bias=bool(cfg.get("attention_bias", architecture == "Qwen2ForCausalLM")),
             o_bias=bool(cfg.get("attention_bias", False)) and architecture == "LlamaForCausalLM",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=_QK_NORM.get(architecture),
+            clip_qkv=cfg.get("clip_qkv"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            moe=MoeSpec.from_hf(cfg, architecture),
         )

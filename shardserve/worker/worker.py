@@ -29,7 +29,8 @@ class Worker:
         if parallel_config.world_size > 1:
             set_pp_partition(parallel_config.pp_layer_partition)
             init_distributed(rank, parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size,
-                             init_method, config.device, parallel_config.distributed_timeout_s)
+                             init_method, config.device, parallel_config.distributed_timeout_s,
+                             enable_expert_parallel=parallel_config.enable_expert_parallel)
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, eos_token_ids, show_progress)
         self.profiler = StepProfiler(rank, config.device)
@@ -55,7 +56,7 @@ class Worker:
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """This rank's parameter shapes (tests check that sharded matrices really are 1/TP)."""
-        return {n: (p.out_features, p.shape[1]) if p.dim() == 3 else tuple(p.shape)   # packed: logical shape
+        return {n: (p.out_features, p.shape[1]) if hasattr(p, "out_features") else tuple(p.shape)   # packed: logical shape
                 for n, p in self.model_runner.model.named_parameters()}
 
     def profile_decode_graph(self, batch_size: int, context: int = 256) -> dict:

@@ -1,0 +1,1 @@
+"""Mixture-of-experts kernels: routing (top-k over router logits), the experts' grouped matmuls."""

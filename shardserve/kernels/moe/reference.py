@@ -1,0 +1,43 @@
+"""Mixture-of-experts in plain torch: the oracle every MoE path is checked against.
+
+Conventions shared by every implementation (kernels/moe/*, layers/moe.py):
+- `w13` [E, 2 * I, H]: each expert's gate rows then its up rows (HF's gate_proj / up_proj stacked);
+  `w2` [E, H, I]: each expert's down projection. E, I are this rank's experts and intermediate size.
+- `topk_ids` [T, K] (int): the expert each of a token's K picks goes to, as an index into this
+  rank's experts; -1 marks a pick held by another expert-parallel rank (it adds nothing here).
+- `topk_weights` [T, K] (fp32): the routing weight of each pick, applied to that expert's output
+  before the picks are summed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in fp32, the top-k picks, and (renormalize) their weights rescaled to
+    sum to 1: Qwen3-MoE / OLMoE with `norm_topk_prob`, and Mixtral (whose top-k of the logits, then
+    softmax over the k, is the same thing). Returns (topk_weights fp32 [T, K], topk_ids int32 [T, K])."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """hidden [T, H] -> [T, H]: sum over picks of weight * down(silu(gate(x)) * up(x)), each expert
+    computed on the tokens that picked it, in fp32, rounded once to hidden's dtype."""
+    out = torch.zeros(hidden.shape[0], w2.shape[1], dtype=torch.float32, device=hidden.device)
+    inter = w2.shape[2]
+    for expert in range(w13.shape[0]):
+        tokens, slot = torch.nonzero(topk_ids == expert, as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        x = hidden[tokens].float()
+        gate_up = x @ w13[expert].float().t()
+        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = h @ w2[expert].float().t()
+        out.index_add_(0, tokens, y * topk_weights[tokens, slot].float().unsqueeze(1))
+    return out.to(hidden.dtype)

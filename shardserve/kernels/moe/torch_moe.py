@@ -1,0 +1,36 @@
+"""The experts' matmuls in plain torch, grouped by expert: the CPU path (and CUDA without Triton).
+
+The picks are sorted by expert so each expert that has tokens runs one matmul over all of them;
+experts nobody picked cost nothing. Same conventions and result as kernels/moe/reference.py (which
+loops over every expert with masks, in fp32); the matmuls here run in the weights' dtype and the
+picks are summed in fp32. The expert counts come to the host, so this is not for CUDA graphs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardserve.kernels.activation.reference import silu_and_mul
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    num_experts = w13.shape[0]
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    flat = torch.where(flat < 0, num_experts, flat)   # picks held by other ranks sort last, unused
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
+    weights = topk_weights.reshape(-1)
+    out = torch.zeros(hidden.shape[0], w2.shape[1], dtype=torch.float32, device=hidden.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        picks = order[start:start + count]
+        start += count
+        tokens = picks // top_k
+        h = silu_and_mul(F.linear(hidden[tokens].to(w13.dtype), w13[expert]))
+        y = F.linear(h, w2[expert]).float() * weights[picks].float().unsqueeze(1)
+        out.index_add_(0, tokens, y)
+    return out.to(hidden.dtype)

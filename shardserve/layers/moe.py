@@ -1,0 +1,120 @@
+"""The sparse MLP of mixture-of-experts models: a router and the experts, as one layer models call.
+
+`SparseMoeBlock` = `gate` (a replicated linear giving router logits) + `experts` (`FusedMoE`).
+Routing is HF's: softmax over all experts, the top-k, optionally renormalised (kernels/moe/reference.py).
+
+How the experts are split over ranks (weights: `w13` [experts, 2 * inter, hidden], gate rows then
+up rows; `w2` [experts, hidden, inter]):
+- Tensor parallel (default): every rank holds every expert, with the intermediate dimension split
+  across TP, like a dense MLP's gate_up / down.
+- Expert parallel (`--enable-expert-parallel`): the expert-parallel group (distributed/
+  parallel_state.py) holds whole experts, num_experts / EP each; a pick of an expert held elsewhere
+  becomes -1 here and adds nothing.
+Either way every rank's output is a partial sum over the TP group, reduced like RowParallelLinear's
+(all-reduced, or handed to the next norm with `partial_sum=True`). The checkpoint's per-expert
+tensors reach the stacked weights through `FusedMoE.weight_loader` with shard ids
+(expert, "gate" | "up" | "down"); an expert of None means the tensor stacks all experts.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardserve.distributed.comm import tensor_model_parallel_all_reduce
+from shardserve.distributed.parallel_state import get_ep_group, get_tensor_model_parallel_world_size, get_tp_group
+from shardserve.kernels.moe import reference, torch_moe
+from shardserve.layers.linear import ReplicatedLinear, default_weight_loader
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        valid = [d for d in range(1, numerator + 1) if numerator % d == 0]
+        raise ValueError(f"{what}={numerator} is not divisible by {denominator}; valid sizes: {valid}")
+    return numerator // denominator
+
+
+def experts_matmul(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """The grouped expert matmuls: Triton's fused kernel on CUDA, torch grouped by expert elsewhere."""
+    if hidden.is_cuda:
+        from shardserve.kernels.moe import triton_moe
+        if triton_moe.handles(hidden, w13):
+            return triton_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    return torch_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        ep, tp = get_ep_group(), get_tp_group()
+        if ep.world_size > 1:   # whole experts per rank
+            self.num_local_experts = _divide(num_experts, ep.world_size, "num_experts (expert parallel size)")
+            self.expert_start = ep.rank * self.num_local_experts
+            self.inter_shards, self.inter_rank = 1, 0
+        else:                   # every expert, intermediate dimension split over TP
+            self.num_local_experts, self.expert_start = num_experts, 0
+            self.inter_shards, self.inter_rank = tp.world_size, tp.rank
+        inter = _divide(intermediate_size, self.inter_shards, "moe_intermediate_size (tensor parallel size)")
+        self.intermediate_size = inter
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * inter, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, inter), requires_grad=False)
+        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        self.expert_map: torch.Tensor | None = None
+        if ep.world_size > 1:   # global expert id -> local index, -1 where another rank holds it
+            local = torch.full((num_experts,), -1, dtype=torch.int32)
+            local[self.expert_start:self.expert_start + self.num_local_experts] = torch.arange(
+                self.num_local_experts, dtype=torch.int32)
+            self.register_buffer("expert_map", local, persistent=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int | None, str]) -> None:
+        expert, kind = shard_id
+        if expert is None:   # all experts stacked in one tensor
+            for local in range(self.num_local_experts):
+                self._load_expert(param, loaded[self.expert_start + local], local, kind)
+        elif self.expert_start <= expert < self.expert_start + self.num_local_experts:
+            self._load_expert(param, loaded, expert - self.expert_start, kind)
+
+    def _load_expert(self, param: nn.Parameter, loaded: torch.Tensor, local: int, kind: str) -> None:
+        inter, rank = self.intermediate_size, self.inter_rank
+        if kind == "gate_up":   # HF's fused [2 * intermediate, hidden], gate first
+            half = loaded.shape[0] // 2
+            self._load_expert(param, loaded[:half], local, "gate")
+            self._load_expert(param, loaded[half:], local, "up")
+        elif kind in ("gate", "up"):
+            offset = 0 if kind == "gate" else inter
+            default_weight_loader(param.data[local].narrow(0, offset, inter), loaded.narrow(0, rank * inter, inter))
+        elif kind == "down":
+            default_weight_loader(param.data[local], loaded.narrow(1, rank * inter, inter))
+        else:
+            raise ValueError(f"unknown expert weight kind {kind!r}")
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> this rank's partial sum [T, H] of the picked experts' outputs."""
+        topk_weights, topk_ids = reference.route_topk(router_logits, self.top_k, self.renormalize)
+        if self.expert_map is not None:
+            topk_ids = self.expert_map[topk_ids.long()]
+        return experts_matmul(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts, in place of a dense MLP (`gate`, `experts` as HF names them)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool) -> None:
+        super().__init__()
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize)
+        self.tp_size = get_tensor_model_parallel_world_size()
+
+    @property
+    def supports_partial_sum(self) -> bool:
+        return self.tp_size > 1
+
+    def forward(self, x: torch.Tensor, partial_sum: bool = False) -> torch.Tensor:
+        """partial_sum: leave the output as this rank's partial sum for the next norm (as GatedMLP)."""
+        out = self.experts(x, self.gate(x))
+        if partial_sum or self.tp_size == 1:
+            return out
+        return tensor_model_parallel_all_reduce(out)
