@@ -61,12 +61,13 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, inter), requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
-        self.expert_map: torch.Tensor | None = None
-        if ep.world_size > 1:   # global expert id -> local index, -1 where another rank holds it
-            local = torch.full((num_experts,), -1, dtype=torch.int32)
-            local[self.expert_start:self.expert_start + self.num_local_experts] = torch.arange(
+        # Global expert id -> local index, -1 where another rank holds it (None: every expert is here).
+        expert_map = None
+        if ep.world_size > 1:
+            expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
+            expert_map[self.expert_start:self.expert_start + self.num_local_experts] = torch.arange(
                 self.num_local_experts, dtype=torch.int32)
-            self.register_buffer("expert_map", local, persistent=False)
+        self.register_buffer("expert_map", expert_map, persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int | None, str]) -> None:
         expert, kind = shard_id

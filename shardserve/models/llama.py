@@ -3,9 +3,10 @@ the mixture-of-experts models built the same way (models/moe.py: Qwen3-MoE, Mixt
 
 Differences between the members are fields of `LlamaSpec` (models/spec.py): QKV bias (Qwen2),
 per-head q/k RMSNorm (Qwen3), rope scaling (Llama 3.1), sliding windows (Mistral), tied embeddings
-(SmolLM2, small Qwens), experts in place of the dense MLP (`spec.moe`). The model holds no communication code and calls no kernels: sharding and
-kernel choice live in the layers, weight routing in models/loader.py (`load_weights`), which reads
-`packed_modules_mapping` and `checkpoint_targets` here.
+(SmolLM2, small Qwens), experts in place of the dense MLP (`spec.moe`). The model holds no
+communication code and calls no kernels: sharding and kernel choice live in the layers, weight
+routing in models/loader.py (`load_weights`), which reads `packed_modules_mapping` and
+`checkpoint_targets` here.
 """
 from __future__ import annotations
 

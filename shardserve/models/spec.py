@@ -65,7 +65,8 @@ class MoeSpec:
 @dataclass(frozen=True)
 class LlamaSpec:
     """The shape and switches of a Llama-family model (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3,
-    SmolLM2) and of the mixture-of-experts models built the same way (Qwen3-MoE, Mixtral, OLMoE). Sizes are the full model's; the parallel layers divide them by the TP size."""
+    SmolLM2) and of the mixture-of-experts models built the same way (Qwen3-MoE, Mixtral, OLMoE).
+    Sizes are the full model's; the parallel layers divide them by the TP size."""
 
     architecture: str
     vocab_size: int
