@@ -1,5 +1,12 @@
 """GGUF checkpoints: an HF-style config from the metadata, and weights dequantized one tensor at a
-time under their HF names (the `gguf` package reads the file through a memory map)."""
+time under their HF names (the `gguf` package reads the file through a memory map).
+
+Mixture-of-experts files (llama.cpp's layout): the router `blk.N.ffn_gate_inp` [experts, hidden] and
+all experts stacked in `blk.N.ffn_{gate,up,down}_exps` ([experts, inter, hidden] / [experts, hidden,
+inter] in torch order), which become `mlp.gate` and `mlp.experts.{gate,up,down}_proj` (models/moe.py
+routes the stacked names). Arch `qwen3moe` is Qwen3-MoE, `olmoe` OLMoE, and `llama` with experts is
+Mixtral, as llama.cpp converts it (q/k rows permuted like any llama-arch file). A layer without a
+router is dense (Qwen3-MoE's `mlp_only_layers`)."""
 from __future__ import annotations
 
 import re
@@ -10,13 +17,16 @@ import numpy as np
 import torch
 
 _ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-          "qwen3": "Qwen3ForCausalLM"}
+          "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+_MOE_ARCHS = {"qwen3moe": True, "olmoe": False, "llama": True}   # arch -> renormalise the top-k weights
 _SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -77,6 +87,40 @@ def gguf_to_hf_config(reader) -> dict[str, Any]:
     window = meta("attention.sliding_window")
     if window:
         cfg["sliding_window"] = int(window)
+    if int(meta("expert_count", 0) or 0) or arch in ("qwen3moe", "olmoe"):
+        cfg.update(_moe_config(arch, meta, tensor_names, cfg["num_hidden_layers"]))
+    return cfg
+
+
+def _moe_config(arch: str, meta, tensor_names: set[str], num_layers: int) -> dict[str, Any]:
+    """The HF MoE keys (as Qwen3-MoE / Mixtral / OLMoE configs name them) from llama.cpp's metadata."""
+    experts, top_k = int(meta("expert_count", 0) or 0), int(meta("expert_used_count", 0) or 0)
+    if arch not in _MOE_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} with {experts} experts is not supported; mixture-of-experts "
+                         f"architectures: {', '.join(sorted(_MOE_ARCHS))} (llama: Mixtral)")
+    if experts <= 0 or not 0 < top_k <= experts:
+        raise ValueError(f"GGUF {arch} file has expert_count={experts} and expert_used_count={top_k}: "
+                         "a mixture-of-experts model needs 0 < expert_used_count <= expert_count")
+    if int(meta("expert_shared_count", 0) or 0) or meta("expert_shared_feed_forward_length"):
+        raise ValueError(f"GGUF {arch} file has shared experts, which are not supported")
+    gating = meta("expert_gating_func")
+    if gating is not None and int(gating) != 1:   # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ValueError(f"GGUF {arch} file routes with expert_gating_func={gating}; only softmax (1) is supported")
+    scale = meta("expert_weights_scale")
+    if scale is not None and float(scale) != 1.0:
+        raise ValueError(f"GGUF {arch} file scales expert weights by {scale}, which is not supported")
+    cfg: dict[str, Any] = {
+        "num_experts": experts, "num_experts_per_tok": top_k,
+        # llama.cpp's graphs renormalise for Qwen3-MoE and Mixtral, not for OLMoE, unless the file says
+        "norm_topk_prob": bool(meta("expert_weights_norm", _MOE_ARCHS[arch])),
+        "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+    }
+    if meta("expert_feed_forward_length"):
+        cfg["moe_intermediate_size"] = int(meta("expert_feed_forward_length"))
+    if arch == "llama":
+        cfg["architectures"] = ["MixtralForCausalLM"]
+    if arch == "olmoe" and meta("attention.clamp_kqv"):   # as llama.cpp stores OLMo's clip_qkv
+        cfg["clip_qkv"] = float(meta("attention.clamp_kqv"))
     return cfg
 
 

@@ -62,7 +62,7 @@ def load_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
 
 
 def roundtrip(w: np.ndarray, qtype_name: str) -> np.ndarray:
-    """What a reader gets back for a weight stored as qtype_name (2-D weights only; norms stay F32)."""
+    """What a reader gets back for a weight stored as qtype_name (norms stay F32; blocks run along rows)."""
     import gguf
     if qtype_name == "F32" or w.ndim == 1:
         return w
@@ -72,22 +72,20 @@ def roundtrip(w: np.ndarray, qtype_name: str) -> np.ndarray:
     return gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(w.shape)
 
 
-def write_gguf(ckpt_dir: str, out_path: str, qtype_name: str, rope_freqs: np.ndarray | None = None) -> None:
-    """Convert a tiny HF llama checkpoint the way convert_hf_to_gguf.py does (Llama 3.1 rope
-    scaling goes into a rope_freqs tensor of per-frequency divisors, as llama.cpp stores it)."""
+def _write_metadata(w, cfg: dict, qtype_name: str) -> None:
+    """The hyper-parameters, file type and tokenizer every converted file has."""
     import gguf
-    with open(os.path.join(ckpt_dir, "config.json")) as f:
-        cfg = json.load(f)
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    w = gguf.GGUFWriter(out_path, "llama")
-    w.add_name("tiny-llama")
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    if head_dim != cfg["hidden_size"] // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_rope_dimension_count(head_dim)
@@ -104,6 +102,37 @@ def write_gguf(ckpt_dir: str, out_path: str, qtype_name: str, rope_freqs: np.nda
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
+
+
+def _add_tensor(w, gname: str, data: np.ndarray, qtype_name: str) -> None:
+    """Norms (1-D) and the MoE router stay F32, as llama.cpp's converter keeps them."""
+    import gguf
+    if data.ndim == 1 or qtype_name == "F32" or gname.endswith("ffn_gate_inp.weight"):
+        w.add_tensor(gname, data.astype(np.float32))
+    elif qtype_name == "F16":
+        w.add_tensor(gname, data.astype(np.float16))
+    else:
+        qtype = gguf.GGMLQuantizationType[qtype_name]
+        w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def _finish(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_gguf(ckpt_dir: str, out_path: str, qtype_name: str, rope_freqs: np.ndarray | None = None) -> None:
+    """Convert a tiny HF llama checkpoint the way convert_hf_to_gguf.py does (Llama 3.1 rope
+    scaling goes into a rope_freqs tensor of per-frequency divisors, as llama.cpp stores it)."""
+    import gguf
+    with open(os.path.join(ckpt_dir, "config.json")) as f:
+        cfg = json.load(f)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(out_path, "llama")
+    w.add_name("tiny-llama")
+    _write_metadata(w, cfg, qtype_name)
     for name, tensor in load_state_dict(ckpt_dir).items():
         if name in _GGUF_GLOBAL:
             gname = _GGUF_GLOBAL[name]
@@ -116,19 +145,61 @@ def write_gguf(ckpt_dir: str, out_path: str, qtype_name: str, rope_freqs: np.nda
             data = llama_cpp_permute(data, heads)
         elif gname.endswith("attn_k.weight"):
             data = llama_cpp_permute(data, kv_heads)
-        if data.ndim == 1 or qtype_name == "F32":
-            w.add_tensor(gname, data.astype(np.float32))
-        elif qtype_name == "F16":
-            w.add_tensor(gname, data.astype(np.float16))
-        else:
-            qtype = gguf.GGMLQuantizationType[qtype_name]
-            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        _add_tensor(w, gname, data, qtype_name)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
+
+
+# HF model_type -> llama.cpp's arch (Mixtral converts as llama with experts); HF expert weight names
+# (Mixtral's w1/w3/w2) -> llama.cpp's stacked tensors.
+MOE_ARCHS = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
+_GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_GGUF_MOE_LAYER = {**_GGUF_LAYER, "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+                   "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def write_moe_gguf(ckpt_dir: str, out_path: str, qtype_name: str) -> None:
+    """Convert a tiny Qwen3-MoE / Mixtral / OLMoE checkpoint as convert_hf_to_gguf.py does: each
+    layer's per-expert matrices stacked over experts (torch order [experts, rows, cols]), expert
+    metadata, q/k rows permuted for the llama arch only. OLMoE's clip_qkv goes in as clamp_kqv (the
+    key llama.cpp's converter writes for OLMo)."""
+    import gguf
+    with open(os.path.join(ckpt_dir, "config.json")) as f:
+        cfg = json.load(f)
+    arch = MOE_ARCHS[cfg["model_type"]]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(out_path, arch)
+    w.add_name(f"tiny-{cfg['model_type']}")
+    _write_metadata(w, cfg, qtype_name)
+    w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("clip_qkv"):
+        w.add_clamp_kqv(cfg["clip_qkv"])
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in load_state_dict(ckpt_dir).items():
+        data = tensor.float().numpy()
+        m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$", name)
+        if m:
+            experts.setdefault(f"blk.{m.group(1)}.{_GGUF_EXPERTS[m.group(3)]}.weight", {})[int(m.group(2))] = data
+            continue
+        if name in _GGUF_GLOBAL:
+            gname = _GGUF_GLOBAL[name]
+        else:
+            m = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", name)
+            assert m, name
+            gname = f"blk.{m.group(1)}.{_GGUF_MOE_LAYER[m.group(2)]}.weight"
+        if arch == "llama" and gname.endswith("attn_q.weight"):
+            data = llama_cpp_permute(data, heads)
+        elif arch == "llama" and gname.endswith("attn_k.weight"):
+            data = llama_cpp_permute(data, kv_heads)
+        _add_tensor(w, gname, data, qtype_name)
+    for gname, per_expert in experts.items():
+        _add_tensor(w, gname, np.stack([per_expert[x] for x in range(len(per_expert))]), qtype_name)
+    _finish(w)
 
 
 def hf_logprobs(hf, token_ids: list[int]) -> torch.Tensor:
@@ -137,11 +208,13 @@ def hf_logprobs(hf, token_ids: list[int]) -> torch.Tensor:
 
 
 def hf_with_roundtripped_weights(ckpt_dir: str, qtype_name: str):
-    """The HF model with each weight replaced by what the GGUF file stores for it."""
+    """The HF model with each weight replaced by what the GGUF file stores for it (a MoE router
+    stays F32; stacked experts round per row like the per-expert matrices)."""
     hf = load_hf_model(ckpt_dir)
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            p.copy_(torch.from_numpy(roundtrip(p.detach().numpy().copy(), qtype_name)))
+            qtype = "F32" if name.endswith("mlp.gate.weight") else qtype_name
+            p.copy_(torch.from_numpy(roundtrip(p.detach().numpy().copy(), qtype)))
     return hf
 
 
