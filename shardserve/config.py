@@ -150,6 +150,10 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False   # MoE experts split whole over TP (x DP) ranks, not sliced
+    # Set by the data-parallel engine when experts span replicas: this replica's index and the
+    # rendezvous all replicas' ranks join (distributed/parallel_state.init_groups).
+    data_parallel_rank: int = 0
+    data_parallel_master: str | None = None
     distributed_executor_backend: str | None = None   # None: uni for one device, else mp
     pp_layer_partition: tuple[int, ...] | None = None  # layers per pipeline stage
     distributed_timeout_s: float = 120.0               # rendezvous and collectives
@@ -183,9 +187,20 @@ class ParallelConfig:
             raise ValueError("a multi-node run needs master_port (and master_addr) like torchrun")
         if self.distributed_executor_backend == "ray" and self.nnodes > 1:
             raise ValueError("with Ray, nodes come from the Ray cluster: drop --nnodes/--node-rank")
+        if self.experts_span_replicas and self.pipeline_parallel_size > 1:
+            raise ValueError("expert parallelism across data-parallel replicas runs with pipeline_parallel_size=1; "
+                             "use tensor parallelism inside each replica, or drop --data-parallel-size")
+        if self.experts_span_replicas and (self.distributed_executor_backend == "ray" or self.nnodes > 1):
+            raise ValueError("expert parallelism across data-parallel replicas runs on one node with the mp "
+                             "executor")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError("the uni executor runs one device; use mp (or ray) for "
                              f"tensor_parallel_size x pipeline_parallel_size = {self.world_size}")
+
+    @property
+    def experts_span_replicas(self) -> bool:
+        """Expert parallelism over DP x TP ranks: the replicas step together (engine/dp_engine.py)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
     @property
     def executor_backend(self) -> str:

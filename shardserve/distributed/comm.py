@@ -7,7 +7,7 @@ import socket
 
 import torch
 
-from shardserve.distributed.parallel_state import GroupInfo, get_pp_group, get_tp_group
+from shardserve.distributed.parallel_state import GroupInfo, get_dp_group, get_pp_group, get_tp_group
 
 logger = logging.getLogger("shardserve")
 
@@ -146,6 +146,39 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     out = _all_gather_flat(x, tp)
     d = dim % x.dim()
     return out.view((tp.world_size,) + x.shape).movedim(0, d).flatten(d, d + 1)
+
+
+def dp_gather_tokens(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """A MoE layer's dispatch when the experts span data-parallel replicas: every replica's rows of
+    x [tokens, hidden] stacked in replica order, and how many rows each replica has (replicas batch
+    different requests, so the counts differ; the exchange pads to the largest)."""
+    dp = get_dp_group()
+    counts = _all_gather_flat(torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device), dp).tolist()
+    most = max(counts)
+    padded = x.new_zeros((most,) + x.shape[1:])
+    padded[:x.shape[0]] = x
+    stacked = _all_gather_flat(padded, dp)
+    return torch.cat([stacked[d * most:d * most + n] for d, n in enumerate(counts)]), counts
+
+
+def dp_reduce_scatter_tokens(out: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The combine that undoes dp_gather_tokens: every replica's `out` (its experts' partial sums for
+    all replicas' rows) summed, and this replica's rows returned."""
+    import torch.distributed as dist
+    dp = get_dp_group()
+    most = max(counts)
+    padded = out.new_zeros((dp.world_size * most,) + out.shape[1:])
+    start = 0
+    for d, n in enumerate(counts):
+        padded[d * most:d * most + n] = out[start:start + n]
+        start += n
+    if out.is_cuda:
+        mine = out.new_empty((most,) + out.shape[1:])
+        dist.reduce_scatter_tensor(mine, padded, group=dp.group)
+    else:   # gloo has no reduce-scatter
+        dist.all_reduce(padded, group=dp.group)
+        mine = padded[dp.rank * most:(dp.rank + 1) * most]
+    return mine[:counts[dp.rank]]
 
 
 def pp_send_next(tensors: list[torch.Tensor]) -> None:

@@ -1,6 +1,6 @@
 """Who am I in the parallel layout, and the process groups that go with it.
 
-Global rank layout inside one engine (one data-parallel replica): rank = pp_rank * tp_size + tp_rank,
+Rank layout inside one engine (one data-parallel replica): rank = pp_rank * tp_size + tp_rank,
 so a tensor-parallel group is a run of consecutive ranks (inside one node when TP <= GPUs per
 node) and pipeline stages stride across them (across nodes). Layers ask this module, never
 torch.distributed directly, so a single-device run needs no process group at all.
@@ -33,6 +33,7 @@ _TP = GroupInfo()
 _PP = GroupInfo()
 _WORLD = GroupInfo()
 _EP = GroupInfo()   # the ranks that split a MoE layer's experts; size 1 without expert parallelism
+_DP = GroupInfo()   # the same stage and TP rank in every replica; size > 1 only when EP spans replicas
 _PP_PARTITION: tuple[int, ...] | None = None   # layers per stage; None = as even as possible
 
 
@@ -50,6 +51,10 @@ def get_world_group() -> GroupInfo:
 
 def get_ep_group() -> GroupInfo:
     return _EP
+
+
+def get_dp_group() -> GroupInfo:
+    return _DP
 
 
 def get_tensor_model_parallel_rank() -> int:
@@ -120,38 +125,58 @@ def _join_world(rank: int, world: int, init_method: str, device: torch.device, t
 
 
 def init_groups(rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device,
-                timeout_s: float = 120.0, enable_expert_parallel: bool = False) -> None:
-    """Join the engine's process group and build the TP and PP groups (and, with expert
-    parallelism, the EP group: the TP group of the stage). Every rank calls this (through
-    distributed/setup.py's init_distributed)."""
+                timeout_s: float = 120.0, enable_expert_parallel: bool = False, dp_size: int = 1,
+                dp_rank: int = 0) -> None:
+    """Join the process group and build the TP and PP groups of this engine replica, and with
+    expert parallelism the EP group. Every rank calls this (through distributed/setup.py's
+    init_distributed). `rank` is the rank inside the replica.
+
+    dp_size > 1 (expert parallelism spanning data-parallel replicas): the replicas' ranks form one
+    world, replica d's ranks numbered from d * tp_size * pp_size; the EP group of a pipeline stage
+    is every replica's TP group of that stage (EP rank = d * tp_size + tp_rank), and the DP group
+    joins the ranks that share a stage and TP rank across replicas (a MoE layer's token exchange)."""
     import torch.distributed as dist
-    global _TP, _PP, _WORLD, _EP
-    world = tp_size * pp_size
+    global _TP, _PP, _WORLD, _EP, _DP
+    per_replica = tp_size * pp_size
+    world, offset = per_replica * dp_size, dp_rank * per_replica
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        _join_world(rank, world, init_method, device, timeout)
+        _join_world(offset + rank, world, init_method, device, timeout)
     except Exception as e:   # name who could not reach whom, never a bare hang or stack trace
-        raise RuntimeError(f"rank {rank} of {world} could not join the process group at {init_method} "
+        raise RuntimeError(f"rank {offset + rank} of {world} could not join the process group at {init_method} "
                            f"within {timeout_s:.0f} s: {e}") from e
-    _WORLD = GroupInfo(rank, world, tuple(range(world)), dist.group.WORLD)
+    _WORLD = GroupInfo(offset + rank, world, tuple(range(world)), dist.group.WORLD)
     tp_rank, pp_rank = rank % tp_size, rank // tp_size
-    # new_group must be called by every rank for every group, in the same order.
-    for p in range(pp_size):
-        ranks = tuple(p * tp_size + t for t in range(tp_size))
-        group = dist.new_group(list(ranks), timeout=timeout) if tp_size > 1 else None
-        if p == pp_rank:
-            _TP = GroupInfo(tp_rank, tp_size, ranks, group)
-    for t in range(tp_size):
-        ranks = tuple(p * tp_size + t for p in range(pp_size))
-        group = dist.new_group(list(ranks), timeout=timeout) if pp_size > 1 else None
-        if t == tp_rank:
-            _PP = GroupInfo(pp_rank, pp_size, ranks, group)
-    _EP = _TP if enable_expert_parallel else GroupInfo()
+
+    def build(ranks: tuple[int, ...], mine: bool, my_rank: int) -> GroupInfo | None:
+        # new_group must be called by every rank for every group, in the same order.
+        group = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
+        return GroupInfo(my_rank, len(ranks), ranks, group) if mine else None
+
+    def global_rank(d: int, p: int, t: int) -> int:
+        return d * per_replica + p * tp_size + t
+
+    for d in range(dp_size):
+        for p in range(pp_size):
+            info = build(tuple(global_rank(d, p, t) for t in range(tp_size)), (d, p) == (dp_rank, pp_rank), tp_rank)
+            _TP = info or _TP
+        for t in range(tp_size):
+            info = build(tuple(global_rank(d, p, t) for p in range(pp_size)), (d, t) == (dp_rank, tp_rank), pp_rank)
+            _PP = info or _PP
+    _EP, _DP = (_TP if enable_expert_parallel else GroupInfo()), GroupInfo()
+    if dp_size > 1:
+        for p in range(pp_size):
+            ranks = tuple(global_rank(d, p, t) for d in range(dp_size) for t in range(tp_size))
+            _EP = build(ranks, p == pp_rank, dp_rank * tp_size + tp_rank) or _EP
+        for p in range(pp_size):
+            for t in range(tp_size):
+                ranks = tuple(global_rank(d, p, t) for d in range(dp_size))
+                _DP = build(ranks, (p, t) == (pp_rank, tp_rank), dp_rank) or _DP
 
 
 def destroy_groups() -> None:
     import torch.distributed as dist
-    global _TP, _PP, _WORLD, _EP
+    global _TP, _PP, _WORLD, _EP, _DP
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP, _PP, _WORLD, _EP = GroupInfo(), GroupInfo(), GroupInfo(), GroupInfo()
+    _TP, _PP, _WORLD, _EP, _DP = GroupInfo(), GroupInfo(), GroupInfo(), GroupInfo(), GroupInfo()

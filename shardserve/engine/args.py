@@ -84,7 +84,7 @@ class EngineArgs:
                                    skip_tokenizer_init=self.skip_tokenizer_init,
                                    compute_dtype_override=_compute_dtype(dtype, device),
                                    load_format=self.load_format, max_logprobs=self.max_logprobs,
-                                   enforce_eager=self.enforce_eager,
+                                   enforce_eager=self.enforce_eager or self._experts_span_replicas,
                                    prefill_graphs=_graphs_switch("PREFILL"),
                                    piecewise_graphs=_graphs_switch("PIECEWISE"))
         parallel = ParallelConfig(
@@ -106,7 +106,18 @@ class EngineArgs:
                             prefix_caching_hash_algo=self.prefix_caching_hash_algo)
         return EngineConfig(model_config, cache, parallel, scheduler, device)
 
+    @property
+    def _experts_span_replicas(self) -> bool:
+        """Replicas step together and exchange tokens of data-dependent sizes in every MoE layer:
+        no CUDA graphs, no second step in flight (engine/dp_engine.py)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
     def _async_scheduling(self, device) -> bool:
+        if self._experts_span_replicas:
+            if self.async_scheduling:
+                raise ValueError("async_scheduling does not run with expert parallelism across data-parallel "
+                                 "replicas (the replicas step together)")
+            return False
         if self.async_scheduling is None:   # a CPU computes in the caller's thread: nothing to overlap
             return device.type == "cuda" and self.pipeline_parallel_size == 1
         if self.async_scheduling and self.pipeline_parallel_size > 1:

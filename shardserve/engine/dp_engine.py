@@ -4,12 +4,19 @@ Each replica is a full LLMEngine (its own scheduler, KV pool and worker processe
 devices). A new request goes to the least loaded replica (running + waiting requests, ties to the
 lowest index). A step submits every busy replica's batch first and only then collects, so replicas
 compute at the same time.
+
+With expert parallelism (`enable_expert_parallel`), the replicas' ranks form one process group
+whose EP group spans every replica (distributed/parallel_state.init_groups): each MoE layer
+exchanges tokens between replicas, so the replicas are built at the same time (their ranks meet at
+start-up) and step together: while any has work, every replica runs one step, empty or not.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 
 from shardserve.config import EngineConfig
+from shardserve.distributed.parallel_state import host_store
 from shardserve.engine.engine import EngineStats, LLMEngine, PromptType
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
@@ -23,11 +30,33 @@ class DataParallelEngine:
                           else Tokenizer.from_path(model_config.tokenizer or model_config.model))
         self.config = config
         self.replicas: list[LLMEngine] = []
+        parallel = config.parallel_config
+        self.lockstep = parallel.experts_span_replicas
+        self._store = None
+        if self.lockstep:   # one rendezvous for every replica's ranks, alive as long as they run
+            self._store, master = host_store(parallel.world_size * parallel.data_parallel_size,
+                                             parallel.distributed_timeout_s)
+
+        def build(r: int) -> LLMEngine:
+            seeded = replace(config, model_config=replace(model_config, seed=model_config.seed + r))
+            if self.lockstep:
+                seeded = replace(seeded, parallel_config=replace(parallel, data_parallel_rank=r,
+                                                                 data_parallel_master=master))
+            return LLMEngine(seeded, show_progress and r == 0, replica=r, tokenizer=self.tokenizer)
+
+        size = parallel.data_parallel_size
         try:
-            for r in range(config.parallel_config.data_parallel_size):
-                seeded = replace(config, model_config=replace(model_config, seed=model_config.seed + r))
-                self.replicas.append(LLMEngine(seeded, show_progress and r == 0, replica=r,
-                                               tokenizer=self.tokenizer))
+            if self.lockstep:   # each start-up waits for the others' ranks
+                with ThreadPoolExecutor(size) as pool:
+                    futures = [pool.submit(build, r) for r in range(size)]
+                    wait(futures)
+                    self.replicas = [f.result() for f in futures if f.exception() is None]
+                    for f in futures:
+                        if f.exception() is not None:
+                            raise f.exception()
+            else:
+                for r in range(size):
+                    self.replicas.append(build(r))
         except BaseException:
             self.shutdown()
             raise
@@ -60,8 +89,10 @@ class DataParallelEngine:
 
     def step(self) -> list[RequestOutput]:
         busy = [e for e in self.replicas if e.has_unfinished_requests()]
+        if self.lockstep and busy:
+            busy = self.replicas
         for engine in busy:
-            engine.submit_step()
+            engine.submit_step(idle_too=self.lockstep)
         return self._release([out for engine in busy for out in engine.finish_step()])
 
     def _release(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

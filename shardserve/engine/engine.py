@@ -172,14 +172,15 @@ class LLMEngine:
         self.submit_step()
         return self.finish_step()
 
-    def submit_step(self) -> None:
+    def submit_step(self, idle_too: bool = False) -> None:
         """Schedule and hand a batch to the workers for every scheduler without one in flight (with
-        async scheduling: until two batches are in flight)."""
+        async scheduling: until two batches are in flight). idle_too: a scheduler with no requests
+        submits an empty step as well (replicas whose experts span each other step together)."""
         if self.async_scheduling:
             return self._submit_ahead()
         busy = {id(scheduler) for scheduler, _ in self.in_flight}
         for scheduler in self.schedulers:
-            if id(scheduler) not in busy and scheduler.has_unfinished_requests():
+            if id(scheduler) not in busy and (idle_too or scheduler.has_unfinished_requests()):
                 sched = scheduler.schedule()
                 self.executor.submit_execute(sched)
                 self.in_flight.append((scheduler, sched))

@@ -61,7 +61,10 @@ class MultiprocExecutor(Executor):
             raise ValueError("data parallelism across nodes is not supported; use tensor/pipeline parallelism")
         per_node = parallel_config.ranks_per_node
         self._store = None
-        if parallel_config.nnodes > 1:   # remote ranks dial in to the engine at master_port + 1
+        if parallel_config.data_parallel_master:   # experts span replicas: one rendezvous for all (dp_engine.py)
+            init_method = parallel_config.data_parallel_master
+            address, authkey = ("127.0.0.1", 0), secrets.token_bytes(16)
+        elif parallel_config.nnodes > 1:   # remote ranks dial in to the engine at master_port + 1
             init_method = f"tcp://{parallel_config.master_addr}:{parallel_config.master_port}"
             address, authkey = (parallel_config.master_addr, parallel_config.master_port + 1), cluster_key()
         else:   # the engine hosts the ranks' rendezvous store for as long as they run

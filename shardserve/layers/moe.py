@@ -9,7 +9,11 @@ up rows; `w2` [experts, hidden, inter]):
   across TP, like a dense MLP's gate_up / down.
 - Expert parallel (`--enable-expert-parallel`): the expert-parallel group (distributed/
   parallel_state.py) holds whole experts, num_experts / EP each; a pick of an expert held elsewhere
-  becomes -1 here and adds nothing.
+  becomes -1 here and adds nothing. The EP group is the TP group, or with data-parallel replicas
+  every replica's TP group: then each layer first gathers all replicas' tokens (comm.
+  dp_gather_tokens), runs this rank's experts on them, and hands each replica back the sum for its
+  own rows (comm.dp_reduce_scatter_tokens). A replica with nothing to run still takes part
+  (LlamaForCausalLM.idle_step).
 Either way every rank's output is a partial sum over the TP group, reduced like RowParallelLinear's
 (all-reduced, or handed to the next norm with `partial_sum=True`). The checkpoint's per-expert
 tensors reach the stacked weights through `FusedMoE.weight_loader` with shard ids
@@ -20,8 +24,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardserve.distributed.comm import tensor_model_parallel_all_reduce
-from shardserve.distributed.parallel_state import get_ep_group, get_tensor_model_parallel_world_size, get_tp_group
+from shardserve.distributed.comm import dp_gather_tokens, dp_reduce_scatter_tokens, tensor_model_parallel_all_reduce
+from shardserve.distributed.parallel_state import (
+    get_dp_group,
+    get_ep_group,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+)
 from shardserve.kernels.moe import reference, torch_moe
 from shardserve.layers.linear import ReplicatedLinear, default_weight_loader
 
@@ -108,6 +117,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize)
         self.tp_size = get_tensor_model_parallel_world_size()
+        self.spans_replicas = get_dp_group().world_size > 1
 
     @property
     def supports_partial_sum(self) -> bool:
@@ -115,7 +125,12 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, partial_sum: bool = False) -> torch.Tensor:
         """partial_sum: leave the output as this rank's partial sum for the next norm (as GatedMLP)."""
-        out = self.experts(x, self.gate(x))
+        if self.spans_replicas:   # this rank's experts serve every replica's tokens
+            tokens, counts = dp_gather_tokens(x)
+            out = self.experts(tokens, self.gate(tokens)) if tokens.shape[0] else tokens
+            out = dp_reduce_scatter_tokens(out, counts)
+        else:
+            out = self.experts(x, self.gate(x))
         if partial_sum or self.tp_size == 1:
             return out
         return tensor_model_parallel_all_reduce(out)

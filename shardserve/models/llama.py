@@ -160,6 +160,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def idle_step(self, dtype: torch.dtype, device: torch.device) -> None:
+        """A step with no tokens, for a data-parallel replica whose experts other replicas use
+        (expert parallelism across replicas): every MoE layer's token exchange, in layer order, so
+        the busy replicas' layers find their peers (layers/moe.py)."""
+        empty = torch.empty(0, self.spec.hidden_size, dtype=dtype, device=device)
+        for layer in self.model.layers[self.model.start:self.model.end]:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp(empty)
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers[self.model.start:self.model.end]]
 

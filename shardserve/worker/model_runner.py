@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from shardserve.config import EngineConfig
 from shardserve.distributed.comm import pp_recv_prev, pp_send_next
-from shardserve.distributed.parallel_state import get_pp_group, get_tp_group
+from shardserve.distributed.parallel_state import get_dp_group, get_pp_group, get_tp_group
 from shardserve.kernels.cpu import cpu_ops
 from shardserve.layers.attention import AttentionContext, TorchAttentionBackend
 from shardserve.layers.attention.cpu_native import CpuNativeAttentionBackend
@@ -222,6 +222,8 @@ class ModelRunner:
         update_states(self.states, sched)
         out = ModelRunnerOutput()
         if sched.is_empty:
+            if get_dp_group().world_size > 1:   # other replicas' tokens still need this rank's experts
+                self.model.idle_step(self.model_config.compute_dtype, self.device)
             return PendingOutput(out)
         self._zero_fresh_blocks(sched)
         inputs = prepare_inputs(self.states, sched, self.block_size, self.device)

@@ -26,11 +26,14 @@ class Worker:
             torch.cuda.set_device(config.device)
         self.config = config
         self.rank = rank
-        if parallel_config.world_size > 1:
+        spans = parallel_config.experts_span_replicas
+        if parallel_config.world_size > 1 or spans:
             set_pp_partition(parallel_config.pp_layer_partition)
             init_distributed(rank, parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size,
                              init_method, config.device, parallel_config.distributed_timeout_s,
-                             enable_expert_parallel=parallel_config.enable_expert_parallel)
+                             enable_expert_parallel=parallel_config.enable_expert_parallel,
+                             dp_size=parallel_config.data_parallel_size if spans else 1,
+                             dp_rank=parallel_config.data_parallel_rank)
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, eos_token_ids, show_progress)
         self.profiler = StepProfiler(rank, config.device)

@@ -72,3 +72,24 @@ def test_bad_moe_layouts_name_the_valid_sizes(qwen3_moe, tmp_path):
     # 8 experts over 3 ranks (and 4 heads over 3): refused before any process starts, with the sizes that work.
     with pytest.raises(ValueError, match="sizes that work: 1, 2, 4"):
         LLM(path, tensor_parallel_size=3, enable_expert_parallel=True)
+
+
+def test_data_parallel_expert_parallel_matches_single_device(qwen3_moe):
+    """DP=2 x EP: the replicas' ranks form one EP group of 2, each holding 4 whole experts; every MoE
+    layer exchanges the replicas' tokens. Uneven load on purpose: replica 1 gets the request that
+    stops after 4 tokens, then steps idle for 8 steps while replica 0 still needs its experts (a
+    replica that skipped those exchanges would leave the other waiting: the timeout fails the test)."""
+    path, reference = qwen3_moe
+    llm = LLM(path, kv_cache_memory="16MiB", show_progress=False, data_parallel_size=2, enable_expert_parallel=True,
+              distributed_timeout_s=30)
+    lengths = [12, 4, 8]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    try:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [ref[:n] for ref, n in zip(reference, lengths)]
+        assert _tokens(llm) == reference
+        shapes = [replica.executor.collective_rpc("weight_shapes") for replica in llm.engine.replicas]
+    finally:
+        llm.engine.shutdown()
+    for (rank_shapes,) in shapes:
+        assert rank_shapes["model.layers.0.mlp.experts.w13_weight"] == (EXPERTS // 2, 2 * EXPERT_WIDTH, HIDDEN)
