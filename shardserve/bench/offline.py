@@ -3,9 +3,11 @@ physical limits measured in the same run:
 
 - decode roofline: one decode step must read every weight byte of a rank plus the KV cache it
   attends over, so step time >= (weights + KV bytes) / memory bandwidth, the bandwidth measured
-  with a large device-to-device copy (bytes read + written per second);
+  with a large device-to-device copy (bytes read + written per second). For a MoE model the step
+  reads only the routed experts its tokens picked (bench/shapes.picked_expert_fraction);
 - model FLOPs utilisation: 2 x (non-embedding parameters) FLOPs per token processed, divided by the
-  time, against the peak of one large matmul in the serving dtype, timed in the same run.
+  time, against the peak of one large matmul in the serving dtype, timed in the same run. For a
+  MoE model the parameters are the active ones (top-k experts per token).
 
 With `--random-weights SHAPE` (llama-3-8b, llama-3-70b, qwen3-0.6b, qwen3-8b, or a config.json /
 checkpoint directory) the model is built full size with random weights: no hub, no tokenizer.
@@ -21,7 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardserve.bench.shapes import param_counts, shape_config, write_shape_dir
+from shardserve.bench.shapes import (
+    active_layer_params,
+    param_counts,
+    picked_expert_fraction,
+    shape_config,
+    write_shape_dir,
+)
 from shardserve.worker.profiler import require_profiler_dir
 
 
@@ -97,7 +105,7 @@ def model_flops(counts: dict[str, int], tokens_in: int, tokens_out: int) -> floa
     """2 FLOPs per weight per token through the layers; the LM head (the embedding matrix when tied)
     only for the tokens whose logits are computed, one per output token."""
     head = counts["lm_head"] or counts["embed"]
-    return 2.0 * counts["layers"] * (tokens_in + tokens_out) + 2.0 * head * tokens_out
+    return 2.0 * active_layer_params(counts) * (tokens_in + tokens_out) + 2.0 * head * tokens_out
 
 
 def random_prompts(n: int, input_len: int, ratio: float, vocab: int, seed: int) -> list[list[int]]:
@@ -114,6 +122,7 @@ def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
     counts = param_counts(config)
     return {"device": device, "tp": tp, "elem": elem, "counts": counts,
             "weight_bytes_per_rank": counts["total"] * elem / tp,
+            "dense_bytes_per_rank": (counts["total"] - counts["experts"]) * elem / tp,
             "bandwidth": measure_bandwidth(device),
             "peak_flops": measure_matmul_peak(device, model_config.compute_dtype),
             "dtype": str(model_config.dtype).replace("torch.", "")}
@@ -151,14 +160,16 @@ def run_latency(ns) -> dict[str, Any]:
     step = (float(np.median(e2e)) - prefill) / (ns.output_len - 1) if ns.output_len > 1 else float("nan")
     context = ns.input_len + ns.output_len / 2   # average tokens attended over during decode
     kv = ns.batch_size * context * kv_bytes_per_token(config, lim["elem"]) / lim["tp"]
-    roofline = (lim["weight_bytes_per_rank"] + kv) / lim["bandwidth"]
+    picked = lim["counts"]["experts"] * lim["elem"] / lim["tp"] * picked_expert_fraction(config, ns.batch_size)
+    read = lim["dense_bytes_per_rank"] + picked   # every weight byte of a dense model
+    roofline = (read + kv) / lim["bandwidth"]
     flops = model_flops(lim["counts"], ns.batch_size * ns.input_len, ns.batch_size * ns.output_len)
     result = {"batch_size": ns.batch_size, "input_len": ns.input_len, "output_len": ns.output_len,
               "avg_latency_s": float(np.mean(e2e)),
               **{f"p{p}_latency_s": float(np.percentile(e2e, p)) for p in (10, 25, 50, 75, 90, 99)},
               "prefill_s": prefill, "decode_step_ms": step * 1000, "roofline_step_ms": roofline * 1000,
               "step_vs_roofline": step / roofline, "bandwidth_gb_s": lim["bandwidth"] / 1e9,
-              "weight_gb_per_rank": lim["weight_bytes_per_rank"] / 1e9,
+              "weight_gb_per_rank": lim["weight_bytes_per_rank"] / 1e9, "weight_gb_read_per_step": read / 1e9,
               "mfu": flops / lim["tp"] / float(np.median(e2e)) / lim["peak_flops"],
               "peak_tflops": lim["peak_flops"] / 1e12, "dtype": lim["dtype"], "device": str(lim["device"]),
               **({"profile_traces": traces} if ns.profile else {})}
@@ -168,7 +179,8 @@ def run_latency(ns) -> dict[str, Any]:
     print(f"Prefill (time to first token): {1000 * prefill:.2f} ms")
     if ns.output_len > 1:
         print(f"Decode step: {result['decode_step_ms']:.2f} ms; roofline {result['roofline_step_ms']:.2f} ms "
-              f"({result['weight_gb_per_rank']:.2f} GB weights + KV per rank at {result['bandwidth_gb_s']:.0f} GB/s "
+              f"({result['weight_gb_read_per_step']:.2f} GB weights + KV per rank at "
+              f"{result['bandwidth_gb_s']:.0f} GB/s "
               f"measured): {result['step_vs_roofline']:.2f}x the roofline")
     print(f"Model FLOPs utilisation: {100 * result['mfu']:.2f}% of {result['peak_tflops']:.1f} TFLOP/s "
           f"({lim['dtype']} matmul measured in this run)")

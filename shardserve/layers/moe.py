@@ -21,6 +21,8 @@ tensors reach the stacked weights through `FusedMoE.weight_loader` with shard id
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -33,6 +35,10 @@ from shardserve.distributed.parallel_state import (
 )
 from shardserve.kernels.moe import reference, torch_moe
 from shardserve.layers.linear import ReplicatedLinear, default_weight_loader
+
+
+def _expert_load_on() -> bool:
+    return os.environ.get("SHARDSERVE_EXPERT_LOAD") == "1"
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -77,6 +83,10 @@ class FusedMoE(nn.Module):
             expert_map[self.expert_start:self.expert_start + self.num_local_experts] = torch.arange(
                 self.num_local_experts, dtype=torch.int32)
         self.register_buffer("expert_map", expert_map, persistent=False)
+        # Tokens routed to each expert since the last report (expert_load_report), for debugging
+        # imbalance; counted on the device without a host sync, so CUDA graphs replay it too.
+        load = torch.zeros(num_experts, dtype=torch.int64) if _expert_load_on() else None
+        self.register_buffer("load", load, persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int | None, str]) -> None:
         expert, kind = shard_id
@@ -103,6 +113,9 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> this rank's partial sum [T, H] of the picked experts' outputs."""
         topk_weights, topk_ids = reference.route_topk(router_logits, self.top_k, self.renormalize)
+        if self.load is not None:
+            ids = topk_ids.reshape(-1).long()
+            self.load.scatter_add_(0, ids, torch.ones_like(ids))
         if self.expert_map is not None:
             topk_ids = self.expert_map[topk_ids.long()]
         return experts_matmul(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
@@ -134,3 +147,23 @@ class SparseMoeBlock(nn.Module):
         if partial_sum or self.tp_size == 1:
             return out
         return tensor_model_parallel_all_reduce(out)
+
+
+def expert_load_report(model: nn.Module) -> str | None:
+    """One line on how evenly the last steps spread tokens over each MoE layer's experts (with
+    SHARDSERVE_EXPERT_LOAD=1; None otherwise, or before any token): per layer the busiest expert's
+    count over the mean, and the counts of the most imbalanced layer. Resets the counts."""
+    if not _expert_load_on():   # checked first: the model runner asks every step
+        return None
+    layers = [(name, m.load) for name, m in model.named_modules() if isinstance(m, FusedMoE) and m.load is not None]
+    if not layers:
+        return None
+    counts = torch.stack([load for _, load in layers]).cpu()
+    for _, load in layers:
+        load.zero_()
+    if counts.sum() == 0:
+        return None
+    ratio = counts.max(dim=1).values.float() / counts.float().mean(dim=1).clamp_min(1e-9)
+    worst = int(ratio.argmax())
+    return (f"expert load (busiest expert / mean, per MoE layer): {' '.join(f'{r:.2f}' for r in ratio.tolist())}; "
+            f"{layers[worst][0]} tokens per expert: {counts[worst].tolist()}")

@@ -14,6 +14,7 @@ from shardserve.kernels.cpu import cpu_ops
 from shardserve.layers.attention import AttentionContext, TorchAttentionBackend
 from shardserve.layers.attention.cpu_native import CpuNativeAttentionBackend
 from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
+from shardserve.layers.moe import expert_load_report
 from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
 from shardserve.models.loader import load_model
 from shardserve.transfer import to_device
@@ -237,6 +238,9 @@ class ModelRunner:
         if hidden is None:
             ctx = AttentionContext(self.backend, self.backend.build(inputs.attn, self.device))
             hidden = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)
+        load = expert_load_report(self.model) if get_tp_group().rank == 0 else None   # TP peers route alike
+        if load is not None:
+            logger.info("stage %d %s", pp.rank, load)
         if not pp.is_last:
             pp_send_next(list(hidden))
             return PendingOutput(out)
