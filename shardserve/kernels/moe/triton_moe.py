@@ -1,0 +1,205 @@
+"""Fused mixture-of-experts for CUDA in Triton: the oracle's semantics (kernels/moe/reference.py) in four
+launches and no host sync, so a decode step can be captured in a CUDA graph.
+
+1. align (align.py): the T * K picks grouped by expert, each group padded to BLOCK_M rows;
+2. gate_up: one grouped matmul per BLOCK_M block, A = hidden rows (pick // K), B = that block's
+   expert's w13; each program holds a gate tile and the matching up tile, so SiLU-and-mul happens in
+   registers on the fp32 accumulators and only [T * K, I] is written;
+3. down: A = those [T * K, I] rows, B = w2[expert], scaled by the pick's routing weight in the
+   epilogue, written to [T * K, H] at the pick's own row;
+4. sum over the K picks of each token in fp32, skipping picks with id -1 (their rows are never written).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+
+import torch
+
+from shardserve.kernels.moe.align import moe_align
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["num_valid"])
+    def moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, total_ptr,
+                        N, K, num_valid, stride_am, stride_be, stride_bn, stride_cm,
+                        A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr):
+        # Programs run M-block groups of GROUP_M at a time over all N tiles, so the blocks of one expert
+        # (which share its B) are in flight together and B comes from L2 more often.
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N, BLOCK_N)
+        num_m = tl.num_programs(0) // num_n
+        width = GROUP_M * num_n
+        first_m = (pid // width) * GROUP_M
+        group_rows = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % group_rows
+        pid_n = (pid % width) // group_rows
+        # The grid is sized for the worst routing; blocks past this batch's padded length do nothing.
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+
+        sid = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = sid < num_valid
+        expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+        rows = (sid // A_DIV).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        # Both operands have K innermost; B is read as [BLOCK_K, BLOCK_N] (w rows are output columns).
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+        up_shift = N * stride_bn  # GATED: the up rows sit I rows below the gate rows
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            # A mask along K would stop 16-byte loads, so it is left out when K divides evenly.
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+            if GATED:
+                if EVEN_K:
+                    bu = tl.load(b_ptrs + up_shift, mask=n_ok[None, :], other=0.0)
+                else:
+                    bu = tl.load(b_ptrs + up_shift, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc_up = tl.dot(a, bu, acc_up)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if MUL_WEIGHT:
+            acc = acc * tl.load(w_ptr + sid, mask=row_ok, other=0.0)[:, None]
+        c_ptrs = c_ptr + sid.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def sum_picks_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = h < H
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            here = tl.load(ids_ptr + t * TOP_K + k) >= 0
+            acc += tl.load(y_ptr + (t * TOP_K + k) * H + h, mask=h_ok & here, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+    return triton, moe_gemm_kernel, sum_picks_kernel
+
+
+def config_file_name(num_experts: int, inter_size: int, device_name: str) -> str:
+    return f"E={num_experts},N={inter_size},device_name={device_name.replace(' ', '_')}.json"
+
+
+@functools.cache
+def _device_name() -> str:
+    return torch.cuda.get_device_name()
+
+
+@functools.cache
+def _load_configs(name: str) -> dict[int, dict] | None:
+    path = os.path.join(CONFIG_DIR, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return {int(m): cfg for m, cfg in json.load(f).items()}
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int) -> dict:
+    """Tiles by how many rows an expert gets on average: decode streams weights (small BLOCK_M, wide
+    BLOCK_K, many programs); prefill is a real matmul (large tiles, L2-friendly grouping)."""
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= 8:
+        return dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=4)
+    if per_expert <= 32:
+        return dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
+    if per_expert <= 96:
+        return dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3,
+                    down=dict(BLOCK_SIZE_N=128))
+    return dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3,
+                down=dict(BLOCK_SIZE_N=128))
+
+
+def get_config(num_experts: int, inter_size: int, hidden_size: int, num_tokens: int,
+               dtype: torch.dtype = torch.bfloat16, device_name: str | None = None, top_k: int = 2) -> dict:
+    """Tiles for a batch of `num_tokens`: from configs/E=..,N=..,device_name=...json (written by
+    benchmarks/tune_moe.py; the entry for the nearest batch size) or else default_config. A config is
+    {BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages} for gate_up and,
+    optionally, "down": the keys that differ for the down projection (BLOCK_SIZE_M is shared: both
+    matmuls walk the same grouping). hidden_size and dtype (16-bit floats share tiles) do not pick the
+    file but are part of the question."""
+    del hidden_size, dtype
+    if device_name is None:
+        device_name = _device_name() if torch.cuda.is_available() else "cpu"
+    table = _load_configs(config_file_name(num_experts, inter_size, device_name))
+    if not table:
+        return default_config(num_tokens, num_experts, top_k)
+    return table[min(table, key=lambda m: (abs(m - num_tokens), m))]
+
+
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def handles(hidden: torch.Tensor, w13: torch.Tensor) -> bool:
+    """True where this kernel can run: CUDA tensors of one 16-bit float dtype, and Triton installed."""
+    return (hidden.is_cuda and w13.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+            and w13.dtype == hidden.dtype and _triton_available())
+
+
+def moe_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor | None,
+             sorted_ids: torch.Tensor, expert_ids: torch.Tensor, total: torch.Tensor, a_div: int, gated: bool,
+             cfg: dict) -> None:
+    """c[pick] = (act)(a[pick // a_div] @ b[expert].T) (* weights[pick]) for every pick in `sorted_ids`.
+    gated: b holds 2 * N rows (gate then up) and c gets silu(gate) * up, N = c's width."""
+    triton, gemm, _ = _kernels()
+    n, k = c.shape[1], b.shape[2]
+    assert a.stride(-1) == 1 and b.stride(-1) == 1 and c.stride(-1) == 1, "K and N must be innermost"
+    grid = (expert_ids.numel() * triton.cdiv(n, cfg["BLOCK_SIZE_N"]),)
+    gemm[grid](a, b, c, weights if weights is not None else c, sorted_ids, expert_ids, total,
+               n, k, c.shape[0], a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+               A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0,
+               BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=cfg["BLOCK_SIZE_N"], BLOCK_K=cfg["BLOCK_SIZE_K"],
+               GROUP_M=cfg["GROUP_SIZE_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """hidden [T, H] -> [T, H], as reference.fused_moe (see it for the layouts). `config` overrides the
+    tuned tiles (get_config's format); the tuner passes it."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    out = torch.empty_like(hidden)
+    if num_tokens == 0:
+        return out
+    cfg = config or get_config(num_experts, inter, hidden_size, num_tokens, hidden.dtype, top_k=top_k)
+    down_cfg = {**cfg, **cfg.get("down", {})}
+    triton, _, sum_picks = _kernels()
+    topk_ids = topk_ids.contiguous()
+    sorted_ids, expert_ids, total = moe_align(topk_ids, num_experts, cfg["BLOCK_SIZE_M"])
+    h = hidden.contiguous()
+    act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    moe_gemm(h, w13, act, None, sorted_ids, expert_ids, total, top_k, True, cfg)
+    y = torch.empty(num_tokens * top_k, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    moe_gemm(act, w2, y, weights, sorted_ids, expert_ids, total, 1, False, down_cfg)
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    sum_picks[(num_tokens, triton.cdiv(hidden_size, block_h))](y, topk_ids, out, hidden_size, TOP_K=top_k,
+                                                               BLOCK_H=block_h, num_warps=4)
+    return out
