@@ -88,6 +88,14 @@ def allreduce_seconds(nbytes: float, world: int, link: Link) -> float:
     return link.latency_s + 2 * (world - 1) / world * nbytes / link.bandwidth
 
 
+def gather_seconds(nbytes: float, world: int, link: Link) -> float:
+    """Ring all-gather (or reduce-scatter) of a `nbytes` result: each rank sends and receives
+    (n-1)/n of it, half an all-reduce's traffic, for the same one-call latency."""
+    if world <= 1:
+        return 0.0
+    return link.latency_s + (world - 1) / world * nbytes / link.bandwidth
+
+
 def p2p_seconds(nbytes: float, link: Link) -> float:
     return link.latency_s + nbytes / link.bandwidth
 

@@ -1,5 +1,6 @@
 """What a model weighs: parameters (total and active, dense, MoE and MLA models), weight bytes per
-rank for a TP/PP layout and dtype, KV-cache bytes per token, all from the HF config alone.
+rank for a TP/PP layout (MoE: experts sliced over TP, or whole over an expert-parallel group) and
+dtype, KV-cache bytes per token, all from the HF config alone.
 
 Every layer is described as a list of `Part`s (a weight matrix or a norm) with how tensor
 parallelism shards it; per-rank bytes and bytes read per decode step both fall out of that list."""
@@ -46,6 +47,8 @@ class ModelShape:
         self.top_k = int(c.get("num_experts_per_tok") or 0)
         self.intermediate = int(c.get("intermediate_size") or 4 * self.hidden)
         self.moe_intermediate = int(c.get("moe_intermediate_size") or self.intermediate)
+        self.shared_width = int((c.get("n_shared_experts") or 0) * self.moe_intermediate
+                                or c.get("shared_expert_intermediate_size") or 0)
         self.moe_layers = tuple(self._is_moe_layer(i) for i in range(self.layers))
         self.max_position_embeddings = int(c.get("max_position_embeddings") or 4096)
         self._parts = [self._layer_parts(i) for i in range(self.layers)]
@@ -58,9 +61,9 @@ class ModelShape:
             return False
         if "n_routed_experts" in c:      # DeepSeek V2/V3: the first k layers stay dense
             return i >= c.get("first_k_dense_replace", 0) and i % c.get("moe_layer_freq", 1) == 0
-        if "num_experts" in c:           # Qwen2-MoE / Qwen3-MoE
-            return i not in (c.get("mlp_only_layers") or []) and (i + 1) % c.get("decoder_sparse_step", 1) == 0
-        return True                      # Mixtral: every layer
+        # Qwen2/3-MoE (whose config transformers 5 saves with num_local_experts, as Mixtral's); Mixtral
+        # has neither key: every layer. The engine's rule (models/spec.py MoeSpec).
+        return i not in (c.get("mlp_only_layers") or []) and (i + 1) % (c.get("decoder_sparse_step") or 1) == 0
 
     def _attention_parts(self) -> list[Part]:
         c, h = self.config, self.hidden
@@ -95,9 +98,8 @@ class ModelShape:
                   Part(self.experts * h, "rep", False)]                  # router
         if c.get("topk_method") == "noaux_tc":
             parts.append(Part(self.experts, "rep", False))               # DeepSeek-V3's routing bias
-        shared = (c.get("n_shared_experts") or 0) * self.moe_intermediate or c.get("shared_expert_intermediate_size", 0)
-        if shared:
-            parts.append(Part(3 * h * shared, "split"))
+        if self.shared_width:
+            parts.append(Part(3 * h * self.shared_width, "split"))
         if c.get("shared_expert_intermediate_size"):
             parts.append(Part(h, "rep", False))                          # Qwen2-MoE's shared-expert gate
         return parts
@@ -117,36 +119,40 @@ class ModelShape:
                 "active": int(round(active_layers)) + embed + head + self.hidden}
 
     # ---- bytes per rank --------------------------------------------------------------------------
-    def _share(self, part: Part, tp: int) -> float:
+    def _share(self, part: Part, tp: int, ep: int = 1) -> float:
+        if part.expert and ep > 1:  # expert parallel: EP ranks hold experts / EP whole experts each
+            return 1 / ep
         if part.shard == "split":
             return 1 / tp
         if part.shard == "kv":     # each rank keeps max(kv/tp, 1) heads: replicated when TP > kv heads
             return max(self.kv_heads // tp, 1) / self.kv_heads
         return 1.0
 
-    def _layer_bytes(self, dtype: str, tp: int, picked: float) -> list[float]:
+    def _layer_bytes(self, dtype: str, tp: int, picked: float, ep: int) -> list[float]:
         """Prefix sums of one rank's bytes per layer (cached: the planner asks for many layouts)."""
-        key = (dtype, tp, picked)
+        key = (dtype, tp, picked, ep)
         if key not in self._cache:
             wb = WEIGHT_BYTES[dtype]
             other = wb if dtype in ("fp32", "bf16", "fp16") else 2.0
             sums = [0.0]
             for parts in self._parts:
-                sums.append(sums[-1] + sum(p.params * self._share(p, tp) * (picked if p.expert else 1.0)
+                sums.append(sums[-1] + sum(p.params * self._share(p, tp, ep) * (picked if p.expert else 1.0)
                                            * (wb if p.linear else other) for p in parts))
             self._cache[key] = sums
         return self._cache[key]
 
     def weight_bytes(self, dtype: str, tp: int, layers: range, first: bool, last: bool,
-                     batch: int | None = None) -> float:
+                     batch: int | None = None, ep: int = 1) -> float:
         """Bytes one TP rank holds for `layers` (first stage: embeddings; last: final norm + LM head).
-        With `batch`, the bytes one decode step of `batch` tokens reads instead: routed experts count
-        by the expected number picked, and the embedding table is looked up, not read."""
+        ep > 1: routed experts split whole over `ep` ranks (experts / ep each), not sliced over TP.
+        With `batch`, the bytes one decode step reads instead when the rank's experts see `batch`
+        tokens: routed experts count by the expected number picked (of the E/EP a rank holds, or of
+        every slice), and the embedding table is looked up, not read."""
         picked = 1.0
         if batch is not None and self.experts:
             # Expected share of experts hit by `batch` tokens each picking top_k of E uniformly.
             picked = 1 - (1 - self.top_k / self.experts) ** batch
-        sums = self._layer_bytes(dtype, tp, picked)
+        sums = self._layer_bytes(dtype, tp, picked, ep)
         total = sums[layers.stop] - sums[layers.start]
         other = WEIGHT_BYTES[dtype] if dtype in ("fp32", "bf16", "fp16") else 2.0
         rows = math.ceil(self.vocab / tp) * self.hidden        # vocab-parallel, padded to equal slices
@@ -170,15 +176,20 @@ class ModelShape:
         return self.kv_bytes_per_token_layer(kv_dtype, tp) * (self.layers if layers is None else layers)
 
     # ---- tensor-parallel sizes that work ---------------------------------------------------------
-    def tp_problem(self, tp: int) -> str | None:
-        """Why TP=`tp` cannot shard this model, or None."""
+    def tp_problem(self, tp: int, ep: int = 1) -> str | None:
+        """Why TP=`tp` (with experts whole over `ep` ranks when ep > 1) cannot shard this model, or None."""
         if self.heads % tp:
             return f"TP={tp} does not divide the {self.heads} attention heads"
         if not self.mla and self.kv_heads % tp and tp % self.kv_heads:
             return f"TP={tp} and the {self.kv_heads} KV heads do not divide one another"
         if not all(self.moe_layers) and self.intermediate % tp:
             return f"TP={tp} does not divide the MLP width {self.intermediate}"
-        if any(self.moe_layers) and self.moe_intermediate % tp:
+        if any(self.moe_layers) and ep > 1:
+            if self.experts % ep:
+                return f"EP={ep} does not divide the {self.experts} experts"
+            if self.shared_width % tp:
+                return f"TP={tp} does not divide the shared-expert width {self.shared_width}"
+        elif any(self.moe_layers) and self.moe_intermediate % tp:
             return f"TP={tp} does not divide the expert MLP width {self.moe_intermediate}"
         return None
 

@@ -1,5 +1,6 @@
-"""`shardserve plan`: every (TP, PP, DP) layout of a model on a cluster, which ones fit and why
-not, a recommendation, single-GPU baselines, and what would make a model fit that does not.
+"""`shardserve plan`: every (TP, PP, DP) layout of a model on a cluster (MoE models: each also with
+expert parallelism), which ones fit and why not, a recommendation, single-GPU baselines, and what
+would make a model fit that does not.
 
 The result is a plain dict (what `--json` prints); `report.py` turns it into tables."""
 from __future__ import annotations
@@ -8,7 +9,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shardserve.planner.cost import Cluster, LayoutCost, activation_reserve, evaluate, offload_decode_ms
+from shardserve.planner.cost import Cluster, LayoutCost, activation_reserve, ep_size, evaluate, offload_decode_ms
 from shardserve.planner.hardware import GPUS, LINKS
 from shardserve.planner.memory import WEIGHT_BYTES, ModelShape, config_dtype, norm_dtype
 
@@ -47,10 +48,27 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layout_problem(shape: ModelShape, tp: int, pp: int) -> str | None:
+def layout_problem(shape: ModelShape, tp: int, pp: int, dp: int = 1, expert_parallel: bool = False,
+                   nodes: int = 1) -> str | None:
     if pp > shape.layers:
         return f"PP={pp} exceeds the {shape.layers} layers"
-    return shape.tp_problem(tp)
+    if not expert_parallel:
+        return shape.tp_problem(tp)
+    if dp > 1 and pp > 1:    # the engine's rules (config.py): EP over replicas runs PP=1, on one node
+        return f"EP over DP x TP ranks needs PP=1 (PP={pp})"
+    if dp > 1 and nodes > 1:
+        return "EP over DP x TP ranks runs on one node"
+    return shape.tp_problem(tp, ep_size(tp, dp, True))
+
+
+def layout_name(row: dict[str, Any]) -> str:
+    """"TP=2 PP=1", with " EP=8" for an expert-parallel layout."""
+    return f"TP={row['tp']} PP={row['pp']}" + (f" EP={row['ep']}" if row.get("expert_parallel") else "")
+
+
+def _variants(shape: ModelShape, tp: int, dp: int) -> tuple[bool, ...]:
+    """Experts sliced over TP, and for MoE models also whole over an EP group of more than one rank."""
+    return (False, True) if any(shape.moe_layers) and ep_size(tp, dp, True) > 1 else (False,)
 
 
 def fit_status(cost: LayoutCost, need_tokens: int) -> tuple[str, str | None]:
@@ -71,14 +89,17 @@ def min_gpus(shape: ModelShape, like: Cluster, dtype: str, kv: str, need_tokens:
         cluster = replace(like, gpus_per_node=min(n, gpn), nodes=max(1, n // gpn))
         options = []
         for tp in _divisors(n):
-            if layout_problem(shape, tp, n // tp):
+            # EP only where slicing the experts over TP is not valid: it holds the same bytes per rank.
+            ep = any(shape.moe_layers) and layout_problem(shape, tp, n // tp) is not None
+            if layout_problem(shape, tp, n // tp, expert_parallel=ep):
                 continue
-            cost = evaluate(shape, cluster, tp, n // tp, dtype, kv, 1, 1)
+            cost = evaluate(shape, cluster, tp, n // tp, dtype, kv, 1, 1, expert_parallel=ep)
             if fit_status(cost, need_tokens)[0] == "fits":
-                options.append((cost.tp_crosses_nodes, n // tp, tp))
+                options.append((cost.tp_crosses_nodes, n // tp, tp, ep))
         if options:
-            crosses, pp, tp = min(options)
-            return {"gpus": n, "nodes": max(1, n // gpn), "tp": tp, "pp": pp}
+            crosses, pp, tp, ep = min(options)
+            return {"gpus": n, "nodes": max(1, n // gpn), "tp": tp, "pp": pp,
+                    **({"expert_parallel": True, "ep": tp} if ep else {})}
     return None
 
 
@@ -86,29 +107,40 @@ def _layouts(shape: ModelShape, inputs: PlanInputs, dtype: str, kv: str, context
              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     cluster, total = inputs.cluster, inputs.cluster.total_gpus
     rows, invalid = [], []
+    moe = any(shape.moe_layers)
     for tp in _divisors(total):
         for pp in _divisors(total // tp):
             dp = total // (tp * pp)
-            problem = layout_problem(shape, tp, pp)
-            if problem:
-                invalid.append({"tp": tp, "pp": pp, "dp": dp, "reason": problem})
-                continue
-            batch = math.ceil(inputs.concurrency / dp)
-            cost = evaluate(shape, cluster, tp, pp, dtype, kv, context, batch)
-            status, reason = fit_status(cost, batch * context)
-            rows.append({"tp": tp, "pp": pp, "dp": dp, "status": status, "fits": status == "fits", "reason": reason,
-                         "weight_bytes_per_rank": cost.weight_bytes_per_rank,
-                         "kv_bytes_free_per_rank": max(cost.free_bytes_per_rank, 0.0),
-                         "kv_tokens_per_replica": cost.kv_tokens,
-                         "max_concurrency": dp * (cost.kv_tokens // context),
-                         "tp_crosses_nodes": cost.tp_crosses_nodes, "pp_crosses_nodes": cost.pp_crosses_nodes,
-                         "decode_ms": cost.decode_ms, "breakdown": cost.breakdown, "batch_per_replica": batch})
+            sliced = layout_problem(shape, tp, pp)
+            for ep in _variants(shape, tp, dp):
+                problem = layout_problem(shape, tp, pp, dp, ep, cluster.nodes)
+                tag = {"expert_parallel": ep, "ep": ep_size(tp, dp, ep)} if moe else {}
+                if problem:
+                    if not ep or problem != sliced:    # a reason EP shares with the sliced layout is listed once
+                        invalid.append({"tp": tp, "pp": pp, "dp": dp, **tag, "reason": problem})
+                    continue
+                rows.append(_row(shape, inputs, tp, pp, dp, ep, tag, dtype, kv, context))
     return rows, invalid
+
+
+def _row(shape: ModelShape, inputs: PlanInputs, tp: int, pp: int, dp: int, ep: bool, tag: dict[str, Any],
+         dtype: str, kv: str, context: int) -> dict[str, Any]:
+    batch = math.ceil(inputs.concurrency / dp)
+    cost = evaluate(shape, inputs.cluster, tp, pp, dtype, kv, context, batch, ep, inputs.concurrency)
+    status, reason = fit_status(cost, batch * context)
+    return {"tp": tp, "pp": pp, "dp": dp, **tag, "status": status, "fits": status == "fits", "reason": reason,
+            "weight_bytes_per_rank": cost.weight_bytes_per_rank,
+            "kv_bytes_free_per_rank": max(cost.free_bytes_per_rank, 0.0),
+            "kv_tokens_per_replica": cost.kv_tokens,
+            "max_concurrency": dp * (cost.kv_tokens // context),
+            "tp_crosses_nodes": cost.tp_crosses_nodes, "pp_crosses_nodes": cost.pp_crosses_nodes,
+            "decode_ms": cost.decode_ms, "breakdown": cost.breakdown, "batch_per_replica": batch}
 
 
 def recommend(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Fits; TP inside a node when any such layout fits; the fastest, and among layouts within 5%
-    of it the one with the fewest GPUs per replica (more replicas serve more users)."""
+    of it the one with the fewest GPUs per replica (more replicas serve more users); on a tie,
+    experts sliced over TP rather than expert parallel."""
     fits = [r for r in rows if r["fits"]]
     if any(not r["tp_crosses_nodes"] for r in fits):
         fits = [r for r in fits if not r["tp_crosses_nodes"]]
@@ -116,7 +148,7 @@ def recommend(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     best = min(r["decode_ms"] for r in fits)
     near = [r for r in fits if r["decode_ms"] <= best * NEAR_BEST]
-    return min(near, key=lambda r: (r["tp"] * r["pp"], r["decode_ms"]))
+    return min(near, key=lambda r: (r["tp"] * r["pp"], r["decode_ms"], r.get("expert_parallel", False)))
 
 
 def baselines(shape: ModelShape, inputs: PlanInputs, dtype: str, kv: str, context: int) -> dict[str, Any]:
@@ -149,7 +181,7 @@ def advice(shape: ModelShape, inputs: PlanInputs, rows: list[dict[str, Any]], dt
     if roomy:
         r = max(roomy, key=lambda r: r["kv_tokens_per_replica"])
         per_request = r["kv_tokens_per_replica"] // r["batch_per_replica"]
-        out.append(f"shorter context: --max-model-len {per_request:,} fits with TP={r['tp']} PP={r['pp']} "
+        out.append(f"shorter context: --max-model-len {per_request:,} fits with {layout_name(r)} "
                    f"({r['kv_tokens_per_replica']:,} KV tokens per replica)")
         if kv != "fp8":
             ratio = shape.kv_bytes_per_token_layer(kv) / shape.kv_bytes_per_token_layer("fp8")
@@ -161,17 +193,17 @@ def advice(shape: ModelShape, inputs: PlanInputs, rows: list[dict[str, Any]], dt
         size = shape.weight_bytes(smaller, 1, range(shape.layers), True, True)
         here = recommend(_layouts(shape, inputs, smaller, kv, context)[0])
         if here:
-            where = (f"fits these {c.total_gpus} x {c.gpu.name} with TP={here['tp']} PP={here['pp']} "
+            where = (f"fits these {c.total_gpus} x {c.gpu.name} with {layout_name(here)} "
                      f"({here['decode_ms']:.1f} ms/token)")
         else:
             need = min_gpus(shape, c, smaller, kv, context * inputs.concurrency)
-            where = (f"needs {need['gpus']} x {c.gpu.name} (TP={need['tp']} PP={need['pp']})" if need
+            where = (f"needs {need['gpus']} x {c.gpu.name} ({layout_name(need)})" if need
                      else f"does not fit {MAX_SEARCH_GPUS} GPUs")
         out.append(f"--dtype {smaller}: weights {size / 1e9:,.1f} GB instead of {total / 1e9:,.1f} GB; {where}")
     need = min_gpus(shape, c, dtype, kv, context * inputs.concurrency)
     if need:
         out.append(f"more GPUs: {need['gpus']} x {c.gpu.name} ({need['nodes']} node(s) of "
-                   f"{c.gpus_per_node}) hold it at {dtype} with TP={need['tp']} PP={need['pp']}")
+                   f"{c.gpus_per_node}) hold it at {dtype} with {layout_name(need)}")
     return out
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardserve.planner.plan import layout_name
+
 
 def gib(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB"
@@ -21,7 +23,7 @@ def _billions(n: int) -> str:
 def _where(need: dict[str, Any] | None, gpu: str) -> str:
     if need is None:
         return "more than 4096 GPUs"
-    return f"{need['gpus']} x {gpu} (TP={need['tp']} PP={need['pp']})"
+    return f"{need['gpus']} x {gpu} ({layout_name(need)})"
 
 
 def _status(row: dict[str, Any]) -> str:
@@ -63,14 +65,20 @@ def format_plan(plan: dict[str, Any]) -> str:
                  f"{_where(need['requests'], s['gpu'])} for {s['concurrency']} request(s) of "
                  f"{s['max_model_len']:,} tokens")
     lines.append("")
+    moe = bool(m["experts"])
     lines.append(f"Layouts (decode ms/token with {s['concurrency']} request(s) at {s['max_model_len']:,} tokens "
                  "of context; = HBM + all-reduce + PP hand-off)")
-    header = ("TP", "PP", "DP", "weights/rank", "KV tokens/replica", "max conc.", "ms/token", "hbm+comm+handoff",
-              "status")
+    if moe:
+        lines.append("  EP: experts split whole over EP ranks (--enable-expert-parallel): the TP group, or DP x TP "
+                     "ranks with DP > 1 (then comm also holds each MoE layer's token all-gather and reduce-scatter "
+                     "over DP); -: every rank holds every expert, sliced over TP")
+    header = ("TP", "PP", "DP") + (("EP",) if moe else ()) + (
+        "weights/rank", "KV tokens/replica", "max conc.", "ms/token", "hbm+comm+handoff", "status")
     table = [header]
-    for r in sorted(plan["layouts"], key=lambda r: (r["tp"] * r["pp"], r["tp"])):
+    for r in sorted(plan["layouts"], key=lambda r: (r["tp"] * r["pp"], r["tp"], r.get("expert_parallel", False))):
         b = r["breakdown"]
-        table.append((str(r["tp"]), str(r["pp"]), str(r["dp"]), gib(r["weight_bytes_per_rank"]),
+        ep = ((str(r["ep"]) if r["expert_parallel"] else "-"),) if moe else ()
+        table.append((str(r["tp"]), str(r["pp"]), str(r["dp"])) + ep + (gib(r["weight_bytes_per_rank"]),
                       f"{r['kv_tokens_per_replica']:,}" if r["status"] != "weights" else "-",
                       str(r["max_concurrency"]) if r["status"] != "weights" else "-", f"{r['decode_ms']:.2f}",
                       f"{b['hbm_ms']:.2f}+{b['comm_ms']:.2f}+{b['handoff_ms']:.2f}", _status(r)))
@@ -84,7 +92,11 @@ def format_plan(plan: dict[str, Any]) -> str:
     rec = plan["recommended"]
     if rec:
         flags = "".join(f" -{k} {rec[k]}" for k in ("tp", "pp", "dp") if rec[k] > 1)
-        lines.append(f"Recommended: TP={rec['tp']} PP={rec['pp']} DP={rec['dp']}: {rec['decode_ms']:.2f} ms/token, "
+        name = f"TP={rec['tp']} PP={rec['pp']} DP={rec['dp']}"
+        if rec.get("expert_parallel"):
+            flags += " --enable-expert-parallel"
+            name += f" EP={rec['ep']}"
+        lines.append(f"Recommended: {name}: {rec['decode_ms']:.2f} ms/token, "
                      f"up to {rec['max_concurrency']} concurrent {s['max_model_len']:,}-token requests"
                      f"  (shardserve serve {m.get('path', 'MODEL')}{flags})")
     else:
