@@ -54,6 +54,7 @@ def make_llm(ns, path: str, random_weights: bool):
     kw = dict(dtype=ns.dtype, device=ns.device, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
               max_num_batched_tokens=ns.max_num_batched_tokens, seed=ns.seed,
               tensor_parallel_size=ns.tensor_parallel_size, gpu_memory_utilization=ns.gpu_memory_utilization,
+              enable_expert_parallel=getattr(ns, "enable_expert_parallel", False),
               enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
               enable_prefix_caching=ns.enable_prefix_caching)
     if ns.kv_cache_memory:
