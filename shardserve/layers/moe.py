@@ -59,6 +59,9 @@ def experts_matmul(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
 
 
 class FusedMoE(nn.Module):
+    # The native CPU kernels may pack these per expert (cpu_ops.pack_weights; kernels/moe/torch_moe.py).
+    packed_expert_weights = ("w13_weight", "w2_weight")
+
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool) -> None:
         super().__init__()

@@ -60,7 +60,8 @@ class Worker:
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """This rank's parameter shapes (tests check that sharded matrices really are 1/TP)."""
         # A weight packed for the native CPU kernel reports its logical shape.
-        return {n: (p.out_features, p.shape[1]) if hasattr(p, "out_features") else tuple(p.shape)
+        return {n: getattr(p, "logical_shape", None) or ((p.out_features, p.shape[1]) if hasattr(p, "out_features")
+                                                         else tuple(p.shape))
                 for n, p in self.model_runner.model.named_parameters()}
 
     def profile_decode_graph(self, batch_size: int, context: int = 256) -> dict:

@@ -86,3 +86,23 @@ def test_expert_load_log(monkeypatch, caplog):
     assert expert_load_report(layer) is None   # counts were reset
     monkeypatch.delenv("SHARDSERVE_EXPERT_LOAD")
     assert FusedMoE(4, 1, 8, 6, renormalize=False).load is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_experts_match_reference(dtype):
+    """The CPU default path: expert matrices packed per expert for the native GEMM (bf16 panels for a
+    bf16 checkpoint, fp32 for fp32), fp32 math."""
+    from shardserve.kernels.cpu import cpu_ops
+    if not cpu_ops.available():
+        pytest.skip("the native CPU kernels are not built here (no compiler or not x86)")
+    experts, hidden, inter, tokens = 6, 40, 24, 19   # widths that are not multiples of 16
+    w13, w2 = (w.to(dtype).float() for w in _weights(experts, hidden, inter))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)]).int()
+    ids[::4, 1] = -1
+    weights = torch.rand(tokens, 2, generator=gen)
+    p13, p2 = cpu_ops.pack_experts(w13, dtype), cpu_ops.pack_experts(w2, dtype)
+    assert p13.dtype == dtype and p13.logical_shape == (experts, 2 * inter, hidden)
+    torch.testing.assert_close(torch_moe.fused_moe(x, p13, p2, weights, ids),
+                               reference.fused_moe(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)

@@ -208,8 +208,9 @@ def test_sliding_window_changes_hf_logits(tmp_path):
     assert (a[8:] - b[8:]).abs().max() > 1e-2          # beyond it: different
 
 
-def test_bf16_checkpoint_loads_as_bf16(tmp_path):
-    path = make_tiny_checkpoint(str(tmp_path / "bf16"), "llama", dtype=torch.bfloat16)
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_bf16_checkpoint_loads_as_bf16(tmp_path, arch):
+    path = make_tiny_checkpoint(str(tmp_path / "bf16"), arch, dtype=torch.bfloat16)
     llm = LLM(path, dtype="auto", kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
     mc = llm.engine.config.model_config
     assert mc.dtype == torch.bfloat16

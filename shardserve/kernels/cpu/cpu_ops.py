@@ -102,14 +102,24 @@ def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> to
     return packed
 
 
-def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def pack_experts(weights: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Parameter:
+    """A MoE layer's stacked expert matrices [E, N, K] -> [E, ceil(N / 16), K, 16], each expert
+    packed as pack_weight packs one matrix; `.out_features` = N, `.logical_shape` = (E, N, K)."""
+    packed = torch.nn.Parameter(torch.stack([pack_weight(w, dtype) for w in weights]), requires_grad=False)
+    packed.out_features = weights.shape[1]
+    packed.logical_shape = tuple(weights.shape)
+    return packed
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+                  out_features: int | None = None) -> torch.Tensor:
     """x ([..., K], any float dtype, widened to fp32) @ W^T + bias (fp32, [N]) -> fp32 [..., N],
-    W packed by pack_weight."""
+    W packed by pack_weight (or one expert of pack_experts, whose N is given as out_features)."""
     k = x.shape[-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.dtype != torch.float32 or x2.stride(-1) != 1:
         x2 = x2.to(torch.float32).contiguous()
-    n = packed.out_features
+    n = out_features or packed.out_features
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     _library().linear_packed(x2.data_ptr(), x2.stride(0), packed.data_ptr(), int(packed.dtype == torch.bfloat16),
                              None if bias is None else bias.data_ptr(), y.data_ptr(), n, x2.shape[0], n, k)
@@ -190,10 +200,17 @@ def pack_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:
     values) into `dtype` panels for linear_packed; with bf16, embedding tables are stored as bf16
     rows for lookups too. The values do not change (bf16 weights already hold bf16-rounded values in
     fp32), only their layout and size. A tied embedding and LM head get one copy of each layout.
+    A MoE layer names its stacked expert weights in `packed_expert_weights` (pack_experts).
     Returns how many matrices were converted."""
     done: dict[tuple[int, str], torch.nn.Parameter] = {}
     originals = []   # keeps the fp32 parameters alive while ids are used as keys
+    experts = 0
     for module in model.modules():
+        for name in getattr(module, "packed_expert_weights", ()):
+            stacked = getattr(module, name)
+            if stacked.dtype == torch.float32 and stacked.dim() == 3:
+                setattr(module, name, pack_experts(stacked.detach(), dtype))
+                experts += stacked.shape[0]
         layout = getattr(module, "packed_weight_layout", None)
         weight = getattr(module, "weight", None)
         if layout is None or weight is None or (layout == "rows" and dtype != torch.bfloat16):
@@ -209,4 +226,4 @@ def pack_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:
                 done[key] = torch.nn.Parameter(weight.detach().to(torch.bfloat16), requires_grad=False)
                 done[key].stored_bf16_for_fp32 = True
         module.weight = done[key]
-    return len(done)
+    return len(done) + experts

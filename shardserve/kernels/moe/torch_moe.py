@@ -2,7 +2,8 @@
 
 The picks are sorted by expert so each expert that has tokens runs one matmul over all of them;
 experts nobody picked cost nothing. Same conventions and result as kernels/moe/reference.py (which
-loops over every expert with masks, in fp32); the matmuls here run in the weights' dtype and the
+loops over every expert with masks, in fp32); the matmuls here run in the weights' dtype, or in the
+native CPU GEMM in fp32 where the experts are packed for it (4-D, cpu_ops.pack_experts), and the
 picks are summed in fp32. The expert counts come to the host, so this is not for CUDA graphs.
 """
 from __future__ import annotations
@@ -11,6 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from shardserve.kernels.activation.reference import silu_and_mul
+from shardserve.kernels.cpu import cpu_ops
+
+
+def _matmul(x: torch.Tensor, weights: torch.Tensor, expert: int) -> torch.Tensor:
+    if weights.dim() == 4:   # packed panels: fp32 math on the (often bf16) panels
+        return cpu_ops.linear_packed(x, weights[expert], out_features=weights.out_features)
+    return F.linear(x.to(weights.dtype), weights[expert])
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -22,7 +30,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
     weights = topk_weights.reshape(-1)
-    out = torch.zeros(hidden.shape[0], w2.shape[1], dtype=torch.float32, device=hidden.device)
+    out = torch.zeros(hidden.shape[0], getattr(w2, "out_features", w2.shape[1]), dtype=torch.float32,
+                      device=hidden.device)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -30,7 +39,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         picks = order[start:start + count]
         start += count
         tokens = picks // top_k
-        h = silu_and_mul(F.linear(hidden[tokens].to(w13.dtype), w13[expert]))
-        y = F.linear(h, w2[expert]).float() * weights[picks].float().unsqueeze(1)
+        h = silu_and_mul(_matmul(hidden[tokens], w13, expert))
+        y = _matmul(h, w2, expert).float() * weights[picks].float().unsqueeze(1)
         out.index_add_(0, tokens, y)
     return out.to(hidden.dtype)
