@@ -50,7 +50,8 @@ def add_parallel_args(parser: argparse.ArgumentParser, engine: bool = True) -> N
     if engine:
         g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas (default: 1)")
         g.add_argument("--enable-expert-parallel", "-ep", action="store_true",
-                       help="MoE models: split whole experts over the TP ranks instead of slicing every expert")
+                       help="MoE models: split whole experts over the TP (x DP) ranks instead of slicing every "
+                       "expert (default: off)")
         g.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None,
                        help="uni for one device, mp (default for more) or ray")
         g.add_argument("--pp-layer-partition", default=None,

@@ -122,7 +122,7 @@ def add_bench_offline_args(p: argparse.ArgumentParser, latency: bool) -> None:
     p.add_argument("--device", default="auto", help="default: %(default)s")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="default: %(default)s")
     p.add_argument("--enable-expert-parallel", "-ep", action="store_true",
-                   help="MoE models: whole experts per TP rank instead of every expert sliced")
+                   help="MoE models: whole experts per TP rank instead of every expert sliced (default: off)")
     p.add_argument("--input-len", type=int, default=32 if latency else 1024, help="default: %(default)s")
     p.add_argument("--output-len", type=int, default=128, help="default: %(default)s")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
