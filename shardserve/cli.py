@@ -7,6 +7,7 @@ import sys
 from typing import Sequence
 
 from shardserve.engine.args import EngineArgs
+from shardserve.quantization.config import QUANTIZATION_METHODS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule and prepare step N+1 while step N runs on the device "
                              "(default: on for CUDA without pipeline parallelism)")
+    parser.add_argument("--quantization", "-q", choices=list(QUANTIZATION_METHODS), default=None,
+                        help="quantize a full-precision checkpoint's weights at load (a quantized checkpoint's "
+                        "own format is read from its config; default: none)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights with the checkpoint's shapes, for benchmarks "
                         "(default: %(default)s)")
@@ -70,6 +74,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       enable_prefix_caching=ns.enable_prefix_caching,
                       gpu_memory_utilization=ns.gpu_memory_utilization, kv_cache_memory=ns.kv_cache_memory,
                       seed=ns.seed, max_logprobs=ns.max_logprobs, load_format=ns.load_format,
+                      quantization=ns.quantization,
                       enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
                       tensor_parallel_size=ns.tensor_parallel_size,
                       pipeline_parallel_size=ns.pipeline_parallel_size, data_parallel_size=ns.data_parallel_size,

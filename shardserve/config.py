@@ -92,6 +92,7 @@ class ModelConfig:
     prefill_graphs: bool = True
     piecewise_graphs: bool = True
     max_logprobs: int = 20                             # largest logprobs / prompt_logprobs; -1: no limit
+    quantization: str | None = None                    # --quantization (quantization/config.py); None: as stored
 
     @property
     def compute_dtype(self) -> torch.dtype:

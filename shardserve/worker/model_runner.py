@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 import torch
@@ -80,11 +81,16 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             self.cuda_baseline = total - free - torch.cuda.memory_reserved(self.device)
         model_config = self.model_config
+        start = time.perf_counter()
         self.model = load_model(model_config.model, model_config.hf_config, model_config.dtype, self.device,
                                 show_progress=self.show_progress, compute_dtype=model_config.compute_dtype,
-                                load_format=model_config.load_format)
+                                load_format=model_config.load_format, quantization=model_config.quantization)
         if self.device.type == "cpu":
             self._use_native_cpu_kernels()
+        if self.show_progress:   # vLLM's line, with the weights as this rank holds them
+            held = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
+            logger.info("Model loading took %.4f GiB memory and %.6f seconds", sum(held.values()) / (1 << 30),
+                        time.perf_counter() - start)
         elif self.device.type == "cuda" and CudaAttentionBackend.supports(self.model.attention_layers()[0].spec,
                                                                           self.block_size):
             self.backend = CudaAttentionBackend()

@@ -1,0 +1,50 @@
+"""Which weight format a model runs in: `--quantization` (vLLM's flag) or the checkpoint's
+`quantization_config`, checked against each other and the device before anything loads."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from shardserve.layers.linear import LinearBase, LinearMethod
+from shardserve.quantization.fp8 import Fp8Config
+
+QUANTIZATION_METHODS = ("fp8",)
+_FROM_CHECKPOINT = {"fp8": Fp8Config}
+
+
+def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> Fp8Config | None:
+    """The format's config, or None for full precision. A checkpoint that is already quantized
+    decides; `requested` must then name the same format (or be None)."""
+    stored = hf_config.get("quantization_config")
+    if stored:
+        method = stored.get("quant_method")
+        if method not in _FROM_CHECKPOINT:
+            raise ValueError(f"the checkpoint is quantized with {method!r}, which is not supported; supported: "
+                             f"{', '.join(sorted(_FROM_CHECKPOINT))}")
+        if requested not in (None, method):
+            raise ValueError(f"--quantization {requested} does not match the checkpoint's {method!r} weights; "
+                             "drop the flag or give a full-precision checkpoint")
+        return _FROM_CHECKPOINT[method].from_quantization_config(stored)
+    if requested is None:
+        return None
+    if requested == "fp8":
+        return Fp8Config(from_checkpoint=False)
+    raise ValueError(f"--quantization {requested!r} is not supported; choose one of {', '.join(QUANTIZATION_METHODS)}")
+
+
+def check_device(config: Fp8Config | None, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse what cannot run, before any process starts."""
+    if config is None or device.type != "cuda":
+        return
+    if config.name == "fp8":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"FP8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper); this one "
+                             f"is {major}.{minor}")
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"FP8 on CUDA computes in bfloat16 or float16, not {dtype}: pass --dtype bfloat16")
+
+
+def linear_method_factory(config: Fp8Config | None) -> Callable[[LinearBase], LinearMethod | None] | None:
+    return None if config is None else config.linear_method

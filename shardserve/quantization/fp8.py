@@ -1,0 +1,96 @@
+"""FP8 (W8A8, E4M3): `--quantization fp8` on a bf16/fp16/fp32 checkpoint, or an FP8 checkpoint
+(`quantization_config.quant_method: fp8`, as llm-compressor and vLLM write them).
+
+- Weights: E4M3 with a scale per output channel. A bf16 checkpoint is quantized after loading
+  (absmax per row / 448). An FP8 checkpoint carries a scale per tensor (`weight_scale`), so fused
+  q/k/v and gate/up layers keep one scale per part and spread it over that part's rows.
+- Activations: scaled per token at run time (dynamic). A checkpoint's static `input_scale` is read
+  and not used: a per-token scale is never less accurate than one per tensor.
+- CUDA: the matmul is `torch._scaled_mm` on FP8 inputs with the row-wise scales (Hopper's FP8
+  tensor cores), bf16 out. Elsewhere (the CPU): the FP8 values are widened once, after loading,
+  into an ordinary weight of the compute dtype, so every CPU kernel and test runs unchanged on the
+  FP8-rounded values (the accuracy of FP8; not its memory saving).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardserve.layers.linear import LinearBase, LinearMethod, linear
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)   # 448
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (E4M3 [N, K], fp32 scales [N]) with weight ~= q * scale[:, None]."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_min(1e-12)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] -> (E4M3 [M, K], fp32 scales [M, 1]), one scale per token."""
+    scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class Fp8Config:
+    name = "fp8"
+
+    def __init__(self, from_checkpoint: bool) -> None:
+        self.from_checkpoint = from_checkpoint   # weights stored as FP8 (else quantized after loading)
+
+    @classmethod
+    def from_quantization_config(cls, cfg: dict[str, Any]) -> "Fp8Config":
+        if cfg.get("weight_block_size"):
+            raise ValueError(f"FP8 checkpoints with block-wise scales (weight_block_size={cfg['weight_block_size']}, "
+                             "DeepSeek-style) are not supported; per-tensor and per-channel scales are")
+        fmt = cfg.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"FP8 format {fmt!r} is not supported; only e4m3 checkpoints are")
+        return cls(from_checkpoint=True)
+
+    def linear_method(self, layer: LinearBase) -> LinearMethod | None:
+        return Fp8LinearMethod(self.from_checkpoint)
+
+
+class Fp8LinearMethod(LinearMethod):
+    def __init__(self, from_checkpoint: bool) -> None:
+        self.from_checkpoint = from_checkpoint
+
+    def create_weights(self, layer: LinearBase) -> None:
+        if not self.from_checkpoint:   # the checkpoint's own dtype first; quantized after loading
+            layer.register_weight(torch.empty(layer.output_size, layer.input_size))
+            return
+        layer.register_weight(torch.empty(layer.output_size, layer.input_size, dtype=FP8))
+        parts = len(layer.output_shard_sizes)
+        for name in ("weight_scale", "input_scale"):   # one per fused part (q, k, v / gate, up)
+            layer.register_quant_param(name, torch.ones(parts, dtype=torch.float32), output_dim=None, per_part=True,
+                                       full_precision=True)
+
+    def process_after_loading(self, layer: LinearBase) -> None:
+        if self.from_checkpoint:   # per-part scales spread over each part's rows
+            sizes = torch.tensor(layer.output_shard_sizes, device=layer.weight.device)
+            scale = layer.weight_scale.data.repeat_interleave(sizes)
+            weight = layer.weight.data
+            del layer.weight_scale, layer.input_scale   # input_scale: read, unused (the module docstring)
+        else:
+            weight, scale = quantize_rows(layer.weight.data)
+        if weight.is_cuda:
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            layer.weight_scale = nn.Parameter(scale.float(), requires_grad=False)
+        else:   # widened once into the dtype the layer was built in (the compute dtype)
+            layer.weight = nn.Parameter((weight.float() * scale[:, None]).to(layer.params_dtype), requires_grad=False)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.weight.dtype != FP8:
+            return linear(x, layer.weight, bias)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xq, x_scale = quantize_tokens(x2)
+        out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
+                               bias=bias, out_dtype=x.dtype)
+        return out.view(*shape[:-1], out.shape[-1])

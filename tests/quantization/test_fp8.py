@@ -1,0 +1,101 @@
+"""FP8 weights on the CPU path: `--quantization fp8` on a full-precision checkpoint and FP8
+checkpoints (per-tensor scales, one per fused part), against HF transformers on the same
+FP8-rounded weights; the real SmolLM2 in FP8 still answers and keeps its perplexity."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve.llm import LLM
+from shardserve.quantization.fp8 import FP8, quantize_rows
+from shardserve.sampling_params import SamplingParams
+from tests.models.test_parity import assert_matches_hf, full_logprob_params, random_prompt
+from tests.quantization.checkpoints import (
+    ENGLISH_TEXT,
+    hf_with_weights,
+    is_quantized_linear,
+    smollm2_hf_checkpoint,
+    write_fp8_checkpoint,
+)
+from tests.tiny_models import load_hf_model, make_tiny_checkpoint
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+def test_rows_quantize_to_e4m3_with_a_scale_each():
+    w = torch.randn(64, 96) * torch.logspace(-2, 1, 64)[:, None]   # rows of very different scales
+    q, scale = quantize_rows(w)
+    assert q.dtype == FP8 and scale.shape == (64,)
+    assert q.float().abs().amax(dim=1).sub(448).abs().max() == 0   # every row uses the full range
+    rel = ((q.float() * scale[:, None] - w).abs() / w.abs().amax(dim=1, keepdim=True)).max()
+    assert rel <= 2 ** -4   # E4M3 keeps 3 mantissa bits
+
+
+def _fp8_rounded(path: str) -> dict[str, torch.Tensor]:
+    hf = load_hf_model(path)
+    out = {}
+    for name, w in hf.state_dict().items():
+        if is_quantized_linear(name):
+            q, scale = quantize_rows(w)
+            out[name] = q.float() * scale[:, None]
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])   # qwen2: biases on q/k/v
+def test_online_fp8_matches_hf_on_the_rounded_weights(tmp_path, arch):
+    path = make_tiny_checkpoint(str(tmp_path / arch), arch)
+    hf = hf_with_weights(path, _fp8_rounded(path))
+    llm = LLM(path, quantization="fp8", kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
+    prompt = random_prompt(1, 40)
+    assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
+    llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_checkpoint_matches_hf_on_its_weights(tmp_path, tp):
+    """q, k, v (and gate, up) carry different per-tensor scales and live in one fused matrix;
+    under TP each rank holds its rows of every part."""
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    dequantized = write_fp8_checkpoint(src, str(tmp_path / "fp8"))
+    hf = hf_with_weights(src, dequantized)
+    llm = LLM(str(tmp_path / "fp8"), kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1,
+              tensor_parallel_size=tp)
+    prompt = random_prompt(2, 40)
+    assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
+    llm.engine.shutdown()
+
+
+def test_bad_quantization_requests_are_clear(tmp_path):
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    write_fp8_checkpoint(src, str(tmp_path / "fp8"))
+    with pytest.raises(ValueError, match="not supported; choose one of fp8"):
+        LLM(src, quantization="int3")
+    import json
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitnet"}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantized with 'bitnet', which is not supported"):
+        LLM(str(tmp_path / "fp8"))
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    return smollm2_hf_checkpoint(str(tmp_path_factory.mktemp("smollm2_hf")))
+
+
+def _perplexity(llm: LLM) -> float:
+    out = llm.generate([ENGLISH_TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    lps = [row[t].logprob for row, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+    return float(torch.tensor(lps).neg().mean().exp())
+
+
+def test_smollm2_fp8_answers_and_keeps_its_perplexity(smollm2, tmp_path):
+    kw = dict(max_model_len=1024, kv_cache_memory="64MiB", show_progress=False)
+    full = LLM(smollm2, **kw)
+    ppl_full = _perplexity(full)
+    full.engine.shutdown()
+    write_fp8_checkpoint(smollm2, str(tmp_path / "fp8"))
+    for llm in (LLM(smollm2, quantization="fp8", **kw), LLM(str(tmp_path / "fp8"), **kw)):
+        text = llm.chat(FRANCE, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
+        assert "Paris" in text, text
+        ppl = _perplexity(llm)
+        assert abs(ppl / ppl_full - 1) <= 0.02, f"FP8 perplexity {ppl:.3f} vs {ppl_full:.3f} in bf16"
+        llm.engine.shutdown()
