@@ -55,6 +55,7 @@ def make_llm(ns, path: str, random_weights: bool):
               max_num_batched_tokens=ns.max_num_batched_tokens, seed=ns.seed,
               tensor_parallel_size=ns.tensor_parallel_size, gpu_memory_utilization=ns.gpu_memory_utilization,
               enable_expert_parallel=getattr(ns, "enable_expert_parallel", False),
+              quantization=getattr(ns, "quantization", None),
               enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
               enable_prefix_caching=ns.enable_prefix_caching)
     if ns.kv_cache_memory:
@@ -121,12 +122,16 @@ def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
     tp = llm.engine.config.parallel_config.tensor_parallel_size
     elem = torch.tensor([], dtype=model_config.dtype).element_size()
     counts = param_counts(config)
+    # FP8 layers hold one byte per weight; embeddings, LM head, norms and experts stay in the dtype.
+    linear_elem = 1 if model_config.quantization == "fp8" else elem
+    in_dtype = counts["embed"] + counts["lm_head"] + counts["experts"]
+    total = (counts["total"] - in_dtype) * linear_elem + in_dtype * elem
     return {"device": device, "tp": tp, "elem": elem, "counts": counts,
-            "weight_bytes_per_rank": counts["total"] * elem / tp,
-            "dense_bytes_per_rank": (counts["total"] - counts["experts"]) * elem / tp,
+            "weight_bytes_per_rank": total / tp,
+            "dense_bytes_per_rank": (total - counts["experts"] * elem) / tp,
             "bandwidth": measure_bandwidth(device),
             "peak_flops": measure_matmul_peak(device, model_config.compute_dtype),
-            "dtype": str(model_config.dtype).replace("torch.", "")}
+            "dtype": str(model_config.dtype).replace("torch.", "") + (" fp8 weights" if linear_elem == 1 else "")}
 
 
 def run_latency(ns) -> dict[str, Any]:

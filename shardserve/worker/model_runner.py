@@ -87,13 +87,13 @@ class ModelRunner:
                                 load_format=model_config.load_format, quantization=model_config.quantization)
         if self.device.type == "cpu":
             self._use_native_cpu_kernels()
+        elif self.device.type == "cuda" and CudaAttentionBackend.supports(self.model.attention_layers()[0].spec,
+                                                                          self.block_size):
+            self.backend = CudaAttentionBackend()
         if self.show_progress:   # vLLM's line, with the weights as this rank holds them
             held = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
             logger.info("Model loading took %.4f GiB memory and %.6f seconds", sum(held.values()) / (1 << 30),
                         time.perf_counter() - start)
-        elif self.device.type == "cuda" and CudaAttentionBackend.supports(self.model.attention_layers()[0].spec,
-                                                                          self.block_size):
-            self.backend = CudaAttentionBackend()
 
     def _use_native_cpu_kernels(self) -> None:
         """Hand the model to the native CPU kernels where they are built (the path itself is chosen in

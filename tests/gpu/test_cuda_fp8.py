@@ -1,0 +1,89 @@
+"""FP8 on a GPU (compute capability 8.9+): the scaled FP8 matmul against dequantize-then-matmul,
+inside a CUDA graph too, and a model quantized at load against HF on its rounded weights. (The
+real SmolLM2 checks run on the CPU: the device machines cannot read its GGUF.)"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from shardserve.quantization.fp8 import quantize_rows, quantize_tokens
+
+pytestmark = pytest.mark.gpu
+
+
+def layer_dtype(runner) -> torch.dtype:
+    return runner.model.model.layers[0].self_attn.qkv_proj.weight.dtype
+
+
+def _fp8_capable() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not _fp8_capable(), reason="GPU-only: FP8 matmuls need compute capability 8.9+")
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+def test_fp8_linear_matches_dequantized_reference(m):
+    from shardserve.layers.linear import ColumnParallelLinear, linear_methods, process_weights_after_loading
+    from shardserve.quantization.fp8 import Fp8Config
+    torch.manual_seed(0)
+    with torch.device("cuda"), linear_methods(Fp8Config(from_checkpoint=False).linear_method):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            layer = ColumnParallelLinear(512, 768, bias=True)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    full = torch.randn(768, 512, device="cuda") * 0.05
+    layer.weight.data.copy_(full)
+    layer.bias.data.normal_()
+    process_weights_after_loading(layer)
+    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+    q, scale = quantize_rows(full)
+    xq, xs = quantize_tokens(x)
+    expected = (xq.float() * xs) @ (q.float() * scale[:, None]).t() + layer.bias.float()
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=2e-2 * expected.abs().max().item(), rtol=2e-2)
+    graph, static_x = torch.cuda.CUDAGraph(), x.clone()
+    layer(static_x)   # warm-up before capture
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+    static_x.copy_(x * 2)
+    graph.replay()
+    torch.testing.assert_close(static_out.float(), layer(x * 2).float())
+
+
+@pytest.mark.skipif(not _fp8_capable(), reason="GPU-only: FP8 matmuls need compute capability 8.9+")
+def test_fp8_model_on_gpu_tracks_hf_on_the_rounded_weights(tmp_path):
+    """A tiny Llama with `--quantization fp8` in bf16 on the GPU (weights and activations in FP8,
+    CUDA graphs on) against HF in fp32 on the FP8-rounded weights: log-probs close (the activations'
+    per-token FP8 rounding is the difference), the layers really hold E4M3."""
+    from shardserve import LLM
+    from tests.models.test_parity import full_logprob_params, hf_logprobs, logprob_matrix, random_prompt
+    from tests.quantization.checkpoints import hf_with_weights, is_quantized_linear
+    from tests.tiny_models import load_hf_model, make_tiny_checkpoint
+    path = make_tiny_checkpoint(str(tmp_path / "llama"), "llama", hidden_size=256, intermediate_size=512)
+    rounded = {}
+    for name, w in load_hf_model(path).state_dict().items():
+        if is_quantized_linear(name):
+            q, scale = quantize_rows(w)
+            rounded[name] = q.float() * scale[:, None]
+    hf = hf_with_weights(path, rounded)
+    for name, module in hf.named_modules():   # HF's linears see FP8-rounded activations too (W8A8)
+        if is_quantized_linear(name + ".weight"):
+            module.register_forward_pre_hook(lambda _, args: ((lambda q, s: q.float() * s)(*quantize_tokens(
+                args[0].reshape(-1, args[0].shape[-1]))).view(args[0].shape),))
+    llm = LLM(path, quantization="fp8", dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3,
+              show_progress=True, max_logprobs=-1)   # (the progress path once chose no CUDA backend)
+    try:
+        prompt = random_prompt(1, 40)
+        out = llm.generate([prompt], full_logprob_params(max_tokens=1), use_tqdm=False)[0]
+        diff = (logprob_matrix(out.prompt_logprobs[1:]) - hf_logprobs(hf, prompt)[:len(prompt) - 1]).abs().max()
+        assert diff < 0.15, f"FP8 log-probs are {diff:.3f} away from HF on the rounded weights"
+        runner = llm.engine.executor.worker.model_runner
+        assert layer_dtype(runner) == torch.float8_e4m3fn and runner.wants_graphs()
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
