@@ -12,7 +12,7 @@ start-up) and step together: while any has work, every replica runs one step, em
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from shardserve.config import EngineConfig
@@ -47,13 +47,12 @@ class DataParallelEngine:
         size = parallel.data_parallel_size
         try:
             if self.lockstep:   # each start-up waits for the others' ranks
-                with ThreadPoolExecutor(size) as pool:
+                with ThreadPoolExecutor(size) as pool:   # leaving the block waits for every start-up
                     futures = [pool.submit(build, r) for r in range(size)]
-                    wait(futures)
-                    self.replicas = [f.result() for f in futures if f.exception() is None]
-                    for f in futures:
-                        if f.exception() is not None:
-                            raise f.exception()
+                self.replicas = [f.result() for f in futures if f.exception() is None]
+                errors = [f.exception() for f in futures if f.exception() is not None]
+                if errors:   # the replicas that started are shut down below
+                    raise errors[0]
             else:
                 for r in range(size):
                     self.replicas.append(build(r))
