@@ -6,9 +6,16 @@ all experts stacked in `blk.N.ffn_{gate,up,down}_exps` ([experts, inter, hidden]
 inter] in torch order), which become `mlp.gate` and `mlp.experts.{gate,up,down}_proj` (models/moe.py
 routes the stacked names). Arch `qwen3moe` is Qwen3-MoE, `olmoe` OLMoE, and `llama` with experts is
 Mixtral, as llama.cpp converts it (q/k rows permuted like any llama-arch file). A layer without a
-router is dense (Qwen3-MoE's `mlp_only_layers`)."""
+router is dense (Qwen3-MoE's `mlp_only_layers`).
+
+Kept quantized (the default): where the decoder's linear weights use a type the native CPU kernels
+multiply, the config gets `quantization_config: {"quant_method": "gguf"}` and those linears receive
+their raw blocks (quantization/gguf.py keeps or dequantizes them per layer). Embeddings, norms, the
+LM head and MoE experts are dequantized as before. SHARDSERVE_GGUF_DEQUANTIZE=1 dequantizes everything
+at load (the old behaviour)."""
 from __future__ import annotations
 
+import os
 import re
 from functools import lru_cache
 from typing import Any, Iterator
@@ -30,6 +37,9 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
+# Decoder linears whose weights stay in their GGUF blocks when the file is kept quantized.
+_KEPT_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+DEQUANTIZE_SWITCH = "SHARDSERVE_GGUF_DEQUANTIZE"
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -84,12 +94,41 @@ def gguf_to_hf_config(reader) -> dict[str, Any]:
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:
         cfg["rope_freq_factors"] = [float(x) for x in np.asarray(freqs.data, dtype=np.float32).reshape(-1)]
+    if _keeps_quantized(reader):
+        cfg["quantization_config"] = {"quant_method": "gguf"}
     window = meta("attention.sliding_window")
     if window:
         cfg["sliding_window"] = int(window)
     if int(meta("expert_count", 0) or 0) or arch in ("qwen3moe", "olmoe"):
         cfg.update(_moe_config(arch, meta, tensor_names, cfg["num_hidden_layers"]))
     return cfg
+
+
+def _is_kept_linear(gguf_name: str) -> bool:
+    m = _BLOCK_RE.match(gguf_name)
+    return bool(m) and m.group(2) in _KEPT_LINEARS and m.group(3) == "weight"
+
+
+def _keeps_quantized(reader) -> bool:
+    """Whether the linears stay in their blocks: some use a type the CPU kernels multiply, and
+    SHARDSERVE_GGUF_DEQUANTIZE is not 1."""
+    switch = os.environ.get(DEQUANTIZE_SWITCH, "0")
+    if switch not in ("0", "1"):
+        raise ValueError(f"{DEQUANTIZE_SWITCH}={switch!r}: use 1 (dequantize GGUF weights at load) or 0 (keep them "
+                         "in their blocks where the CPU kernels can)")
+    from shardserve.kernels.cpu.quant_ops import TYPES
+    return switch == "0" and any(_is_kept_linear(t.name) and t.tensor_type.name in TYPES for t in reader.tensors)
+
+
+def raw_blocks(tensor) -> torch.Tensor:
+    """A tensor's bytes as uint8 [rows, blocks, block bytes] (a float tensor: blocks of one value),
+    tagged with its type as `.gguf_type`."""
+    from shardserve.quantization.gguf import block_size
+    kind = tensor.tensor_type.name
+    unit, nbytes = block_size(kind)
+    k, rows = int(tensor.shape[0]), int(np.prod([int(d) for d in tensor.shape[1:]]))
+    raw = torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.uint8).reshape(rows, k // unit, nbytes).copy())
+    return raw
 
 
 def _moe_config(arch: str, meta, tensor_names: set[str], num_layers: int) -> dict[str, Any]:
@@ -160,15 +199,20 @@ def iter_gguf_weights(reader, hf_config: dict[str, Any],
                       wanted=lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
     permute = hf_config.get("gguf_architecture") == "llama"
     heads, kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+    keep = (hf_config.get("quantization_config") or {}).get("quant_method") == "gguf"
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None or not wanted(name):   # skipped before dequantizing
             continue
-        weight = dequantize(tensor)
+        kept = keep and _is_kept_linear(tensor.name)
+        weight = raw_blocks(tensor) if kept else dequantize(tensor)
+        # Blocks run along K, so permuting rows works on raw blocks as on values.
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _reverse_llama_permute(weight, heads)
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _reverse_llama_permute(weight, kv_heads)
+        if kept:
+            weight.gguf_type = tensor.tensor_type.name
         yield name, weight
 
 

@@ -8,9 +8,10 @@ import torch
 
 from shardserve.layers.linear import LinearBase, LinearMethod
 from shardserve.quantization.fp8 import Fp8Config
+from shardserve.quantization.gguf import GgufConfig
 
 QUANTIZATION_METHODS = ("fp8",)
-_FROM_CHECKPOINT = {"fp8": Fp8Config}
+_FROM_CHECKPOINT = {"fp8": Fp8Config, "gguf": GgufConfig}
 
 
 def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> Fp8Config | None:

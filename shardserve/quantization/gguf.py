@@ -1,0 +1,147 @@
+"""GGUF weights kept in their block formats (`quantization_config.quant_method: gguf`, which
+models/gguf_loader.py writes into the config it synthesises for a .gguf file unless
+SHARDSERVE_GGUF_DEQUANTIZE=1).
+
+- What stays quantized: the decoder's linear layers (q/k/v, o, gate/up, down) whose GGUF type the
+  native CPU kernels multiply (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; kernels/cpu/quant_ops.py). Each
+  holds the file's raw blocks, uint8 [N, row bytes], and `apply` multiplies them in the kernel with
+  fp32 activations. Embeddings, norms, the LM head, MoE routers and experts are dequantized at load
+  as before.
+- Dequantized after loading (into the layer's dtype), per layer: other GGUF types (F32, F16, BF16,
+  Q5_0, ...), a fused layer whose parts have different types (q/k Q4_K with v Q6_K, as Q4_K_M files
+  do; a debug log line says which), every layer on CUDA (the blocks are expanded once after loading:
+  the GPU runs dense weights, correct and as fast as before, without the memory saving), and every
+  layer where the CPU kernels are off (no compiler, SHARDSERVE_CPU_KERNELS=0).
+- Sharding: the loader hands each linear its tensor as uint8 [rows, blocks, block bytes], so the
+  layers' own loaders slice rows for column parallelism (fused parts included) and whole blocks along
+  K for row parallelism; a row-parallel split that would cut a block (K / TP not a multiple of 32,
+  or of 256 for the K-quants) is refused with the TP sizes that work.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardserve.kernels.cpu import quant_ops
+from shardserve.layers.linear import LinearBase, LinearMethod, QKVParallelLinear, linear
+
+logger = logging.getLogger("shardserve")
+
+# The file's unquantized float types, as raw bytes: (values per "block", bytes per block, torch dtype).
+_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def block_size(type_name: str) -> tuple[int, int]:
+    """(values per block, bytes per block) of a GGUF type."""
+    if type_name in _FLOAT_TYPES:
+        return 1, _FLOAT_TYPES[type_name].itemsize
+    import gguf
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+
+
+def dequantize_blocks(raw: torch.Tensor, type_name: str, k: int) -> torch.Tensor:
+    """uint8 [rows, ...] raw blocks of `type_name` -> fp32 [rows, k] (on the CPU)."""
+    raw = raw.detach().cpu().contiguous().view(raw.shape[0], -1)
+    if type_name in _FLOAT_TYPES:
+        return raw.view(_FLOAT_TYPES[type_name]).float().reshape(raw.shape[0], k)
+    if type_name in quant_ops.TYPES and quant_ops.available():
+        return quant_ops.dequantize(raw, type_name, k)
+    import gguf
+    values = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[type_name])
+    return torch.from_numpy(values).reshape(raw.shape[0], k)
+
+
+class GgufConfig:
+    name = "gguf"
+
+    @classmethod
+    def from_quantization_config(cls, cfg: dict[str, Any]) -> "GgufConfig":
+        return cls()
+
+    def linear_method(self, layer: LinearBase) -> LinearMethod | None:
+        return GgufLinearMethod()
+
+
+def _valid_tp_sizes(input_features: int, unit: int) -> list[int]:
+    blocks = input_features // unit
+    return [t for t in range(1, min(blocks, 64) + 1) if blocks % t == 0 and input_features % t == 0]
+
+
+class GgufLinearMethod(LinearMethod):
+    """One layer's raw GGUF blocks. Parts (q/k/v, gate/up) are collected per type while loading;
+    `process_after_loading` keeps them as blocks if they share one type the kernels multiply."""
+
+    def __init__(self) -> None:
+        self.type_name: str | None = None            # the kept type after loading; None: a dense weight
+        self._buffers: dict[str, torch.Tensor] = {}  # GGUF type -> [N, blocks, bytes] rows of the parts of that type
+        self._parts: list[tuple[Any, str]] = []      # (shard id, type) as loaded
+
+    def create_weights(self, layer: LinearBase) -> None:
+        # The type (so the row width) is known only when the tensor arrives: a placeholder until then.
+        param = layer.register_quant_param("weight", torch.empty(layer.output_size, 0, 0, dtype=torch.uint8),
+                                           output_dim=0, input_dim=1)
+        param.weight_loader = lambda p, loaded, shard_id=None: self._load(layer, loaded, shard_id)
+
+    def _load(self, layer: LinearBase, loaded: torch.Tensor, shard_id) -> None:
+        type_name = getattr(loaded, "gguf_type", None)
+        if loaded.dtype != torch.uint8 or type_name is None or loaded.dim() != 3:
+            raise ValueError("a GGUF-quantized layer takes raw GGUF blocks (uint8 [rows, blocks, bytes] tagged with "
+                             f"their type), got {loaded.dtype} {tuple(loaded.shape)}")
+        unit, nbytes = block_size(type_name)
+        k = layer.input_size   # this rank's input features
+        if k % unit:
+            full = k * layer.tp_size
+            raise ValueError(f"GGUF {type_name} weights come in blocks of {unit} values along the input features; "
+                             f"splitting {full} input features over tensor_parallel_size={layer.tp_size} gives "
+                             f"{k} per rank, which cuts a block. Tensor-parallel sizes that work for this layer: "
+                             f"{_valid_tp_sizes(full, unit)} (or SHARDSERVE_GGUF_DEQUANTIZE=1)")
+        buffer = self._buffers.get(type_name)
+        if buffer is None:
+            buffer = torch.empty(layer.output_size, k // unit, nbytes, dtype=torch.uint8,
+                                 device=layer.weight.device)
+            self._buffers[type_name] = buffer
+        target = nn.Parameter(buffer, requires_grad=False)   # shares the buffer: the layer's loader slices into it
+        target.output_dim, target.input_dim, target.per_part = 0, 1, False
+        target.packed_dim, target.pack_factor = None, 1
+        layer.weight_loader(target, loaded, shard_id)
+        self._parts.append((shard_id, type_name))
+
+    def _part_rows(self, layer: LinearBase, shard_id) -> slice:
+        sizes = layer.output_shard_sizes
+        if shard_id is None:
+            return slice(0, layer.output_size)
+        index = QKVParallelLinear._PARTS[shard_id] if isinstance(shard_id, str) else int(shard_id)
+        start = sum(sizes[:index])
+        return slice(start, start + sizes[index])
+
+    def process_after_loading(self, layer: LinearBase) -> None:
+        types = {t for _, t in self._parts}
+        device = layer.weight.device
+        keep = (len(types) == 1 and next(iter(types)) in quant_ops.TYPES and device.type == "cpu"
+                and quant_ops.available())
+        if keep:
+            (self.type_name,) = types
+            raw = self._buffers[self.type_name]
+            layer.weight = nn.Parameter(raw.view(raw.shape[0], -1), requires_grad=False)
+        else:
+            if len(types) > 1:
+                logger.debug("GGUF: %s has parts of types %s; dequantized", type(layer).__name__,
+                             ", ".join(f"{s}={t}" for s, t in self._parts))
+            dense = torch.empty(layer.output_size, layer.input_size, dtype=layer.params_dtype, device=device)
+            if not self._parts:   # load_format="dummy": random weights, as init_dummy_weights draws them
+                dense.normal_(0.0, 0.02)
+            for shard_id, type_name in self._parts:
+                rows = self._part_rows(layer, shard_id)
+                values = dequantize_blocks(self._buffers[type_name][rows], type_name, layer.input_size)
+                dense[rows] = values.to(device=device, dtype=layer.params_dtype)
+            layer.weight = nn.Parameter(dense, requires_grad=False)
+        self._buffers.clear()
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.type_name is None:
+            return linear(x, layer.weight, bias)
+        out = quant_ops.linear(x, layer.weight, self.type_name, bias)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
