@@ -1,7 +1,9 @@
 """SamplingParams with vLLM's field names and semantics, validated on construction."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
@@ -12,6 +14,69 @@ class InvalidParameter(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, a regex, one of some strings, an EBNF grammar, or any
+    JSON object (vLLM's names; exactly one of them). disable_any_whitespace: vLLM's switch; unset
+    (None) or True gives compact JSON (no free whitespace runs), False lets the model put any
+    whitespace between JSON tokens. The engine compiles the grammar at admission and keeps it
+    in `compiled` (structured/compiler.py)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    compiled: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidParameter("structured_outputs needs exactly one of json, regex, choice, grammar or "
+                                   f"json_object, got {given or 'none'}", "structured_outputs")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise InvalidParameter(f"structured_outputs.json is not valid JSON: {e}",
+                                       "structured_outputs") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise InvalidParameter("structured_outputs.json must be a JSON schema (an object or its JSON text)",
+                                   "structured_outputs")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise InvalidParameter("structured_outputs.choice must be a non-empty list of non-empty strings",
+                                   "structured_outputs")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidParameter(f"structured_outputs.{name} must be a non-empty string", "structured_outputs")
+
+    @property
+    def kind(self) -> str:
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    @property
+    def compact(self) -> bool:
+        return self.disable_any_whitespace is not False
+
+    def cache_key(self) -> tuple[str, str, bool]:
+        """(kind, spec, compact): equal keys compile to the same grammar."""
+        kind = self.kind
+        spec = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                "json_object": True}[kind]
+        text = spec if isinstance(spec, str) and kind != "json" else json.dumps(spec, sort_keys=True)
+        if kind == "json" and isinstance(spec, str):
+            text = json.dumps(json.loads(spec), sort_keys=True)
+        return kind, text, self.compact
 
 
 @dataclass
@@ -35,6 +100,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +113,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

@@ -98,6 +98,8 @@ class AsyncLLMEngine:
         Iterate the stream for cumulative outputs; `aclose()` before the end aborts the request
         and frees its KV blocks."""
         loop = asyncio.get_running_loop()
+        if params.structured_outputs is not None:   # compiled here, in a pool thread: never on the engine loop
+            await loop.run_in_executor(None, self.engine.compile_structured, params)
         stream = RequestStream(self, request_id, loop)
         try:
             await self._call(loop, self._add, request_id, prompt, params, arrival_time or time.monotonic(), stream)

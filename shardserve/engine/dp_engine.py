@@ -70,6 +70,9 @@ class DataParallelEngine:
         stats = engine.stats()
         return stats.num_running + stats.num_waiting
 
+    def compile_structured(self, params: SamplingParams) -> None:
+        self.replicas[0].compile_structured(params)   # the grammar travels with params to any replica
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> int:
         """Returns the index of the replica that took the request."""

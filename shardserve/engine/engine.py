@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ from shardserve.engine.scheduler import Scheduler
 from shardserve.executor.factory import make_executor
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
+from shardserve.structured.compiler import GrammarCompiler
 from shardserve.tokenizer.tokenizer import Tokenizer
 from shardserve.utils import cdiv
 from shardserve.worker.profiler import require_profiler_dir
@@ -68,6 +70,8 @@ class LLMEngine:
         self.async_scheduling = config.scheduler_config.async_scheduling and len(self.schedulers) == 1
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         self.profiling = False   # the workers' torch profilers (start_profile / stop_profile)
 
     @property
@@ -117,8 +121,26 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
+    def compile_structured(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (cached per spec) unless it is already compiled. Thread-safe:
+        AsyncLLMEngine calls it from a pool thread so the engine loop never compiles; add_request
+        calls it too (offline, or a spec nobody compiled yet). Raises ValueError for a bad spec."""
+        spec = params.structured_outputs
+        if spec is None or spec.compiled is not None:
+            return
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs needs a tokenizer; this engine was built with "
+                                     "skip_tokenizer_init")
+                tok = self.tokenizer
+                self._grammar_compiler = GrammarCompiler(tok.backend, self.config.model_config.vocab_size,
+                                                         self.eos_token_ids, tok.all_special_ids)
+        self._grammar_compiler.compile(spec)
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
+        self.compile_structured(params)
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
         limit = self.config.model_config.max_logprobs

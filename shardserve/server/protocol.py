@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardserve.sampling_params import SamplingParams
+from shardserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
           413: "RequestTooLarge", 429: "RateLimitError", 500: "InternalServerError", 502: "BadGatewayError",
@@ -53,6 +53,17 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` request field: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+
 class _SamplingFields(_Request):
     """What completions and chat share."""
 
@@ -75,6 +86,23 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names for the same (guided decoding)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                           json_object=so.json_object,
+                                           disable_any_whitespace=so.disable_any_whitespace)
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        guided = {k: v for k, v in guided.items() if v is not None}
+        return StructuredOutputsParams(**guided) if guided else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -88,7 +116,8 @@ class _SamplingFields(_Request):
                               ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               skip_special_tokens=self.skip_special_tokens,
-                              include_stop_str_in_output=self.include_stop_str_in_output, **given)
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              structured_outputs=self.structured_spec(), **given)
 
 
 class CompletionRequest(_SamplingFields):
@@ -117,8 +146,30 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
+    """OpenAI's response_format: text, json_object, or json_schema (with `json_schema`)."""
+
     type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise InvalidParameter("response_format json_schema needs json_schema.schema", "response_format")
+            return StructuredOutputsParams(json=self.json_schema.schema_)
+        raise InvalidParameter(f"response_format type {self.type!r} is not supported: use 'text', 'json_object' "
+                               "or 'json_schema'", "response_format")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -134,6 +185,13 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        spec = super().structured_spec()
+        from_format = self.response_format.structured_spec() if self.response_format is not None else None
+        if spec is not None and from_format is not None:
+            raise InvalidParameter("give either response_format or structured_outputs, not both", "response_format")
+        return spec or from_format
 
 
 class TokenizeRequest(_Request):

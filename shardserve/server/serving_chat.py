@@ -50,9 +50,6 @@ class ChatServing(Serving):
         self.check_model(req.model)
         if req.tools:
             raise APIError(400, "tools are not supported by this server", "tools")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(400, f"response_format {req.response_format.type!r} is not supported; only 'text'",
-                           "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         self.check_ready()

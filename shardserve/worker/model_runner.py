@@ -18,6 +18,7 @@ from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
 from shardserve.layers.moe import expert_load_report
 from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
 from shardserve.models.loader import load_model
+from shardserve.structured.bitmask import GrammarBitmask
 from shardserve.transfer import to_device
 from shardserve.utils import cdiv
 from shardserve.worker import kv_sizing
@@ -59,6 +60,7 @@ class ModelRunner:
         self.show_progress = show_progress
         self.backend = TorchAttentionBackend()
         self.sampler = Sampler()
+        self.grammars = GrammarBitmask(self.model_config.vocab_size, self.device)   # structured outputs
         self.states: dict[str, CachedRequestState] = {}
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []   # one per attention layer (views of kv_pools)
@@ -227,6 +229,8 @@ class ModelRunner:
         """Queue one step on the device and return without waiting for it (on a GPU; a CPU step
         runs here): the caller can prepare the next step while this one computes."""
         update_states(self.states, sched)
+        if self.grammars.matchers:   # finished, or new again after preemption (replayed from its tokens)
+            self.grammars.drop([*sched.finished_req_ids, *(r.req_id for r in sched.scheduled_new_reqs)])
         out = ModelRunnerOutput()
         if sched.is_empty:
             if get_dp_group().world_size > 1:   # other replicas' tokens still need this rank's experts
@@ -263,7 +267,9 @@ class ModelRunner:
             return PendingOutput(out)
         md = build_sampling_metadata(states, inputs.outputs_before_sample, self.model_config.vocab_size,
                                      self.eos_token_ids, self.device, self._pending_tokens(inputs, states, in_flight))
+        logits, grammar_rows = self.grammars.mask_logits(logits, states)
         sampled, lp_rows = self.sampler(logits, md)
+        self.grammars.record(inputs.sample_req_ids, sampled, grammar_rows)
         self._remember_samples(inputs.sample_req_ids, sampled)
         return self._pending_output(out, inputs.sample_req_ids, states, sampled, lp_rows)
 

@@ -1,0 +1,100 @@
+"""The worker side of structured outputs: one xgrammar GrammarMatcher per constrained request, kept
+by the worker that samples (TP rank 0 of the last pipeline stage), and the per-step token bitmask.
+
+Order within a step: `mask_logits` first advances every matcher by the tokens the previous step
+sampled (with async scheduling those may still be on their way to the host: it waits for that step
+only, while this step's forward runs on the device), then fills one bitmask row per constrained
+request and applies it to the logits before the sampler sees them (before penalties, temperature,
+top-k/top-p). `record` keeps the step's sampled tokens for the next step. A matcher that accepted a
+stop token is terminated: its request stops on that token (EOS) as any other would."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+import xgrammar as xgr
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarBitmask:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.matchers: dict[str, xgr.GrammarMatcher] = {}
+        self._bitmask: torch.Tensor | None = None   # host rows, grown to the largest batch seen
+        self._pending: tuple[list[str], torch.Tensor, Any] | None = None   # (req ids, tokens, event)
+        self._copied: Any = None   # CUDA: the event after the last copy out of the pinned host rows
+
+    def drop(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self.matchers.pop(req_id, None)
+
+    def _matcher(self, state: Any) -> xgr.GrammarMatcher:
+        matcher = self.matchers.get(state.req_id)
+        if matcher is None:   # new, or resumed after preemption: replay the outputs it already has
+            spec = state.sampling_params.structured_outputs
+            if spec.compiled is None:
+                raise RuntimeError(f"request {state.req_id} reached the worker without a compiled grammar")
+            matcher = self.matchers[state.req_id] = spec.compiled.matcher()
+            for token in state.token_ids[state.num_prompt_tokens:]:
+                matcher.accept_token(token)
+        return matcher
+
+    def _accept_pending(self) -> None:
+        if self._pending is None:
+            return
+        req_ids, tokens, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        for req_id, token in zip(req_ids, tokens.tolist()):
+            matcher = self.matchers.get(req_id)
+            if matcher is not None and not matcher.is_terminated() and not matcher.accept_token(token):
+                logger.warning("request %s: the grammar rejected sampled token %d", req_id, token)
+
+    def mask_logits(self, logits: torch.Tensor, states: list[Any]) -> tuple[torch.Tensor, list[int]]:
+        """Rows of `states` with a grammar get their disallowed tokens set to -inf. Returns the logits
+        (float32 where the host kernel needs it) and the constrained rows."""
+        self._accept_pending()
+        rows = [i for i, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
+        if not rows:
+            return logits, rows
+        width = (self.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < len(states):
+            self._bitmask = xgr.allocate_token_bitmask(max(len(states), 8), self.vocab_size)
+            if self.device.type == "cuda":
+                self._bitmask = self._bitmask.pin_memory()
+        if self._copied is not None:   # the previous copy has left the host rows we refill
+            self._copied.synchronize()
+            self._copied = None
+        bitmask = self._bitmask[:len(states), :width]
+        live = []
+        for row in rows:
+            matcher = self._matcher(states[row])
+            if not matcher.is_terminated():   # a terminated one's token is dropped by the scheduler
+                matcher.fill_next_token_bitmask(bitmask, row)
+                live.append(row)
+        if not live:
+            return logits, rows
+        if logits.device.type == "cpu" and logits.dtype != torch.float32:
+            logits = logits.float()
+        mask = bitmask.to(logits.device, non_blocking=True)
+        if logits.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=live)
+        return logits, rows
+
+    def record(self, req_ids: list[str], sampled: torch.Tensor, rows: list[int]) -> None:
+        """Remember the tokens this step sampled for the constrained rows; the matchers take them
+        before the next bitmask is built."""
+        if not rows:
+            return
+        index = torch.tensor(rows, device=sampled.device)
+        tokens, event = sampled.index_select(0, index), None
+        if tokens.device.type == "cuda":
+            tokens = tokens.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._pending = ([req_ids[r] for r in rows], tokens, event)
