@@ -10,6 +10,7 @@ stop token is terminated: its request stops on that token (EOS) as any other wou
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Iterable
 
 import torch
@@ -25,6 +26,8 @@ class GrammarBitmask:
         self._bitmask: torch.Tensor | None = None   # host rows, grown to the largest batch seen
         self._pending: tuple[list[str], torch.Tensor, Any] | None = None   # (req ids, tokens, event)
         self._copied: Any = None   # CUDA: the event after the last copy out of the pinned host rows
+        # Rows are filled in parallel (xgrammar's threads) when a step has several grammars.
+        self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
 
     def drop(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
@@ -69,14 +72,18 @@ class GrammarBitmask:
             self._copied.synchronize()
             self._copied = None
         bitmask = self._bitmask[:len(states), :width]
-        live = []
+        live, matchers = [], []
         for row in rows:
             matcher = self._matcher(states[row])
             if not matcher.is_terminated():   # a terminated one's token is dropped by the scheduler
-                matcher.fill_next_token_bitmask(bitmask, row)
                 live.append(row)
+                matchers.append(matcher)
         if not live:
             return logits, rows
+        if len(live) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, live[0])
+        else:
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
         if logits.device.type == "cpu" and logits.dtype != torch.float32:
             logits = logits.float()
         mask = bitmask.to(logits.device, non_blocking=True)

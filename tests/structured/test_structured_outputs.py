@@ -41,8 +41,8 @@ def test_mixed_batch(llm):
     out exactly as it does alone."""
     prompts = [_chat("Give a person's name and age as JSON."), FRANCE, _chat("Give a phone number."),
                _chat("Describe a cat as a JSON object."), FRANCE]
-    params = [_greedy(48, json=SCHEMA), _greedy(8, choice=["Paris", "London"]), _greedy(16, regex=r"\d{3}-\d{4}"),
-              _greedy(48, json_object=True), _greedy(16)]
+    params = [_greedy(32, json=SCHEMA), _greedy(8, choice=["Paris", "London"]), _greedy(16, regex=r"\d{3}-\d{4}"),
+              _greedy(24, json_object=True), _greedy(16)]
     person, city, phone, cat, free = (o.outputs[0] for o in llm.chat(prompts, params, use_tqdm=False))
     assert person.finish_reason == "stop"
     jsonschema.validate(json.loads(person.text), SCHEMA)
