@@ -85,7 +85,9 @@ class Request:
         """Stop conditions decided by token ids alone (stop strings are the detokenizer's job)."""
         sp = self.sampling_params
         last = self.output_token_ids[-1]
-        if self.num_output_tokens >= sp.min_tokens:
+        # A grammar decides where a constrained answer may end: its EOS stops it even before min_tokens.
+        if self.num_output_tokens >= sp.min_tokens or (sp.structured_outputs is not None
+                                                       and not sp.ignore_eos and last in self.eos_token_ids):
             if not sp.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED

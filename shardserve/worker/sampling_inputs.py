@@ -47,7 +47,7 @@ def build_sampling_metadata(states: list[CachedRequestState], outputs_before: li
     for row, (p, before) in enumerate(zip(params, outputs_before)):
         if p.seed is not None and not p.greedy:
             md.generators[row] = request_generator(p.seed, before, device)
-        if before < p.min_tokens:
+        if before < p.min_tokens and p.structured_outputs is None:   # a grammar decides where it may end
             blocked = sorted(set(p.stop_token_ids) | eos_token_ids)
             blocked_rows += [row] * len(blocked)
             blocked_ids += blocked

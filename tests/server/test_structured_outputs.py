@@ -52,6 +52,9 @@ def test_structured_outputs_extra_body(client):
     r = client.completions.create(model=MODEL, prompt="My phone number is ", temperature=0, max_tokens=16,
                                   extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
     assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt="A person as JSON: ", temperature=0, max_tokens=40,
+                                  extra_body={"structured_outputs": {"json": SCHEMA}})
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
     r = client.completions.create(model=MODEL, prompt="Answer yes or no: is fire hot?", temperature=0, max_tokens=4,
                                   extra_body={"guided_grammar": 'root ::= "yes" | "no"'})
     assert r.choices[0].text in ("yes", "no")

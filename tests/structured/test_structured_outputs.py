@@ -57,9 +57,10 @@ def test_mixed_batch(llm):
 
 
 def test_grammar_and_sampling(llm):
-    """An EBNF grammar, with temperature sampling (the bitmask comes before temperature / top-p)."""
+    """An EBNF grammar, with temperature sampling (the bitmask comes before temperature / top-p), and
+    min_tokens past the grammar's end (the grammar wins: EOS is not blocked)."""
     grammar = 'root ::= "yes" | "no" | "maybe"'
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=8, n=3,
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=8, n=3, min_tokens=4,
                             structured_outputs=StructuredOutputsParams(grammar=grammar))
     (out,) = llm.chat([_chat("Is the sky blue?")], params, use_tqdm=False)
     assert all(c.text in ("yes", "no", "maybe") and c.finish_reason == "stop" for c in out.outputs)
