@@ -63,3 +63,21 @@ def test_preempted_requests_keep_their_grammar(checkpoint):
         assert llm.engine.stats().num_preemptions > 0
     finally:
         llm.engine.shutdown()
+
+
+def test_async_scheduling_matches_sync(checkpoint):
+    """With async scheduling a step's bitmask is built before the previous token reaches the
+    scheduler: the worker advances the matchers itself. Greedy outputs equal the synchronous run's."""
+    prompts, params = _batch(6)
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=p.structured_outputs) for p in params]
+    texts = []
+    for async_scheduling in (False, True):
+        llm = LLM(checkpoint, kv_cache_memory="16MiB", show_progress=False, async_scheduling=async_scheduling)
+        try:
+            assert llm.engine.async_scheduling == async_scheduling
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            _check(outs)
+            texts.append([(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs])
+        finally:
+            llm.engine.shutdown()
+    assert texts[0] == texts[1]
