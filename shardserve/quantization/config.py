@@ -9,9 +9,10 @@ import torch
 from shardserve.layers.linear import LinearBase, LinearMethod
 from shardserve.quantization.fp8 import Fp8Config
 from shardserve.quantization.gguf import GgufConfig
+from shardserve.quantization.int4 import AwqConfig, GptqConfig
 
 QUANTIZATION_METHODS = ("fp8",)
-_FROM_CHECKPOINT = {"fp8": Fp8Config, "gguf": GgufConfig}
+_FROM_CHECKPOINT = {"fp8": Fp8Config, "gptq": GptqConfig, "awq": AwqConfig, "gguf": GgufConfig}
 
 
 def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> Fp8Config | None:

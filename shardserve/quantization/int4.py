@@ -1,0 +1,241 @@
+"""INT4 weight-only (W4A16) checkpoints: GPTQ and AWQ, read as the tools write them
+(`quantization_config.quant_method: gptq | awq`). Nothing here quantizes a full-precision model.
+
+Both store, per linear layer with K inputs and N outputs, 4-bit values q with a zero point z and a
+scale s per group of `group_size` inputs and per output: w[n, k] = (q[k, n] - z[g, n]) * s[g, n].
+Eight 4-bit values are packed into one int32, low bits first. `scales` is fp16 [groups, N] and
+`qzeros` int32 [groups, N / 8] (packed along N) in both; they differ in:
+- GPTQ (AutoGPTQ, optimum, GPTQModel): `qweight` int32 [K / 8, N], packed along K. The group of
+  input k is k // group_size, except with `desc_act` (activation order), where `g_idx` int32 [K]
+  names it (the checkpoint keeps the original input order). `checkpoint_format: gptq` (v1, the
+  default and what Hub checkpoints carry) stores zero - 1 (modulo 16), so z = (stored + 1) & 15;
+  `gptq_v2` (GPTQModel) stores z itself. `group_size: -1` is one group over all inputs; a K that is
+  not a multiple of the group has a last, shorter group (AutoGPTQ's ceil(K / group_size) rows).
+- AWQ (AutoAWQ `version: gemm`, zero_point): `qweight` int32 [K, N / 8], packed along N like the
+  zeros, each word holding its 8 outputs interleaved: nibble i is output 8c + AWQ_ORDER[i]. No g_idx.
+
+Sharding: N is the output dim (column, merged and QKV layers split it; the packed qzeros and AWQ
+qweight with pack_factor 8, so each fused part's rows per rank must be a multiple of 8), K the
+input dim (row-parallel layers split qweight and g_idx). A row-parallel rank holds only its own
+groups when its inputs start and end on group boundaries; otherwise (desc_act, group_size -1, or
+K / TP not a multiple of group_size) it holds every group's scales and zeros (about 1/16 of the
+packed weight at group 128) and picks its inputs' groups by global index, so any TP size the model
+allows works. Scales are held in fp32 (exact for fp16 or bf16 checkpoints).
+
+Running: on the CPU the weights are dequantized once, after loading, into an ordinary weight of
+the layer's dtype, so every native CPU kernel and the weight packing run unchanged: the accuracy of
+INT4, not its memory saving. On CUDA the packed tensors stay (the memory saving) and `apply`
+dequantizes the layer's whole weight with torch ops at every call (no host sync, CUDA-graph safe;
+a transient fp32 copy of the weight), then F.linear: correct, not fast. The next step is a Triton
+W4A16 GEMV/GEMM that dequantizes in registers (kernels/gemv), called instead of `dequantize`.
+
+Refused at start-up, naming the key: bits other than 4; GPTQ checkpoint_format other than gptq and
+gptq_v2 (marlin repacks), a quantized lm_head, per-module `dynamic` overrides; AWQ versions other than
+gemm (gemv packs differently), zero_point false, modules_to_not_convert. MoE expert weights in INT4
+are not handled (the fused expert layers take no LinearMethod).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.layers.linear import LinearBase, LinearMethod, RowParallelLinear, linear
+
+PACK = 8                                  # 4-bit values per int32 word
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # nibble i of an AWQ word holds output 8c + AWQ_ORDER[i]
+
+
+def unpack_int4(packed: torch.Tensor, dim: int, interleaved: bool = False) -> torch.Tensor:
+    """int32 words -> their eight 4-bit values (0..15, low bits first) along `dim` (0 or 1), as
+    int32 of 8x that size. interleaved: AWQ's order within each word (along dim 1)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    if dim == 0:
+        values = (packed.unsqueeze(1) >> shifts.view(1, PACK, 1)) & 15    # [R, 8, C]
+        return values.reshape(packed.shape[0] * PACK, packed.shape[1])
+    values = (packed.unsqueeze(2) >> shifts) & 15                         # [R, C, 8]
+    if interleaved:   # nibbles 0-3 hold the even outputs, 4-7 the odd ones: output 2m + h is nibble 4h + m
+        values = values.view(*values.shape[:2], 2, 4).transpose(2, 3)
+    return values.reshape(packed.shape[0], packed.shape[1] * PACK)
+
+
+def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_index: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """q [K, N] and per-group zeros, scales [groups, N] -> the weight [N, K] (a transposed view) in
+    `dtype`, computed in fp32 and rounded once. group_index [K]: the row of zeros/scales per input."""
+    z = zeros.index_select(0, group_index)
+    s = scales.index_select(0, group_index).float()
+    return ((q - z).float() * s).to(dtype).t()
+
+
+def _bits(cfg: dict[str, Any], fmt: str, *keys: str) -> None:
+    for key in keys:
+        if key in cfg:
+            if cfg[key] != 4:
+                raise ValueError(f"{fmt} checkpoints with quantization_config.{key}={cfg[key]} are not supported; "
+                                 "only 4-bit ones are")
+            return
+    raise ValueError(f"{fmt} quantization_config has no 'bits' key")
+
+
+def _group_size(cfg: dict[str, Any], fmt: str, *keys: str) -> int | None:
+    key = next((k for k in keys if k in cfg), keys[0])
+    size = cfg.get(key, 128)
+    if size == -1:
+        return None
+    if not isinstance(size, int) or size <= 0:
+        raise ValueError(f"{fmt} quantization_config.{key}={size!r} is not supported; give a positive group size "
+                         "or -1 (one group per output)")
+    return size
+
+
+def _same_order_for_every_part(g_idx: nn.Parameter) -> None:
+    """Fused parts (q/k/v, gate/up) share one g_idx: they see the same inputs, so GPTQ orders them
+    alike. Refuse a checkpoint whose parts disagree rather than run on the wrong groups."""
+    load = g_idx.weight_loader
+
+    def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if getattr(param, "int4_loaded", False) and not torch.equal(param.data, loaded.to(param.dtype)):
+            raise ValueError(f"GPTQ g_idx of part {shard_id!r} differs from the other fused parts' (desc_act with "
+                             "different input orders per part is not supported)")
+        load(param, loaded, shard_id)
+        param.int4_loaded = True
+
+    g_idx.weight_loader = loader
+
+
+class Int4Config:
+    name = "int4"
+
+    def __init__(self, group_size: int | None, desc_act: bool = False, zero_offset: int = 0) -> None:
+        self.group_size = group_size     # None: one group over all inputs
+        self.desc_act = desc_act         # GPTQ activation order: inputs' groups from g_idx
+        self.zero_offset = zero_offset   # GPTQ v1 stores zero - 1
+
+    def linear_method(self, layer: LinearBase) -> LinearMethod | None:
+        return Int4LinearMethod(self)
+
+
+class GptqConfig(Int4Config):
+    name = "gptq"
+
+    @classmethod
+    def from_quantization_config(cls, cfg: dict[str, Any]) -> "GptqConfig":
+        _bits(cfg, "GPTQ", "bits")
+        fmt = cfg.get("checkpoint_format") or "gptq"
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"GPTQ quantization_config.checkpoint_format={fmt!r} is not supported; "
+                             "'gptq' (v1) and 'gptq_v2' are")
+        if cfg.get("pack_dtype", "int32") != "int32":
+            raise ValueError(f"GPTQ quantization_config.pack_dtype={cfg['pack_dtype']!r} is not supported; only "
+                             "int32 words are")
+        if cfg.get("lm_head"):
+            raise ValueError("GPTQ checkpoints with a quantized LM head (quantization_config.lm_head=true) are "
+                             "not supported")
+        if cfg.get("dynamic"):
+            raise ValueError("GPTQ checkpoints with per-module overrides (quantization_config.dynamic) are not "
+                             "supported")
+        return cls(_group_size(cfg, "GPTQ", "group_size"), bool(cfg.get("desc_act", False)),
+                   zero_offset=1 if fmt == "gptq" else 0)
+
+
+class AwqConfig(Int4Config):
+    name = "awq"
+
+    @classmethod
+    def from_quantization_config(cls, cfg: dict[str, Any]) -> "AwqConfig":
+        _bits(cfg, "AWQ", "bits", "w_bit")
+        version = str(cfg.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"AWQ quantization_config.version={cfg['version']!r} is not supported; only 'gemm' "
+                             "checkpoints are (GEMV and other variants pack their weights differently)")
+        if not cfg.get("zero_point", True):
+            raise ValueError("AWQ checkpoints without zero points (quantization_config.zero_point=false) are not "
+                             "supported")
+        if cfg.get("modules_to_not_convert"):
+            raise ValueError(f"AWQ quantization_config.modules_to_not_convert={cfg['modules_to_not_convert']} is "
+                             "not supported; only checkpoints with every decoder linear layer quantized are")
+        return cls(_group_size(cfg, "AWQ", "group_size", "q_group_size"))
+
+
+class Int4LinearMethod(LinearMethod):
+    """One per layer: holds where this rank's inputs sit among the checkpoint's groups."""
+
+    def __init__(self, config: Int4Config) -> None:
+        self.config = config
+        self.gptq = config.name == "gptq"
+
+    def create_weights(self, layer: LinearBase) -> None:
+        cfg, k, n = self.config, layer.input_size, layer.output_size
+        what = f"{cfg.name.upper()} {type(layer).__name__}"
+        if any(size % PACK for size in layer.output_shard_sizes):
+            raise ValueError(f"{what}: output rows per rank {layer.output_shard_sizes} must be multiples of 8 (the "
+                             "4-bit zero points are packed 8 outputs to a word); use a smaller tensor_parallel_size")
+        row_split = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
+        if self.gptq and k % PACK:
+            raise ValueError(f"{what}: {k} inputs per rank are not a multiple of 8 (GPTQ packs 8 inputs to a word); "
+                             "use a smaller tensor_parallel_size")
+        self.offset = layer.tp_rank * k if row_split else 0   # this rank's first input
+        k_full = k * layer.tp_size if row_split else k
+        self.group = cfg.group_size or k_full
+        self.own_groups = not cfg.desc_act and k % self.group == 0   # this rank's groups only
+        groups = k // self.group if self.own_groups else -(-k_full // self.group)
+        group_dim = 0 if self.own_groups else None
+        if self.gptq:
+            layer.register_quant_param("qweight", torch.empty(k // PACK, n, dtype=torch.int32), output_dim=1,
+                                       input_dim=0, packed_dim=0, pack_factor=PACK)
+            g_idx = layer.register_quant_param("g_idx", torch.empty(k, dtype=torch.int32), output_dim=None,
+                                               input_dim=0)
+            if cfg.desc_act and len(layer.output_shard_sizes) > 1:
+                _same_order_for_every_part(g_idx)
+        else:
+            layer.register_quant_param("qweight", torch.empty(k, n // PACK, dtype=torch.int32), output_dim=1,
+                                       input_dim=0, packed_dim=1, pack_factor=PACK)
+        layer.register_quant_param("qzeros", torch.empty(groups, n // PACK, dtype=torch.int32), output_dim=1,
+                                   input_dim=group_dim, packed_dim=1, pack_factor=PACK)
+        layer.register_quant_param("scales", torch.empty(groups, n, dtype=torch.float32), output_dim=1,
+                                   input_dim=group_dim, full_precision=True)
+
+    def _group_index(self, layer: LinearBase, groups: int) -> torch.Tensor:
+        if self.config.desc_act:   # g_idx: this rank's inputs, global group numbers
+            index = layer.g_idx.data.long()
+            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= groups):
+                raise ValueError(f"GPTQ g_idx names groups outside 0..{groups - 1}")
+            return index
+        k = torch.arange(self.offset, self.offset + layer.input_size, device=layer.qweight.device)
+        first = self.offset // self.group if self.own_groups else 0
+        return k // self.group - first
+
+    def process_after_loading(self, layer: LinearBase) -> None:
+        scales = layer.scales.data
+        zeros = (unpack_int4(layer.qzeros.data, 1, interleaved=not self.gptq) + self.config.zero_offset) & 15
+        index = self._group_index(layer, scales.shape[0])
+        qweight = layer.qweight.data
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        if self._keep_packed(qweight):   # packed stays; dequantized at every call (the module docstring)
+            layer.qweight = nn.Parameter(qweight, requires_grad=False)
+            layer.int4_zeros = nn.Parameter(zeros, requires_grad=False)
+            layer.int4_scales = nn.Parameter(scales, requires_grad=False)
+            layer.register_buffer("int4_group_index", index, persistent=False)
+        else:
+            w = dequantize(self._unpack(qweight), zeros, scales, index, layer.params_dtype)
+            layer.weight = nn.Parameter(w.contiguous(), requires_grad=False)
+
+    @staticmethod
+    def _keep_packed(qweight: torch.Tensor) -> bool:
+        """On CUDA (the memory saving); the tests force it on the CPU too, to check `apply`'s path."""
+        return qweight.is_cuda
+
+    def _unpack(self, qweight: torch.Tensor) -> torch.Tensor:
+        return unpack_int4(qweight, 0) if self.gptq else unpack_int4(qweight, 1, interleaved=True)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if getattr(layer, "int4_scales", None) is None:   # dequantized after loading (CPU)
+            return linear(x, layer.weight, bias)
+        w = dequantize(self._unpack(layer.qweight), layer.int4_zeros, layer.int4_scales, layer.int4_group_index,
+                       x.dtype)
+        return F.linear(x, w, bias)

@@ -1,0 +1,114 @@
+"""GPTQ and AWQ 4-bit checkpoints written in the layouts their tools use (see shardserve/quantization/
+int4.py for the formats), by round-to-nearest asymmetric quantization of an HF checkpoint: no
+calibration, so the INT4 error is larger than GPTQ's or AWQ's would be, which makes the accuracy
+checks conservative. The packing here is written independently of the reader's unpacking."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from tests.quantization.checkpoints import _state_dict, is_quantized_linear
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # AutoAWQ's order of 8 outputs within a word
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words held in int64 -> the int32 with the same bits."""
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def pack_int4(values: torch.Tensor, dim: int, awq_order: bool = False) -> torch.Tensor:
+    """[R, C] values 0..15 -> int32 words of 8 consecutive values along `dim` (value j at bits 4j),
+    or with awq_order (dim 1) nibble i holding column 8c + AWQ_ORDER[i]."""
+    v = values.long() if dim == 1 else values.long().t()
+    v = v.reshape(v.shape[0], -1, 8)
+    if awq_order:
+        v = v[:, :, list(AWQ_ORDER)]   # nibble i <- column AWQ_ORDER[i]
+    words = _to_int32((v << torch.arange(0, 32, 4)).sum(dim=2))
+    return words if dim == 1 else words.t().contiguous()
+
+
+def quantize_rtn(weight: torch.Tensor, group_index: torch.Tensor, sym: bool = False) -> tuple[torch.Tensor, ...]:
+    """[N, K] weight, group of each input [K] -> q [K, N], zeros [G, N] (ints 0..15), fp16 scales [G, N]
+    and the dequantized weight [N, K] in fp32 (what the INT4 model computes with). Per group and
+    output: scale = (max - min) / 15, zero = round(-min / scale) (AutoAWQ's RTN grid)."""
+    w = weight.float().t()   # [K, N]
+    index = group_index.view(-1, 1).expand_as(w)
+    groups = int(group_index.max()) + 1
+    lo = torch.full((groups, w.shape[1]), float("inf")).scatter_reduce(0, index, w, "amin")
+    hi = torch.full((groups, w.shape[1]), float("-inf")).scatter_reduce(0, index, w, "amax")
+    if sym:   # GPTQ's symmetric grid: zero 8, scale 2 * absmax / 15
+        scales = (torch.maximum(-lo, hi) * 2 / 15).clamp_min(1e-5).half()
+        zeros = torch.full_like(lo, 8, dtype=torch.long)
+    else:
+        scales = ((hi - lo) / 15).clamp_min(1e-5).half()
+        zeros = (-lo / scales.float()).round().clamp(0, 15).long()
+    s, z = scales.float()[group_index], zeros[group_index]
+    q = ((w / s).round() + z).clamp(0, 15).long()
+    return q, zeros, scales, ((q - z).float() * s).t().contiguous()
+
+
+def group_index(k: int, group_size: int, desc_act: bool = False) -> torch.Tensor:
+    """Each input's group; desc_act: GPTQ's activation order, groups of a (seeded, per-K) permutation
+    of the inputs, the same for every layer reading the same inputs."""
+    if not desc_act:
+        return torch.arange(k) // group_size
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(k))
+    index = torch.empty(k, dtype=torch.long)
+    index[perm] = torch.arange(k) // group_size
+    return index
+
+
+def gptq_config(group_size: int, desc_act: bool = False, sym: bool = False, fmt: str = "gptq") -> dict:
+    return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": sym,
+            "checkpoint_format": fmt, "true_sequential": True, "damp_percent": 0.01, "static_groups": False,
+            "lm_head": False}
+
+
+def awq_config(group_size: int) -> dict:
+    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
+            "modules_to_not_convert": None}
+
+
+def quantized_tensors(fmt: str, base: str, weight: torch.Tensor, group_size: int,
+                      desc_act: bool = False, sym: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One linear's checkpoint tensors (`base`.qweight ...) and its dequantized weight."""
+    index = group_index(weight.shape[1], group_size, desc_act)
+    q, zeros, scales, dequantized = quantize_rtn(weight, index, sym)
+    if fmt.startswith("gptq"):   # v1 stores zero - 1, modulo 16; v2 the zero itself
+        stored = zeros if fmt == "gptq_v2" else (zeros - 1) & 15
+        out = {"qweight": pack_int4(q, 0), "qzeros": pack_int4(stored, 1), "g_idx": index.to(torch.int32)}
+    else:
+        out = {"qweight": pack_int4(q, 1, awq_order=True), "qzeros": pack_int4(zeros, 1, awq_order=True)}
+    out["scales"] = scales
+    return {f"{base}.{k}": v for k, v in out.items()}, dequantized
+
+
+def write_int4_checkpoint(src: str, dst: str, fmt: str, group_size: int, desc_act: bool = False,
+                          sym: bool = False, **config_overrides) -> dict[str, torch.Tensor]:
+    """`src` as a GPTQ (`fmt="gptq"`: v1 zeros, `"gptq_v2"`) or AWQ (`"awq"`, GEMM) checkpoint: every decoder
+    linear quantized, the rest as it was, config.json's quantization_config as the tools write it
+    (updated with `config_overrides`). Returns the dequantized weights by HF name."""
+    from safetensors.torch import save_file
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors") and f != "model.safetensors.index.json":
+            shutil.copy(os.path.join(src, f), dst)
+    out, dequantized = {}, {}
+    for name, t in _state_dict(src).items():
+        if not is_quantized_linear(name):
+            out[name] = t
+            continue
+        tensors, dequantized[name] = quantized_tensors(fmt, name[:-len(".weight")], t, group_size, desc_act, sym)
+        out.update(tensors)
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {**(gptq_config(group_size, desc_act, sym, fmt) if fmt != "awq"
+                                        else awq_config(group_size)), **config_overrides}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dequantized
