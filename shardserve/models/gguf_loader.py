@@ -8,11 +8,12 @@ routes the stacked names). Arch `qwen3moe` is Qwen3-MoE, `olmoe` OLMoE, and `lla
 Mixtral, as llama.cpp converts it (q/k rows permuted like any llama-arch file). A layer without a
 router is dense (Qwen3-MoE's `mlp_only_layers`).
 
-Kept quantized (the default): where the decoder's linear weights use a type the native CPU kernels
-multiply, the config gets `quantization_config: {"quant_method": "gguf"}` and those linears receive
-their raw blocks (quantization/gguf.py keeps or dequantizes them per layer). Embeddings, norms, the
-LM head and MoE experts are dequantized as before. SHARDSERVE_GGUF_DEQUANTIZE=1 dequantizes everything
-at load (the old behaviour)."""
+Kept quantized (opt-in with SHARDSERVE_GGUF_DEQUANTIZE=0): where the decoder's linear weights use a
+type the native CPU kernels multiply, the config gets `quantization_config: {"quant_method": "gguf"}`
+and those linears receive their raw blocks (quantization/gguf.py keeps or dequantizes them per
+layer). Embeddings, norms, the LM head and MoE experts are dequantized as before. The default (=1)
+dequantizes everything at load: on the embedded model the block kernels still decode and batch
+slower than the bf16 panel kernels (BENCHMARKS.md), so halving the bytes does not pay yet."""
 from __future__ import annotations
 
 import os
@@ -111,8 +112,8 @@ def _is_kept_linear(gguf_name: str) -> bool:
 
 def _keeps_quantized(reader) -> bool:
     """Whether the linears stay in their blocks: some use a type the CPU kernels multiply, and
-    SHARDSERVE_GGUF_DEQUANTIZE is not 1."""
-    switch = os.environ.get(DEQUANTIZE_SWITCH, "0")
+    SHARDSERVE_GGUF_DEQUANTIZE is 0 (default 1: dequantize at load)."""
+    switch = os.environ.get(DEQUANTIZE_SWITCH, "1")
     if switch not in ("0", "1"):
         raise ValueError(f"{DEQUANTIZE_SWITCH}={switch!r}: use 1 (dequantize GGUF weights at load) or 0 (keep them "
                          "in their blocks where the CPU kernels can)")

@@ -1,6 +1,6 @@
 """GGUF weights kept in their block formats (`quantization_config.quant_method: gguf`, which
-models/gguf_loader.py writes into the config it synthesises for a .gguf file unless
-SHARDSERVE_GGUF_DEQUANTIZE=1).
+models/gguf_loader.py writes into the config it synthesises for a .gguf file with
+SHARDSERVE_GGUF_DEQUANTIZE=0; opt-in until these kernels beat the dequantized path).
 
 - What stays quantized: the decoder's linear layers (q/k/v, o, gate/up, down) whose GGUF type the
   native CPU kernels multiply (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; kernels/cpu/quant_ops.py). Each
@@ -97,7 +97,7 @@ class GgufLinearMethod(LinearMethod):
             raise ValueError(f"GGUF {type_name} weights come in blocks of {unit} values along the input features; "
                              f"splitting {full} input features over tensor_parallel_size={layer.tp_size} gives "
                              f"{k} per rank, which cuts a block. Tensor-parallel sizes that work for this layer: "
-                             f"{_valid_tp_sizes(full, unit)} (or SHARDSERVE_GGUF_DEQUANTIZE=1)")
+                             f"{_valid_tp_sizes(full, unit)} (or leave SHARDSERVE_GGUF_DEQUANTIZE at 1)")
         buffer = self._buffers.get(type_name)
         if buffer is None:
             buffer = torch.empty(layer.output_size, k // unit, nbytes, dtype=torch.uint8,

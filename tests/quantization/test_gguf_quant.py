@@ -99,6 +99,7 @@ def _typed_add_tensor(original, qtype: str, mixed: bool):
 @pytest.mark.parametrize("arch,qtype,mixed", [("llama", "Q4_0", False), ("smollm2", "Q4_1", False),
                                               ("llama", "Q8_0", False), ("llama", "Q4_1", True)])
 def test_tiny_gguf_kept_quantized_matches_hf(tmp_path, monkeypatch, arch, qtype, mixed):
+    monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", "0")
     ckpt_dir = make_tiny_checkpoint(str(tmp_path / "ckpt"), arch)
     path = str(tmp_path / f"tiny-{qtype}.gguf")
     monkeypatch.setattr(gguf_files, "_add_tensor", _typed_add_tensor(gguf_files._add_tensor, qtype, mixed))
