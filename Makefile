@@ -27,7 +27,8 @@ chat: install  ## interactive chat with the embedded model
 
 # The whole suite on the CPU path this machine takes by itself, then the dtype- and kernel-sensitive
 # tests on every other CPU path, forced by its switch (docs/engine.md, "CPU paths"): native half-precision
-# math, and plain torch (no native kernels) with fp32 and with half-precision math.
+# math, and plain torch (no native kernels) with fp32 and with half-precision math; the GGUF block
+# kernels' scalar and AVX2 paths (AVX-512 runs in the suite itself where the CPU has it).
 CPU_PATH_TESTS := tests/models tests/layers tests/engine tests/server tests/test_cli.py
 test: install
 	$(VENV)/bin/ruff check shardserve tests benchmarks
@@ -36,9 +37,11 @@ test: install
 	SHARDSERVE_CPU_NATIVE_HALF=1 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_TESTS)
 	SHARDSERVE_CPU_KERNELS=0 SHARDSERVE_CPU_NATIVE_HALF=0 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_TESTS)
 	SHARDSERVE_CPU_KERNELS=0 SHARDSERVE_CPU_NATIVE_HALF=1 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_TESTS)
+	SHARDSERVE_CPU_ISA=scalar $(PY) -m pytest -q -m "not gpu" tests/quantization/test_gguf_quant.py -k "not smollm2"
+	SHARDSERVE_CPU_ISA=avx2 $(PY) -m pytest -q -m "not gpu" tests/quantization/test_gguf_quant.py -k "not smollm2"
 
 test-gpu:  ## on a GPU machine with torch, transformers installed
-	NCCL_NVLS_ENABLE=0 PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu tests/gpu tests/doctor
+	NCCL_NVLS_ENABLE=0 PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu tests/gpu tests/doctor tests/quantization/test_int4.py
 
 bench-cpu: install
 	$(PY) benchmarks/throughput_cpu.py
