@@ -13,9 +13,10 @@ from shardserve.quantization.int4 import AwqConfig, GptqConfig
 
 QUANTIZATION_METHODS = ("fp8",)
 _FROM_CHECKPOINT = {"fp8": Fp8Config, "gptq": GptqConfig, "awq": AwqConfig, "gguf": GgufConfig}
+QuantConfig = Fp8Config | GptqConfig | AwqConfig | GgufConfig   # each has .name and .linear_method(layer)
 
 
-def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> Fp8Config | None:
+def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> QuantConfig | None:
     """The format's config, or None for full precision. A checkpoint that is already quantized
     decides; `requested` must then name the same format (or be None)."""
     stored = hf_config.get("quantization_config")
@@ -35,7 +36,7 @@ def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> Fp
     raise ValueError(f"--quantization {requested!r} is not supported; choose one of {', '.join(QUANTIZATION_METHODS)}")
 
 
-def check_device(config: Fp8Config | None, device: torch.device, dtype: torch.dtype) -> None:
+def check_device(config: QuantConfig | None, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse what cannot run, before any process starts."""
     if config is None or device.type != "cuda":
         return
@@ -48,5 +49,5 @@ def check_device(config: Fp8Config | None, device: torch.device, dtype: torch.dt
             raise ValueError(f"FP8 on CUDA computes in bfloat16 or float16, not {dtype}: pass --dtype bfloat16")
 
 
-def linear_method_factory(config: Fp8Config | None) -> Callable[[LinearBase], LinearMethod | None] | None:
+def linear_method_factory(config: QuantConfig | None) -> Callable[[LinearBase], LinearMethod | None] | None:
     return None if config is None else config.linear_method
