@@ -143,7 +143,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                       api_key=ns.api_key or os.environ.get("SHARDSERVE_API_KEY") or None,
                       chat_template=ns.chat_template, generation_config=ns.generation_config,
                       max_log_len=ns.max_log_len, max_queue_len=ns.max_queue_len,
-                      shutdown_timeout=ns.shutdown_timeout)
+                      shutdown_timeout=ns.shutdown_timeout,
+                      tool_call_parser=auto_tool_parser(ns.enable_auto_tool_choice, ns.tool_call_parser))
+
+
+def auto_tool_parser(enable: bool, parser: str | None) -> str | None:
+    """The parser tool_choice "auto" uses, or None (auto off); vLLM's rules for the two flags."""
+    if enable and parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
+    return parser if enable else None
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -164,6 +172,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "request (default: all)")
     g.add_argument("--max-queue-len", type=int, default=None, help="reject requests with 429 while this many are "
                    "waiting (default: queue without limit)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true", help="allow tool_choice \"auto\": the "
+                   "model decides whether to call tools, read with --tool-call-parser (default: off; "
+                   "\"required\" and named tool choices work without it)")
+    g.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
+                   help="how the model writes tool calls, for tool_choice \"auto\" (default: none)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish "
                    "after SIGTERM (default: %(default)s)")
 

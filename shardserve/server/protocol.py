@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from shardserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 
@@ -139,6 +139,8 @@ class ChatMessage(_Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # an assistant turn's earlier calls
+    tool_call_id: str | None = None                   # a role "tool" message: the call it answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -185,13 +187,21 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None   # accepted; `required` may return several calls either way
+    _tool_spec: StructuredOutputsParams | None = PrivateAttr(None)   # set by the server from tool_choice (tools.py)
 
     def structured_spec(self) -> StructuredOutputsParams | None:
         spec = super().structured_spec()
         from_format = self.response_format.structured_spec() if self.response_format is not None else None
         if spec is not None and from_format is not None:
             raise InvalidParameter("give either response_format or structured_outputs, not both", "response_format")
-        return spec or from_format
+        spec = spec or from_format
+        if self._tool_spec is not None:
+            if spec is not None:
+                raise InvalidParameter("tool_choice \"required\" or a named function cannot be combined with "
+                                       "response_format or structured_outputs", "tool_choice")
+            return self._tool_spec
+        return spec
 
 
 class TokenizeRequest(_Request):

@@ -54,7 +54,8 @@ def generation_defaults(setting: str, model_dir: str) -> dict[str, Any]:
 def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000, served_model_name: str | None = None,
                api_key: str | None = None, chat_template: str | None = None, generation_config: str = "auto",
                max_log_len: int | None = None, max_queue_len: int | None = None,
-               shutdown_timeout: float = 30.0, uvicorn_log_level: str = "info") -> int:
+               shutdown_timeout: float = 30.0, uvicorn_log_level: str = "info",
+               tool_call_parser: str | None = None) -> int:
     import uvicorn
 
     from shardserve.server.api import build_app
@@ -66,7 +67,8 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
         model_dir = model_config.model if os.path.isdir(model_config.model) else os.path.dirname(model_config.model)
         settings = ServerSettings(served_model_name or engine_args.model or DEFAULT_MODEL_NAME,
                                   model_config.max_model_len, max_log_len, max_queue_len, template,
-                                  generation_defaults(generation_config, model_dir))
+                                  generation_defaults(generation_config, model_dir),
+                                  tool_call_parser=tool_call_parser)
         app = build_app(async_engine, settings, api_key)
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", settings.served_model_name, host, port)
         config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,

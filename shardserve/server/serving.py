@@ -27,6 +27,7 @@ class ServerSettings:
     max_queue_len: int | None = None
     chat_template: str | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)   # from --generation-config
+    tool_call_parser: str | None = None   # set only with --enable-auto-tool-choice: tool_choice "auto" on
 
 
 def sse(payload: dict[str, Any] | str) -> str:

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 
 from shardserve.outputs import CompletionOutput
+from shardserve.sampling_params import InvalidParameter
 from shardserve.server.protocol import APIError, ChatCompletionRequest, ChatMessage
 from shardserve.server.serving import Serving, now_s, sse, usage
+from shardserve.server.tool_parsers import ToolCall
+from shardserve.server.tools import ToolPlan, plan_tools
 
 
 def _logprob_entry(tokenizer, token_id: int, lp) -> dict[str, Any]:
@@ -27,16 +31,49 @@ def chat_logprobs(tokenizer, c: CompletionOutput, start: int, top: int) -> list[
     return content
 
 
+def template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as HF chat templates expect it: tool calls' arguments as objects, not JSON text."""
+    msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        msg["name"] = m.name
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            fn = dict(call.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    pass
+            calls.append({**call, "function": fn, "type": call.get("type", "function")})
+        msg["tool_calls"] = calls
+    return msg
+
+
+def tool_call_deltas(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """OpenAI's streamed shape: per call, first index + id + name, then the arguments."""
+    deltas = []
+    for i, call in enumerate(calls):
+        deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                       "function": {"name": call.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+    return deltas
+
+
 class ChatServing(Serving):
     async def render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final: bool,
-                     chat_template: str | None, kwargs: dict[str, Any] | None) -> tuple[str, list[int]]:
+                     chat_template: str | None, kwargs: dict[str, Any] | None,
+                     tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         """The prompt text and its token ids (the template writes any BOS itself)."""
         self.check_tokenizer()
-        conv = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        conv = [template_message(m) for m in messages]
         template = chat_template or self.settings.chat_template
         try:
             text = await asyncio.to_thread(self.tokenizer.apply_chat_template, conv,
-                                           add_generation_prompt and not continue_final, template, **(kwargs or {}))
+                                           add_generation_prompt and not continue_final, template, tools=tools,
+                                           **(kwargs or {}))
         except Exception as e:   # a template that raises (e.g. roles out of order) is the request's fault
             raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from e
         if continue_final:   # leave the last message open so the model continues it
@@ -48,13 +85,17 @@ class ChatServing(Serving):
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
-        if req.tools:
-            raise APIError(400, "tools are not supported by this server", "tools")
+        try:
+            plan = plan_tools(req.tools, req.tool_choice, self.settings.tool_call_parser)
+        except InvalidParameter as e:
+            raise APIError(400, str(e), e.param) from e
+        if plan.schema is not None:
+            req._tool_spec = plan.structured_spec()
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         self.check_ready()
         text, ids = await self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                      req.chat_template, req.chat_template_kwargs)
+                                      req.chat_template, req.chat_template_kwargs, plan.template_tools)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.max_tokens_for(len(ids), requested, param)
@@ -64,17 +105,25 @@ class ChatServing(Serving):
         streams = await self.start_all(raw, [{"prompt": text, "prompt_token_ids": ids}], params)
         meta = {"id": f"chatcmpl-{request_id}", "created": now_s(), "model": self.settings.served_model_name}
         if req.stream:
-            return self.sse_errors(self._stream(req, streams, meta))
+            return self.sse_errors(self._stream(req, streams, meta, plan))
         (out,) = await self.collect(streams, raw)
         choices = []
         for c in out.outputs:
             lp = {"content": chat_logprobs(self.tokenizer, c, 0, req.top_logprobs or 0)} if req.logprobs else None
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if plan.active:
+                content, calls = plan.extract(c.text)
+                message["tool_calls"] = [call.to_openai() for call in calls]
+                if calls:
+                    message["content"] = content
+                    finish = "tool_calls"
+            choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish,
+                            "stop_reason": c.stop_reason})
         return {**meta, "object": "chat.completion", "choices": choices,
                 "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
 
-    async def _stream(self, req: ChatCompletionRequest, streams, meta: dict) -> AsyncIterator[str]:
+    async def _stream(self, req: ChatCompletionRequest, streams, meta: dict, plan: ToolPlan) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
         sent_text: dict[int, int] = {}
@@ -95,6 +144,20 @@ class ChatServing(Serving):
                     continue
                 delta = c.text[sent_text[c.index]:]
                 start = sent_tokens[c.index]
+                if plan.active:   # with tools the text is held back and parsed when the choice ends
+                    if c.finish_reason is None:
+                        continue
+                    content, calls = plan.extract(c.text)
+                    if calls:   # content (if any), then each call: id + name, then its arguments
+                        deltas = ([{"content": content}] if content else []) + tool_call_deltas(calls)
+                        for d in deltas[:-1]:
+                            yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}])
+                        sent_text[c.index], sent_tokens[c.index] = -1, len(c.token_ids)
+                        lp = ({"content": chat_logprobs(self.tokenizer, c, start, req.top_logprobs or 0)}
+                              if req.logprobs else None)
+                        yield chunk([{"index": c.index, "delta": deltas[-1], "logprobs": lp,
+                                      "finish_reason": "tool_calls", "stop_reason": c.stop_reason}])
+                        continue
                 if not delta and c.finish_reason is None and len(c.token_ids) == start:
                     continue
                 lp = ({"content": chat_logprobs(self.tokenizer, c, start, req.top_logprobs or 0)}

@@ -1,0 +1,135 @@
+"""Tool calling through the official `openai` client against a real `shardserve serve` on the
+embedded SmolLM2: named and required tool choices (enforced by structured outputs, so even this
+tiny model returns well-formed calls), streamed and not; auto without the server flags is a 400;
+a conversation with tool results goes back through the chat template."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from shardserve.server.tools import call_schema, plan_tools, required_schema
+from tests.server.server_process import ServerProcess
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+TIME_PARAMS = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 24}},
+               "required": ["timezone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER_PARAMS}},
+         {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
+                                           "parameters": TIME_PARAMS}}]
+PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(["--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--max-num-seqs", "8"],
+                        str(tmp_path_factory.mktemp("server") / "server.log"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def check_call(call, names=("get_weather",)) -> None:
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+def test_schemas_for_required_and_named():
+    plan = plan_tools(TOOLS, NAMED, None)
+    assert plan.mode == "named" and plan.schema == call_schema(TOOLS[0]["function"])
+    assert plan.schema["properties"]["name"] == {"type": "string", "const": "get_weather"}
+    assert plan.schema["properties"]["arguments"] == WEATHER_PARAMS
+    plan = plan_tools(TOOLS, "required", None)
+    assert plan.schema == required_schema([t["function"] for t in TOOLS])
+    assert plan.schema["minItems"] == 1 and len(plan.schema["items"]["anyOf"]) == 2
+    good = [{"name": "get_time", "arguments": {"timezone": "CET"}}]
+    jsonschema.validate(good, plan.schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "arguments": {"city": "x"}}], plan.schema)
+    content, calls = plan.extract(json.dumps(good))
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"timezone": "CET"})]
+    assert plan.extract('[{"name": "get_time", "argu')[1] == []   # cut off by max_tokens: left as content
+    assert plan_tools(TOOLS, "none", None).active is False
+    assert plan_tools(None, None, None).mode == "none"
+    assert plan_tools(TOOLS, "auto", "hermes").parser.name == "hermes"
+
+
+def test_named_tool_choice(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED, temperature=0,
+                                       max_tokens=96)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert len(choice.message.tool_calls) == 1
+    check_call(choice.message.tool_calls[0])
+
+
+def test_named_tool_choice_streamed(client):
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED,
+                                            temperature=0, max_tokens=96, stream=True)
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            for d in choice.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                if d.id:
+                    assert entry["id"] is None and d.function.name   # the id comes once, with the name
+                    entry["id"], entry["name"] = d.id, d.function.name
+                entry["arguments"] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and list(calls) == [0]
+    assert calls[0]["id"].startswith("call_") and calls[0]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_PARAMS)
+
+
+def test_required_with_two_tools(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=160)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        check_call(call, ("get_weather", "get_time"))
+
+
+def test_auto_without_flags_and_bad_tool_choices_are_400s(client):
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice --tool-call-parser"):
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=8)
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):   # auto is the default with tools
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8)
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="cannot be combined"):
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=8,
+                                       response_format={"type": "json_object"})
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", temperature=0,
+                                       max_tokens=8)
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content
+
+
+def test_tool_results_round_trip_through_the_template(client):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_abc", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21, "sky": "sunny"}'}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none",
+                                       temperature=0, max_tokens=16)
+    assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=NAMED,
+                                       temperature=0, max_tokens=96)
+    check_call(r.choices[0].message.tool_calls[0])
