@@ -144,25 +144,32 @@ class ChatServing(Serving):
                     continue
                 delta = c.text[sent_text[c.index]:]
                 start = sent_tokens[c.index]
-                if plan.active:   # with tools the text is held back and parsed when the choice ends
+                new_sent = len(c.text)
+                if plan.active:   # text that may begin a tool call is held back; calls go out when the choice ends
+                    sent = sent_text[c.index]
                     if c.finish_reason is None:
-                        continue
-                    content, calls = plan.extract(c.text)
-                    if calls:   # content (if any), then each call: id + name, then its arguments
-                        deltas = ([{"content": content}] if content else []) + tool_call_deltas(calls)
-                        for d in deltas[:-1]:
-                            yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}])
-                        sent_text[c.index], sent_tokens[c.index] = -1, len(c.token_ids)
-                        lp = ({"content": chat_logprobs(self.tokenizer, c, start, req.top_logprobs or 0)}
-                              if req.logprobs else None)
-                        yield chunk([{"index": c.index, "delta": deltas[-1], "logprobs": lp,
-                                      "finish_reason": "tool_calls", "stop_reason": c.stop_reason}])
-                        continue
+                        new_sent = max(sent, plan.content_end(c.text))
+                        delta = c.text[sent:new_sent]
+                        if not delta:
+                            continue
+                    else:
+                        content, calls = plan.extract(c.text[sent:])
+                        if calls:   # content (if any), then each call: id + name, then its arguments
+                            deltas = ([{"content": content}] if content else []) + tool_call_deltas(calls)
+                            for d in deltas[:-1]:
+                                yield chunk([{"index": c.index, "delta": d, "logprobs": None,
+                                              "finish_reason": None}])
+                            sent_text[c.index], sent_tokens[c.index] = -1, len(c.token_ids)
+                            lp = ({"content": chat_logprobs(self.tokenizer, c, start, req.top_logprobs or 0)}
+                                  if req.logprobs else None)
+                            yield chunk([{"index": c.index, "delta": deltas[-1], "logprobs": lp,
+                                          "finish_reason": "tool_calls", "stop_reason": c.stop_reason}])
+                            continue
                 if not delta and c.finish_reason is None and len(c.token_ids) == start:
                     continue
                 lp = ({"content": chat_logprobs(self.tokenizer, c, start, req.top_logprobs or 0)}
                       if req.logprobs else None)
-                sent_text[c.index] = -1 if c.finish_reason is not None else len(c.text)
+                sent_text[c.index] = -1 if c.finish_reason is not None else new_sent
                 sent_tokens[c.index] = len(c.token_ids)
                 extra = {"usage": usage(prompt_tokens, sum(sent_tokens.values()))} if continuous else None
                 yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,

@@ -30,6 +30,12 @@ class ToolPlan:
     def structured_spec(self) -> StructuredOutputsParams | None:
         return StructuredOutputsParams(json=self.schema) if self.schema is not None else None
 
+    def content_end(self, text: str) -> int:
+        """While streaming: how much of `text` is surely content (auto: up to where a call may begin)."""
+        if self.mode == "auto" and self.parser is not None:
+            return self.parser.content_end(text)
+        return 0 if self.active else len(text)
+
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) from a finished choice's text; text that is not a call stays content."""
         if self.mode == "auto" and self.parser is not None:

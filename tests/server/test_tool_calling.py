@@ -133,3 +133,39 @@ def test_tool_results_round_trip_through_the_template(client):
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=NAMED,
                                        temperature=0, max_tokens=96)
     check_call(r.choices[0].message.tool_calls[0])
+
+
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def auto_client(tmp_path_factory):
+    srv = ServerProcess(["--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--max-num-seqs", "4",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                        str(tmp_path_factory.mktemp("server") / "server.log"))
+    yield srv.client()
+    srv.stop()
+
+
+def test_auto_with_the_hermes_parser(auto_client):
+    # the tiny model does not write Hermes calls by itself: a choice constraint makes it write one
+    force = {"structured_outputs": {"choice": ["Let me check. " + HERMES_CALL]}}
+    r = auto_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=200,
+                                            extra_body=force)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    check_call(choice.message.tool_calls[0])
+    stream = auto_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0,
+                                                 max_tokens=200, extra_body=force, stream=True)
+    content, args, names, finish = "", "", [], None
+    for chunk in stream:
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                names += [d.function.name] if d.function.name else []
+                args += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert content.strip() == "Let me check." and names == ["get_weather"] and finish == "tool_calls"
+    assert json.loads(args) == {"city": "Paris", "unit": "celsius"}
+    r = auto_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=8)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls   # no call: plain content

@@ -92,3 +92,14 @@ def test_parsers_never_raise(name):
 def test_unknown_parser():
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")
+
+
+def test_content_end_holds_back_what_may_start_a_call():
+    hermes, llama, mistral = (get_tool_parser(n) for n in ("hermes", "llama3_json", "mistral"))
+    assert hermes.content_end("Sure, let me look.") == len("Sure, let me look.")
+    assert hermes.content_end("Sure <tool") == len("Sure ")
+    assert hermes.content_end('Sure <tool_call>{"name"') == len("Sure ")
+    assert mistral.content_end("ok [TOOL_") == len("ok ")
+    assert llama.content_end("") == 0 and llama.content_end(' {"name": "f"') == 0
+    assert llama.content_end("Hello there") == len("Hello there")
+    assert llama.content_end("Hello <|python") == len("Hello ")

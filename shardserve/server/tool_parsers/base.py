@@ -54,6 +54,18 @@ class ToolParser:
     content; a parser never raises on model output."""
 
     name = ""
+    start_markers: tuple[str, ...] = ()   # text that begins a tool call
+
+    def content_end(self, text: str) -> int:
+        """While streaming: the length of the prefix of `text` that cannot belong to a tool call
+        (before the first start marker, less any tail that could be the start of a marker)."""
+        found = [i for i in (text.find(m) for m in self.start_markers) if i >= 0]
+        if found:
+            return min(found)
+        for k in range(min(len(text), max(map(len, self.start_markers), default=0) - 1), 0, -1):
+            if any(m.startswith(text[-k:]) for m in self.start_markers):
+                return len(text) - k
+        return len(text)
 
     def extract_tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         raise NotImplementedError

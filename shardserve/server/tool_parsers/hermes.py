@@ -12,6 +12,7 @@ _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    start_markers = ("<tool_call>",)
 
     def extract_tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if "<tool_call>" not in text:

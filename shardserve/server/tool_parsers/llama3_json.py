@@ -10,6 +10,13 @@ _TAG = "<|python_tag|>"
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
+    start_markers = (_TAG,)
+
+    def content_end(self, text: str) -> int:
+        head = text.lstrip()
+        if not head or head.startswith("{"):   # a message that opens with JSON may be a call
+            return 0
+        return super().content_end(text)
 
     def extract_tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         tag = text.find(_TAG)

@@ -10,6 +10,7 @@ _ARGS = "[ARGS]"
 
 class MistralToolParser(ToolParser):
     name = "mistral"
+    start_markers = (_BOT,)
 
     def extract_tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         start = text.find(_BOT)
