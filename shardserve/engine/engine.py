@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardserve.config import EngineConfig
 from shardserve.engine.detokenizer import IncrementalDetokenizer
@@ -21,11 +21,13 @@ from shardserve.engine.scheduler import Scheduler
 from shardserve.executor.factory import make_executor
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
-from shardserve.structured.compiler import GrammarCompiler
 from shardserve.tokenizer.tokenizer import Tokenizer
 from shardserve.utils import cdiv
 from shardserve.worker.profiler import require_profiler_dir
 from shardserve.worker.step_io import SchedulerOutput
+
+if TYPE_CHECKING:   # xgrammar is imported with the first constrained request
+    from shardserve.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger("shardserve")
 
@@ -130,6 +132,7 @@ class LLMEngine:
             return
         with self._grammar_lock:
             if self._grammar_compiler is None:
+                from shardserve.structured.compiler import GrammarCompiler
                 if self.tokenizer is None:
                     raise ValueError("structured_outputs needs a tokenizer; this engine was built with "
                                      "skip_tokenizer_init")

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +28,15 @@ class GrammarBitmask:
         self._bitmask: torch.Tensor | None = None   # host rows, grown to the largest batch seen
         self._pending: tuple[list[str], torch.Tensor, Any] | None = None   # (req ids, tokens, event)
         self._copied: Any = None   # CUDA: the event after the last copy out of the pinned host rows
-        # Rows are filled in parallel (xgrammar's threads) when a step has several grammars.
-        self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+        self._batch: Any = None   # xgrammar's batch matcher, made with the first grammar
+
+    def _xgr(self):
+        """xgrammar, imported with the first constrained request: a server that never gets one (or a
+        machine without the package, such as the GPU test hosts) does not need it."""
+        import xgrammar as xgr
+        if self._batch is None:   # rows are filled in parallel (xgrammar's threads) when a step has several
+            self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+        return xgr
 
     def drop(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
@@ -63,6 +72,7 @@ class GrammarBitmask:
         rows = [i for i, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
         if not rows:
             return logits, rows
+        xgr = self._xgr()
         width = (self.vocab_size + 31) // 32
         if self._bitmask is None or self._bitmask.shape[0] < len(states):
             self._bitmask = xgr.allocate_token_bitmask(max(len(states), 8), self.vocab_size)
