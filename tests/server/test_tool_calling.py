@@ -169,3 +169,26 @@ def test_auto_with_the_hermes_parser(auto_client):
     assert json.loads(args) == {"city": "Paris", "unit": "celsius"}
     r = auto_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=8)
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls   # no call: plain content
+
+
+CHECKING_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m.tool_calls and m.tool_calls[0].function.arguments is string %}{{ raise_exception('args as text') }}"
+    "{% endif %}{% if m.role == 'tool' and not m.tool_call_id %}{{ raise_exception('no tool_call_id') }}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if tools %}TOOLS: {{ tools | tojson }}\n{% endif %}<|im_start|>assistant\n")
+
+
+def test_tools_and_tool_messages_reach_the_template(client):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_abc", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21}'}]
+    common = dict(model=MODEL, messages=messages, tools=TOOLS, temperature=0,
+                  extra_body={"chat_template": CHECKING_TEMPLATE})
+    with_tools = client.chat.completions.create(tool_choice=NAMED, max_tokens=96, **common)
+    check_call(with_tools.choices[0].message.tool_calls[0])
+    without = client.chat.completions.create(tool_choice="none", max_tokens=2, **common)   # "none": no tools shown
+    assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 50
