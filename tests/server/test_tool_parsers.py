@@ -103,3 +103,18 @@ def test_content_end_holds_back_what_may_start_a_call():
     assert llama.content_end("") == 0 and llama.content_end(' {"name": "f"') == 0
     assert llama.content_end("Hello there") == len("Hello there")
     assert llama.content_end("Hello <|python") == len("Hello ")
+
+
+def test_serve_flags_follow_vllm():
+    import argparse
+
+    from shardserve.cli import add_server_args, auto_tool_parser
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    ns = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    assert auto_tool_parser(ns.enable_auto_tool_choice, ns.tool_call_parser) == "llama3_json"
+    assert auto_tool_parser(False, "hermes") is None   # a parser alone leaves auto off
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        auto_tool_parser(True, None)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tool-call-parser", "nope"])
