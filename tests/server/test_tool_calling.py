@@ -192,3 +192,26 @@ def test_tools_and_tool_messages_reach_the_template(client):
     check_call(with_tools.choices[0].message.tool_calls[0])
     without = client.chat.completions.create(tool_choice="none", max_tokens=2, **common)   # "none": no tools shown
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 50
+
+
+def test_tool_schemas_in_the_engine_offline():
+    """The schemas built for required and named choices, through the offline engine: the text is
+    JSON valid against them and extracts to calls whose arguments follow the tools' parameters."""
+    from shardserve.llm import LLM
+    from shardserve.sampling_params import SamplingParams
+    llm = LLM(max_model_len=1024, kv_cache_memory="64MiB", show_progress=False)
+    try:
+        plans = [plan_tools(TOOLS, "required", None), plan_tools(TOOLS, NAMED, None)]
+        params = [SamplingParams(temperature=0, max_tokens=160, structured_outputs=p.structured_spec()) for p in plans]
+        outs = llm.chat([ASK, ASK], params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    for plan, out in zip(plans, outs):
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(text), plan.schema)
+        content, calls = plan.extract(text)
+        assert content is None and calls
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
+    assert plans[1].extract(outs[1].outputs[0].text)[1][0].name == "get_weather"
