@@ -27,6 +27,7 @@ once per layer whether its pairs use it (`supports_partial_sum`: TP > 1 and no b
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -68,19 +69,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class LinearMethod:
+class LinearMethod(ABC):
     """How a linear layer of one weight format stores, loads and multiplies its weight; the
     quantization room implements one per format. Unquantized layers have none."""
 
+    @abstractmethod
     def create_weights(self, layer: "LinearBase") -> None:
         """Register the layer's parameters (layer.register_weight / register_quant_param)."""
-        raise NotImplementedError
 
     def process_after_loading(self, layer: "LinearBase") -> None:
         """Convert the loaded parameters to the form `apply` runs on (once, after loading)."""
 
+    @abstractmethod
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
+        """The layer's output for x (with the bias, where given)."""
 
 
 _METHOD_FACTORY: Callable[["LinearBase"], LinearMethod | None] | None = None

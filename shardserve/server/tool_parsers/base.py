@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,7 @@ def call_from(obj: Any, arg_keys: tuple[str, ...] = ("arguments",)) -> ToolCall 
 DECODER = json.JSONDecoder()
 
 
-class ToolParser:
+class ToolParser(ABC):
     """extract_tool_calls(text) -> (content, calls). Text that is not a well-formed call stays in the
     content; a parser never raises on model output."""
 
@@ -67,5 +68,6 @@ class ToolParser:
                 return len(text) - k
         return len(text)
 
+    @abstractmethod
     def extract_tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        raise NotImplementedError
+        """(the content outside the calls, or None when there is none; the calls)."""
