@@ -37,11 +37,13 @@ def _cache_dir() -> str:
     return os.path.join(root, "cpu_ops")
 
 
-def _build(compiler: str) -> str:
-    with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+def build_library(compiler: str, source: str = _SOURCE, flags: list[str] = _FLAGS) -> str:
+    """Compile `source` once per (source, flags) hash into the shardserve cache; the path of the .so."""
+    with open(source, "rb") as f:
+        digest = hashlib.sha256(f.read() + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
-    target = os.path.join(out_dir, f"cpu_ops-{digest}.so")
+    name = os.path.splitext(os.path.basename(source))[0]
+    target = os.path.join(out_dir, f"{name}-{digest}.so")
     if os.path.exists(target):
         return target
     os.makedirs(out_dir, exist_ok=True)
@@ -49,11 +51,11 @@ def _build(compiler: str) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, "-o", tmp, source, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, target)
     except subprocess.CalledProcessError as e:
         os.unlink(tmp)
-        raise RuntimeError(f"{compiler} failed on {_SOURCE}:\n{e.stderr}") from e
+        raise RuntimeError(f"{compiler} failed on {source}:\n{e.stderr}") from e
     return target
 
 
@@ -68,7 +70,7 @@ def _library() -> ctypes.CDLL | None:
                     f"CPU lacks {', '.join(sorted(missing))}" if missing else "no C compiler found")
         return None
     try:
-        lib = ctypes.CDLL(_build(compiler))
+        lib = ctypes.CDLL(build_library(compiler))
     except (OSError, RuntimeError) as e:
         logger.warning("CPU kernels off, build failed: %s", e)
         return None

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import shutil
-import subprocess
-import tempfile
 
 import torch
 
@@ -32,27 +29,6 @@ ISAS = ("scalar", "avx2", "avx512")
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
-def _build(compiler: str) -> str:
-    """Compile once per source hash into the cache cpu_ops uses (a temporary file renamed into
-    place, so concurrent processes never load a half-written library)."""
-    with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    out_dir = cpu_ops._cache_dir()
-    target = os.path.join(out_dir, f"quant_ops-{digest}.so")
-    if os.path.exists(target):
-        return target
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *_FLAGS, "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True, text=True)
-        os.replace(tmp, target)
-    except subprocess.CalledProcessError as e:
-        os.unlink(tmp)
-        raise RuntimeError(f"{compiler} failed on {_SOURCE}:\n{e.stderr}") from e
-    return target
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("SHARDSERVE_CPU_KERNELS", "1") == "0":
@@ -62,7 +38,7 @@ def _library() -> ctypes.CDLL | None:
         logger.info("GGUF CPU kernels off (no C compiler found); GGUF weights are dequantized at load")
         return None
     try:
-        lib = ctypes.CDLL(_build(compiler))
+        lib = ctypes.CDLL(cpu_ops.build_library(compiler, _SOURCE, _FLAGS))
     except (OSError, RuntimeError) as e:
         logger.warning("GGUF CPU kernels off, build failed: %s", e)
         return None
