@@ -64,10 +64,10 @@ def is_quantized_linear(name: str) -> bool:
     return name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR_SUFFIXES
 
 
-def write_fp8_checkpoint(src: str, dst: str) -> dict[str, torch.Tensor]:
-    """An FP8 checkpoint as AutoFP8 / vLLM's `quant_method: fp8` write it: every decoder linear
-    E4M3 with one `weight_scale` per tensor and a static `input_scale`; the rest as it was. Returns
-    the dequantized weights (what the FP8 model computes with)."""
+def write_quantized_checkpoint(src: str, dst: str, quantize, quantization_config: dict) -> dict[str, torch.Tensor]:
+    """`src` rewritten with every decoder linear replaced by `quantize(base_name, weight) -> (tensors
+    by full name, dequantized weight)`, the rest as it was, and `quantization_config` in config.json.
+    Returns the dequantized weights by HF name (what the quantized model computes with)."""
     from safetensors.torch import save_file
     os.makedirs(dst, exist_ok=True)
     for f in os.listdir(src):
@@ -78,20 +78,30 @@ def write_fp8_checkpoint(src: str, dst: str) -> dict[str, torch.Tensor]:
         if not is_quantized_linear(name):
             out[name] = t
             continue
-        w = t.float()
-        scale = w.abs().amax() / 448.0
-        q = (w / scale).to(torch.float8_e4m3fn)
-        base = name[:-len(".weight")]
-        out[name], out[base + ".weight_scale"] = q, scale.reshape(())
-        out[base + ".input_scale"] = torch.tensor(0.05)
-        dequantized[name] = q.float() * scale
+        tensors, dequantized[name] = quantize(name[:-len(".weight")], t)
+        out.update(tensors)
     save_file(out, os.path.join(dst, "model.safetensors"))
     with open(os.path.join(dst, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    config["quantization_config"] = quantization_config
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f)
     return dequantized
+
+
+def _fp8_tensors(base: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    w = t.float()
+    scale = w.abs().amax() / 448.0
+    q = (w / scale).to(torch.float8_e4m3fn)
+    tensors = {f"{base}.weight": q, f"{base}.weight_scale": scale.reshape(()),
+               f"{base}.input_scale": torch.tensor(0.05)}
+    return tensors, q.float() * scale
+
+
+def write_fp8_checkpoint(src: str, dst: str) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint as AutoFP8 / vLLM's `quant_method: fp8` write it: every decoder linear
+    E4M3 with one `weight_scale` per tensor and a static `input_scale`; the rest as it was."""
+    return write_quantized_checkpoint(src, dst, _fp8_tensors, {"quant_method": "fp8", "activation_scheme": "static"})
 
 
 def hf_with_weights(path: str, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):

@@ -4,13 +4,9 @@ calibration, so the INT4 error is larger than GPTQ's or AWQ's would be, which ma
 checks conservative. The packing here is written independently of the reader's unpacking."""
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import torch
 
-from tests.quantization.checkpoints import _state_dict, is_quantized_linear
+from tests.quantization.checkpoints import write_quantized_checkpoint
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # AutoAWQ's order of 8 outputs within a word
 
@@ -92,23 +88,7 @@ def write_int4_checkpoint(src: str, dst: str, fmt: str, group_size: int, desc_ac
     """`src` as a GPTQ (`fmt="gptq"`: v1 zeros, `"gptq_v2"`) or AWQ (`"awq"`, GEMM) checkpoint: every decoder
     linear quantized, the rest as it was, config.json's quantization_config as the tools write it
     (updated with `config_overrides`). Returns the dequantized weights by HF name."""
-    from safetensors.torch import save_file
-    os.makedirs(dst, exist_ok=True)
-    for f in os.listdir(src):
-        if not f.endswith(".safetensors") and f != "model.safetensors.index.json":
-            shutil.copy(os.path.join(src, f), dst)
-    out, dequantized = {}, {}
-    for name, t in _state_dict(src).items():
-        if not is_quantized_linear(name):
-            out[name] = t
-            continue
-        tensors, dequantized[name] = quantized_tensors(fmt, name[:-len(".weight")], t, group_size, desc_act, sym)
-        out.update(tensors)
-    save_file(out, os.path.join(dst, "model.safetensors"))
-    with open(os.path.join(dst, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = {**(gptq_config(group_size, desc_act, sym, fmt) if fmt != "awq"
-                                        else awq_config(group_size)), **config_overrides}
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f)
-    return dequantized
+    config = {**(gptq_config(group_size, desc_act, sym, fmt) if fmt != "awq" else awq_config(group_size)),
+              **config_overrides}
+    return write_quantized_checkpoint(
+        src, dst, lambda base, t: quantized_tensors(fmt, base, t, group_size, desc_act, sym), config)
