@@ -27,15 +27,17 @@ PATHS = {   # name: (dtype, environment)
 }
 
 
-def measure(dtype: str) -> dict:
-    """Runs in the child process."""
+def measure(dtype: str, num_prompts: int = 32) -> dict:
+    """Runs in the child process (benchmarks/gguf_cpu.py's too)."""
     import random
 
     from shardserve import LLM, SamplingParams
-    llm = LLM(dtype=dtype, kv_cache_memory="2GiB", max_model_len=2048, show_progress=False, max_num_seqs=32)
+    llm = LLM(dtype=dtype, kv_cache_memory="2GiB", max_model_len=2048, show_progress=False, max_num_seqs=num_prompts)
+    model = llm.engine.executor.worker.model_runner.model
+    held = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     rng = random.Random(0)
     prompt = [rng.randrange(100, 49000) for _ in range(128)]
-    batch = [[rng.randrange(100, 49000) for _ in range(rng.randint(64, 256))] for _ in range(32)]
+    batch = [[rng.randrange(100, 49000) for _ in range(rng.randint(64, 256))] for _ in range(num_prompts)]
     llm.generate([prompt[:16]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     t = time.perf_counter()
@@ -49,8 +51,8 @@ def measure(dtype: str) -> dict:
     offline = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
     answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
-    return {"decode_tok_s": decode_tok_s, "prefill_128_ms": first * 1e3, "offline_tok_s": offline,
-            "france": answer}
+    return {"weights_gib": sum(held.values()) / (1 << 30), "decode_tok_s": decode_tok_s,
+            "prefill_128_ms": first * 1e3, "offline_tok_s": offline, "france": answer}
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 THREADS = "2"
 PATHS = {   # name: environment
@@ -26,33 +25,11 @@ PATHS = {   # name: environment
 
 
 def measure(dtype: str) -> dict:
-    """Runs in the child process."""
-    import random
-
+    """Runs in the child process: benchmarks/cpu_paths.py's measurements, 16 offline prompts."""
     import torch
-
-    from shardserve import LLM, SamplingParams
+    from cpu_paths import measure as measure_path  # this directory is on the path of a script
     torch.set_num_threads(int(THREADS))
-    llm = LLM(dtype=dtype, kv_cache_memory="2GiB", max_model_len=2048, show_progress=False, max_num_seqs=16)
-    model = llm.engine.executor.worker.model_runner.model
-    held = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
-    rng = random.Random(0)
-    prompt = [rng.randrange(100, 49000) for _ in range(128)]
-    batch = [[rng.randrange(100, 49000) for _ in range(rng.randint(64, 256))] for _ in range(16)]
-    llm.generate([prompt[:16]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
-    t = time.perf_counter()
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
-    first = time.perf_counter() - t
-    t = time.perf_counter()
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), use_tqdm=False)
-    decode_tok_s = 127 / (time.perf_counter() - t - first)
-    t = time.perf_counter()
-    outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), use_tqdm=False)
-    offline = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
-    answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                      SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
-    return {"weights_gib": sum(held.values()) / (1 << 30), "decode_tok_s": decode_tok_s,
-            "prefill_128_ms": first * 1e3, "offline_tok_s": offline, "france": answer}
+    return measure_path(dtype, num_prompts=16)
 
 
 def main() -> None:
