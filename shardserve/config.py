@@ -6,6 +6,7 @@ later, CLI flags) into validated configs. Errors name the argument at fault and 
 from __future__ import annotations
 
 import functools
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -228,9 +229,59 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`, with vLLM's keys: `{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_min": a, "prompt_lookup_max": b}` (drafts copied from earlier in the context) or
+    `{"model": PATH, "num_speculative_tokens": k}` (a small draft model with the target's vocabulary)."""
+
+    method: str                        # "ngram" or "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    model: str | None = None           # the draft model's path (draft_model)
+    draft_hf_config: dict[str, Any] | None = None   # its config.json, resolved by EngineArgs
+
+    _KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"})
+
+    @classmethod
+    def from_user(cls, value: dict[str, Any] | str) -> SpeculativeConfig:
+        """Parse the flag's JSON (or the dict LLM(speculative_config=...) takes); errors name the key."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object such as "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        unknown = sorted(set(value) - cls._KEYS)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown key(s) {unknown}; known: {sorted(cls._KEYS)}")
+        method = value.get("method") or ("draft_model" if value.get("model") else None)
+        if method in ("ngram", "[ngram]"):
+            method = "ngram"
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"--speculative-config: method {value.get('method')!r} is not supported; "
+                             "use \"ngram\", or give \"model\" (a draft model's path)")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if method == "draft_model" and not value.get("model"):
+            raise ValueError('--speculative-config: method "draft_model" needs "model" (the draft\'s path)')
+        # vLLM's defaults: one bound given sets the other; neither gives 5 and 5.
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        lo, hi = (lo if lo is not None else (hi if hi is not None else 5)), (hi if hi is not None else (lo or 5))
+        if method == "ngram" and not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo}, {hi}")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
+                   model=value.get("model"))
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     parallel_config: ParallelConfig
     scheduler_config: SchedulerConfig
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    speculative_config: SpeculativeConfig | None = None
