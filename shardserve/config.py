@@ -124,6 +124,9 @@ class ModelConfig:
         return int(self.hf_config["vocab_size"])
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 is E4M3
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -132,8 +135,12 @@ class CacheConfig:
     kv_cache_memory: int | None = None   # bytes; CPU default is 4 GiB (as vLLM's CPU backend)
     num_gpu_blocks_override: int | None = None
     prefix_caching_hash_algo: str = "sha256"   # or "builtin": faster, not proof against crafted collisions
+    cache_dtype: str = "auto"   # --kv-cache-dtype: auto (the model's compute dtype) or fp8 (E4M3, per-layer scales)
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r}: choose {', '.join(KV_CACHE_DTYPES)}"
+                             + (" (E5M2 is not supported: fp8 is E4M3)" if self.cache_dtype == "fp8_e5m2" else ""))
         if self.prefix_caching_hash_algo not in ("sha256", "builtin"):
             raise ValueError(f"prefix_caching_hash_algo={self.prefix_caching_hash_algo!r}: choose sha256 or builtin")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -142,6 +149,10 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be a positive byte count")
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.cache_dtype != "auto"
 
 
 @dataclass(frozen=True)
