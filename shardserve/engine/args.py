@@ -51,6 +51,7 @@ class EngineArgs:
     kv_cache_memory: int | str | None = None
     num_gpu_blocks_override: int | None = None
     prefix_caching_hash_algo: str = "sha256"
+    kv_cache_dtype: str = "auto"   # or fp8 / fp8_e4m3: an E4M3 KV cache (half the bytes of bf16)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -107,7 +108,7 @@ class EngineArgs:
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                             gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory=kv_memory,
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
-                            prefix_caching_hash_algo=self.prefix_caching_hash_algo)
+                            prefix_caching_hash_algo=self.prefix_caching_hash_algo, cache_dtype=self.kv_cache_dtype)
         return EngineConfig(model_config, cache, parallel, scheduler, device)
 
     @property
