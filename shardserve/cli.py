@@ -6,6 +6,7 @@ import os
 import sys
 from typing import Sequence
 
+from shardserve.config import KV_CACHE_DTYPES
 from shardserve.engine.args import EngineArgs
 from shardserve.quantization.config import QUANTIZATION_METHODS
 
@@ -30,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="fraction of GPU memory to use (default: %(default)s)")
     parser.add_argument("--kv-cache-memory", default=None,
                         help="KV cache budget in bytes, e.g. 4GiB (CPU default: 4GiB)")
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=d.kv_cache_dtype,
+                        help="auto: the model's compute dtype; fp8 (= fp8_e4m3): E4M3 with per-layer k/v scales "
+                        "(the checkpoint's, else 1.0), half the bytes of bf16 (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
     parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                         help="largest logprobs a request may ask for; -1: no limit (default: %(default)s)")
@@ -73,6 +77,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
                       enable_prefix_caching=ns.enable_prefix_caching,
                       gpu_memory_utilization=ns.gpu_memory_utilization, kv_cache_memory=ns.kv_cache_memory,
+                      kv_cache_dtype=ns.kv_cache_dtype,
                       seed=ns.seed, max_logprobs=ns.max_logprobs, load_format=ns.load_format,
                       quantization=ns.quantization,
                       enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
@@ -241,7 +246,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    "ib-ndr)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8", "int8", "int4"],
                    help="weight dtype (default: auto, the checkpoint's own)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8", "fp8_e4m3"],
                    help="default: auto, the activation dtype")
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (default: the model's)")
     p.add_argument("--concurrency", type=int, default=1,
