@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -13,6 +13,7 @@ from shardserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     parse_size,
     resolve_device,
     resolve_dtype,
@@ -70,6 +71,7 @@ class EngineArgs:
     enforce_eager: bool = False
     max_logprobs: int = 20
     async_scheduling: bool | None = None   # None: on for CUDA without pipeline stages
+    speculative_config: dict | str | None = None   # vLLM's keys (config.SpeculativeConfig), or its JSON
 
     def create_engine_config(self) -> EngineConfig:
         if self.load_format not in ("auto", "dummy"):
@@ -100,6 +102,7 @@ class EngineArgs:
             distributed_timeout_s=self.distributed_timeout_s, nnodes=self.nnodes, node_rank=self.node_rank,
             master_addr=self.master_addr, master_port=self.master_port)
         check_parallel_layout(hf_config, parallel)
+        speculative = self._speculative_config(hf_config)
         batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                                     max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
@@ -109,7 +112,29 @@ class EngineArgs:
                             gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory=kv_memory,
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
                             prefix_caching_hash_algo=self.prefix_caching_hash_algo, cache_dtype=self.kv_cache_dtype)
-        return EngineConfig(model_config, cache, parallel, scheduler, device)
+        return EngineConfig(model_config, cache, parallel, scheduler, device, speculative)
+
+    def _speculative_config(self, hf_config: dict) -> SpeculativeConfig | None:
+        """Parsed and checked against the target. Verification steps need the previous step's
+        tokens on the host (drafts follow them), so speculation runs without async scheduling, and
+        without pipeline stages (several steps in flight)."""
+        if self.speculative_config is None:
+            return None
+        spec = SpeculativeConfig.from_user(self.speculative_config)
+        if self.pipeline_parallel_size > 1 or self._experts_span_replicas:
+            raise ValueError("speculative decoding does not run with pipeline parallelism or with experts "
+                             "spanning data-parallel replicas; use tensor parallelism")
+        if self.async_scheduling:
+            raise ValueError("speculative decoding needs async_scheduling off (drafts follow the previous "
+                             "step's tokens)")
+        if spec.method == "draft_model":
+            draft_hf = load_hf_config(resolve_model_path(spec.model))
+            resolve_model_class(draft_hf)
+            if int(draft_hf["vocab_size"]) != int(hf_config["vocab_size"]):
+                raise ValueError(f"the draft model's vocabulary ({draft_hf['vocab_size']} tokens) differs from the "
+                                 f"target's ({hf_config['vocab_size']}): a draft must share the target's tokenizer")
+            spec = replace(spec, model=resolve_model_path(spec.model), draft_hf_config=draft_hf)
+        return spec
 
     @property
     def _experts_span_replicas(self) -> bool:
@@ -118,6 +143,8 @@ class EngineArgs:
         return self.enable_expert_parallel and self.data_parallel_size > 1
 
     def _async_scheduling(self, device) -> bool:
+        if self.speculative_config is not None:   # checked in _speculative_config
+            return False
         if self._experts_span_replicas:
             if self.async_scheduling:
                 raise ValueError("async_scheduling does not run with expert parallelism across data-parallel "

@@ -20,6 +20,7 @@ from shardserve.distributed.parallel_state import host_store
 from shardserve.engine.engine import EngineStats, LLMEngine, PromptType
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
+from shardserve.spec_decode.stats import SpecDecodingStats
 from shardserve.tokenizer.tokenizer import Tokenizer
 
 
@@ -119,10 +120,15 @@ class DataParallelEngine:
 
     def stats(self) -> EngineStats:
         parts = [e.stats() for e in self.replicas]
+        spec = None
+        for part in parts:
+            if part.spec_decoding is not None:
+                spec = spec or SpecDecodingStats(part.spec_decoding.num_spec_tokens)
+                spec.merge(part.spec_decoding)
         return EngineStats(sum(p.num_running for p in parts), sum(p.num_waiting for p in parts),
                            sum(p.kv_cache_usage for p in parts) / len(parts),
                            sum(p.prefix_cache_queries for p in parts), sum(p.prefix_cache_hits for p in parts),
-                           sum(p.num_preemptions for p in parts))
+                           sum(p.num_preemptions for p in parts), spec)
 
     def check_health(self) -> None:
         for engine in self.replicas:

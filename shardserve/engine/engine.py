@@ -21,6 +21,7 @@ from shardserve.engine.scheduler import Scheduler
 from shardserve.executor.factory import make_executor
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
+from shardserve.spec_decode.stats import SpecDecodingStats
 from shardserve.tokenizer.tokenizer import Tokenizer
 from shardserve.utils import cdiv
 from shardserve.worker.profiler import require_profiler_dir
@@ -42,6 +43,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decoding: SpecDecodingStats | None = None   # with speculative decoding: acceptance counts
 
 
 class LLMEngine:
@@ -66,8 +68,8 @@ class LLMEngine:
         if pp > 1 and (per_ve - 1) * config.cache_config.block_size < config.model_config.max_model_len:
             logger.warning("KV cache too small to split over %d pipeline micro-batches; stages will take turns", pp)
             pp, per_ve = 1, num_blocks
-        self.schedulers = [Scheduler(config.scheduler_config, config.cache_config, per_ve, block_offset=v * per_ve)
-                           for v in range(pp)]
+        self.schedulers = [Scheduler(config.scheduler_config, config.cache_config, per_ve, block_offset=v * per_ve,
+                                     speculative_config=config.speculative_config) for v in range(pp)]
         self.in_flight: deque[tuple[Scheduler, SchedulerOutput]] = deque()
         self.async_scheduling = config.scheduler_config.async_scheduling and len(self.schedulers) == 1
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -270,11 +272,16 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         kvs = [scheduler.kv for scheduler in self.schedulers]
+        spec = None
+        if self.config.speculative_config is not None:
+            spec = SpecDecodingStats(self.config.speculative_config.num_speculative_tokens)
+            for scheduler in self.schedulers:
+                spec.merge(scheduler.spec_stats)
         return EngineStats(sum(len(scheduler.running) for scheduler in self.schedulers),
                            sum(len(scheduler.waiting) for scheduler in self.schedulers),
                            sum(kv.usage() for kv in kvs) / len(kvs), sum(kv.prefix_cache_queries for kv in kvs),
                            sum(kv.prefix_cache_hits for kv in kvs),
-                           sum(scheduler.num_preemptions for scheduler in self.schedulers))
+                           sum(scheduler.num_preemptions for scheduler in self.schedulers), spec)
 
     def check_health(self) -> None:
         self.executor.check_health()

@@ -217,8 +217,8 @@ class KVCacheManager:
             blocks.extend(computed_blocks)
         new_blocks = self.pool.allocate(num_needed)
         blocks.extend(new_blocks)
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(req_id, token_ids, num_total_tokens)
+        if self.enable_prefix_caching:   # blocks of known tokens only (not a step's draft tokens)
+            self._cache_full_blocks(req_id, token_ids, min(num_total_tokens, len(token_ids)))
         return new_blocks
 
     def allocate_slots(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int,

@@ -48,6 +48,7 @@ class Request:
     num_synced_blocks: int = 0           # ... and how many of our block ids
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts to verify at the next step
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     @property

@@ -9,6 +9,12 @@ recomputed later (vLLM's recompute preemption). A step that preempted admits nob
 Workers keep each request's tokens and block ids between steps; `num_synced_tokens` and
 `num_synced_blocks` on the request say how much of them the workers hold, so each step sends
 only what is new.
+
+Speculative decoding: a decoding request with drafts (`Request.spec_token_ids`, from the n-gram
+proposer or the draft model) is scheduled for 1 + len(drafts) tokens, which the workers verify in
+one forward pass. Its computed count then covers the drafts; when the result comes back the
+rejected ones are taken off again. Their KV slots hold stale values only past the computed count,
+where the next step writes before anything reads them: that is the whole rollback.
 """
 from __future__ import annotations
 
@@ -16,9 +22,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from shardserve.config import CacheConfig, SchedulerConfig
+from shardserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from shardserve.engine.kv_cache import HASH_ALGOS, KVCacheBlock, KVCacheManager
 from shardserve.engine.request import Request, RequestStatus
+from shardserve.spec_decode.ngram import propose_ngram
+from shardserve.spec_decode.stats import SpecDecodingStats
 from shardserve.worker.step_io import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
@@ -36,8 +44,11 @@ class RequestUpdate:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 kv_manager: KVCacheManager | None = None, block_offset: int = 0) -> None:
+                 kv_manager: KVCacheManager | None = None, block_offset: int = 0,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         self.config = scheduler_config
+        self.spec = speculative_config
+        self.spec_stats = SpecDecodingStats(speculative_config.num_speculative_tokens) if speculative_config else None
         # Pipeline-parallel engines run several schedulers over disjoint slices of one KV pool.
         self.block_offset = block_offset
         self.max_model_len = scheduler_config.max_model_len
@@ -103,11 +114,15 @@ class Scheduler:
             num_new_tokens = min(self._num_tokens_ready(req), token_budget)
             if num_new_tokens == 0:
                 continue
+            drafts = self._drafts_to_verify(req, token_budget) if req.spec_token_ids else []
+            num_new_tokens += len(drafts)
             if not self._make_room(req, num_new_tokens, output):
                 break   # it preempted itself, after everything admitted later than it
             self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens + num_new_tokens)
             output.scheduled_cached_reqs.append(self._cached_request_data(req))
             self._mark_synced(req)
+            if drafts:
+                output.scheduled_spec_decode_tokens[req.request_id] = drafts
             self._schedule_tokens(req, num_new_tokens, output)
             token_budget -= num_new_tokens
         return token_budget
@@ -134,6 +149,15 @@ class Scheduler:
             self._schedule_tokens(req, num_new_tokens, output)
             token_budget -= num_new_tokens
         return token_budget
+
+    def _drafts_to_verify(self, req: Request, token_budget: int) -> list[int]:
+        """The drafts a decoding request verifies this step: as many as the token budget and its
+        length limits leave room for (each accepted draft is an output token)."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if req.num_computed_tokens != req.num_tokens - 1:
+            return []   # not decoding (recomputing after preemption): the drafts are stale
+        room = min(token_budget, req.max_total_tokens(self.max_model_len) - req.num_tokens) - 1
+        return drafts[:max(room, 0)]
 
     def _num_tokens_ready(self, req: Request) -> int:
         """Tokens a running request could compute now: 0 while its last token is still being
@@ -196,7 +220,7 @@ class Scheduler:
         reaches the end samples a token."""
         output.num_scheduled_tokens[req.request_id] = num_new_tokens
         req.num_computed_tokens += num_new_tokens
-        if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+        if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:   # > with drafts
             req.num_output_placeholders += 1
 
     def _block_ids(self, req_id: str) -> list[int]:
@@ -207,6 +231,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = req.num_output_placeholders = 0
         req.num_synced_tokens = req.num_synced_blocks = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -222,9 +247,9 @@ class Scheduler:
                 continue   # finished or aborted while the step ran
             running = req.status == RequestStatus.RUNNING
             prompt_logprobs = result.prompt_logprobs.get(req_id) if running else None
-            token = result.sampled_token_ids.get(req_id)
+            tokens = result.sampled_token_ids.get(req_id)
             computed_end = _computed_end(scheduler_output, req_id) if prompt_logprobs else 0
-            if token is None:
+            if tokens is None:
                 if prompt_logprobs:
                     updates.append(RequestUpdate(request=req, new_token_ids=[], finished=False,
                                                  prompt_logprobs=prompt_logprobs, computed_end=computed_end))
@@ -233,15 +258,41 @@ class Scheduler:
             # the right context, and the recompute will include it.
             if running:
                 req.num_output_placeholders -= 1
-            req.append_token(token)
-            status = req.check_stop_token(self.max_model_len)
+                drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+                if drafts:   # the rejected drafts were not computed after all
+                    req.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+                    self.spec_stats.observe(len(drafts), len(tokens) - 1)
+            status, appended = None, []
+            for token in tokens:
+                req.append_token(token)
+                appended.append(token)
+                status = req.check_stop_token(self.max_model_len)
+                if status is not None:   # tokens after a stop are dropped
+                    break
             if status is not None:
                 (self.running if running else self.waiting).remove(req)
                 self._free(req, status)
-            updates.append(RequestUpdate(request=req, new_token_ids=[token], finished=status is not None,
+            elif running and self.spec is not None:
+                self._propose(req, result)
+            updates.append(RequestUpdate(request=req, new_token_ids=appended, finished=status is not None,
                                          logprobs=result.logprobs.get(req_id),
                                          prompt_logprobs=prompt_logprobs, computed_end=computed_end))
         return updates
+
+
+    def _propose(self, req: Request, result: ModelRunnerOutput) -> None:
+        """Drafts for the request's next step: the draft model's (they came with the result) or
+        n-gram matches in its context. None for requests whose sampling the verifier cannot
+        reproduce per position (penalties and logprobs count what came before each token)."""
+        sp = req.sampling_params
+        if sp.uses_penalties or sp.logprobs is not None:
+            return
+        spec = self.spec
+        if spec.method == "ngram":
+            req.spec_token_ids = propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                               spec.num_speculative_tokens)
+        else:
+            req.spec_token_ids = result.draft_token_ids.get(req.request_id, [])
 
 
 def _computed_end(scheduler_output: SchedulerOutput, req_id: str) -> int:

@@ -6,7 +6,12 @@ sampled (with async scheduling those may still be on their way to the host: it w
 only, while this step's forward runs on the device), then fills one bitmask row per constrained
 request and applies it to the logits before the sampler sees them (before penalties, temperature,
 top-k/top-p). `record` keeps the step's sampled tokens for the next step. A matcher that accepted a
-stop token is terminated: its request stops on that token (EOS) as any other would."""
+stop token is terminated: its request stops on that token (EOS) as any other would.
+
+With speculative decoding a request's rows verify its drafts one after another: row j is masked by
+the grammar's state after drafts 1..j, so the matcher takes the drafts while the rows are filled
+and rolls them back after (a draft the grammar refuses ends its rows: the rejection sampler can
+never accept it, since its row gives it probability 0)."""
 from __future__ import annotations
 
 import logging
@@ -60,28 +65,25 @@ class GrammarBitmask:
         self._pending = None
         if event is not None:
             event.synchronize()
-        for req_id, token in zip(req_ids, tokens.tolist()):
+        for req_id, request_tokens in zip(req_ids, tokens if isinstance(tokens, list) else tokens.tolist()):
             matcher = self.matchers.get(req_id)
-            if matcher is not None and not matcher.is_terminated() and not matcher.accept_token(token):
-                logger.warning("request %s: the grammar rejected sampled token %d", req_id, token)
+            for token in request_tokens if isinstance(request_tokens, list) else [request_tokens]:
+                if matcher is not None and not matcher.is_terminated() and not matcher.accept_token(token):
+                    logger.warning("request %s: the grammar rejected sampled token %d", req_id, token)
 
-    def mask_logits(self, logits: torch.Tensor, states: list[Any]) -> tuple[torch.Tensor, list[int]]:
+    def mask_logits(self, logits: torch.Tensor, states: list[Any],
+                    drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Rows of `states` with a grammar get their disallowed tokens set to -inf. Returns the logits
-        (float32 where the host kernel needs it) and the constrained rows."""
+        (float32 where the host kernel needs it) and the constrained rows. With drafts (one list per
+        request, `states` holding a request's state once per row: len(drafts[i]) + 1 rows), each
+        row is masked for the grammar's state after the drafts before it."""
         self._accept_pending()
         rows = [i for i, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
         if not rows:
             return logits, rows
-        xgr = self._xgr()
-        width = (self.vocab_size + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < len(states):
-            self._bitmask = xgr.allocate_token_bitmask(max(len(states), 8), self.vocab_size)
-            if self.device.type == "cuda":
-                self._bitmask = self._bitmask.pin_memory()
-        if self._copied is not None:   # the previous copy has left the host rows we refill
-            self._copied.synchronize()
-            self._copied = None
-        bitmask = self._bitmask[:len(states), :width]
+        if drafts is not None:
+            return self._mask_draft_rows(logits, states, drafts), rows
+        bitmask = self._host_rows(len(states))
         live, matchers = [], []
         for row in rows:
             matcher = self._matcher(states[row])
@@ -94,14 +96,57 @@ class GrammarBitmask:
             matchers[0].fill_next_token_bitmask(bitmask, live[0])
         else:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
+        return self._apply(logits, bitmask, live), rows
+
+    def _host_rows(self, num_rows: int) -> torch.Tensor:
+        xgr = self._xgr()
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.vocab_size)
+            if self.device.type == "cuda":
+                self._bitmask = self._bitmask.pin_memory()
+        if self._copied is not None:   # the previous copy has left the host rows we refill
+            self._copied.synchronize()
+            self._copied = None
+        return self._bitmask[:num_rows, :(self.vocab_size + 31) // 32]
+
+    def _mask_draft_rows(self, logits: torch.Tensor, states: list[Any], drafts: list[list[int]]) -> torch.Tensor:
+        bitmask = self._host_rows(len(states))
+        live, start = [], 0
+        for request_drafts in drafts:
+            state = states[start]
+            if state.sampling_params.structured_outputs is not None:
+                matcher = self._matcher(state)
+                taken = 0
+                for j in range(len(request_drafts) + 1):
+                    if matcher.is_terminated():
+                        break
+                    matcher.fill_next_token_bitmask(bitmask, start + j)
+                    live.append(start + j)
+                    if j == len(request_drafts) or not matcher.accept_token(request_drafts[j]):
+                        break
+                    taken += 1
+                if taken:
+                    matcher.rollback(taken)
+            start += len(request_drafts) + 1
+        return self._apply(logits, bitmask, live)
+
+    def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, live: list[int]) -> torch.Tensor:
+        if not live:
+            return logits
         if logits.device.type == "cpu" and logits.dtype != torch.float32:
             logits = logits.float()
         mask = bitmask.to(logits.device, non_blocking=True)
         if logits.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=live)
-        return logits, rows
+        self._xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=live)
+        return logits
+
+    def record_lists(self, req_ids: list[str], tokens: list[list[int]]) -> None:
+        """Like `record`, for a step that verified drafts: each request's accepted tokens, on the host."""
+        constrained = [(r, t) for r, t in zip(req_ids, tokens) if r in self.matchers]
+        if constrained:
+            self._pending = ([r for r, _ in constrained], [t for _, t in constrained], None)
 
     def record(self, req_ids: list[str], sampled: torch.Tensor, rows: list[int]) -> None:
         """Remember the tokens this step sampled for the constrained rows; the matchers take them

@@ -52,6 +52,9 @@ class StepInputs:
     outputs_before_sample: list[int]  # per sampled request: output tokens before the one drawn now
     placeholders: list[tuple[int, str]]   # (flat index, request): input is the previous step's sample
     seq_lens: torch.Tensor           # per request: tokens in its KV cache once this step ran
+    # Speculative decoding: per sampled request, the drafts its rows verify ([] for plain rows). A
+    # request with d drafts has d + 1 consecutive rows in sample_indices.
+    spec_drafts: list[list[int]] | None = None
 
 
 def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput, block_size: int,
@@ -65,13 +68,16 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
     # column starts 16-byte aligned (an even offset): Triton compiles a kernel again for a pointer
     # that is not, which would stall the first step of each odd size mid-run.
     t_col, r_col = total + total % 2, num_reqs + num_reqs % 2
-    flat = np.empty(3 * t_col + 2 * r_col, dtype=np.int64)
+    s_col = t_col if sched.scheduled_spec_decode_tokens else r_col   # drafts sample at every position
+    flat = np.empty(3 * t_col + r_col + s_col, dtype=np.int64)
     input_ids, positions, slot_mapping = flat[:total], flat[t_col:t_col + total], flat[2 * t_col:2 * t_col + total]
     seq_lens = flat[3 * t_col:3 * t_col + num_reqs]
     max_blocks = max(len(states[r].block_ids) for r in req_ids)
     block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
     query_lens, context_lens, offsets, sample_req_ids, sample_idx, outputs_before = [], [], [], [], [], []
     placeholders = []
+    spec = sched.scheduled_spec_decode_tokens
+    spec_drafts: list[list[int]] | None = [] if spec else None
     start = 0
     for i, req_id in enumerate(req_ids):
         state = states[req_id]
@@ -81,7 +87,14 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
         block_tables[i, :len(blocks)] = blocks
         pos = np.arange(ctx, ctx + n)
         input_ids[start:start + min(n, known - ctx)] = state.token_ids[ctx:ctx + n]
-        if ctx + n > known:   # only the last token can still be in flight (one step ahead at most)
+        drafts = spec.get(req_id) if spec else None
+        if drafts:   # the last known token, then the drafts; every position samples
+            input_ids[start + known - ctx:start + n] = drafts
+            sample_req_ids.append(req_id)
+            sample_idx += range(start, start + n)
+            outputs_before += range(known - state.num_prompt_tokens, ctx + n + 1 - state.num_prompt_tokens)
+            spec_drafts.append(drafts)
+        elif ctx + n > known:   # only the last token can still be in flight (one step ahead at most)
             assert ctx + n == known + 1, f"{req_id}: {ctx + n - known} tokens not known yet"
             input_ids[start + n - 1] = 0
             placeholders.append((start + n - 1, req_id))
@@ -91,10 +104,12 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
         query_lens.append(n)
         context_lens.append(ctx)
         offsets.append(start)
-        if ctx + n >= known:
+        if ctx + n >= known and not drafts:
             sample_req_ids.append(req_id)
             sample_idx.append(start + n - 1)
             outputs_before.append(ctx + n - state.num_prompt_tokens)
+            if spec_drafts is not None:
+                spec_drafts.append([])
         start += n
     samples = 3 * t_col + r_col
     end = samples + len(sample_idx)
@@ -106,4 +121,4 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
         slot_mapping=on_device[2 * t_col:2 * t_col + total], block_size=block_size)
     return StepInputs(req_ids, on_device[:total], on_device[t_col:t_col + total], attn, offsets, sample_req_ids,
                       on_device[samples:end], outputs_before, placeholders,
-                      on_device[3 * t_col:3 * t_col + num_reqs])
+                      on_device[3 * t_col:3 * t_col + num_reqs], spec_drafts)

@@ -18,6 +18,7 @@ from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
 from shardserve.layers.moe import expert_load_report
 from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
 from shardserve.models.loader import load_model
+from shardserve.spec_decode.rejection_sampler import rejection_sample
 from shardserve.structured.bitmask import GrammarBitmask
 from shardserve.transfer import to_device
 from shardserve.utils import cdiv
@@ -68,8 +69,9 @@ class ModelRunner:
         self.cuda_baseline = 0                   # bytes the GPU held before the model loaded (load_model)
         self.graphs: StepGraphs | None = None   # CUDA graphs of every kind, where steps replay them
         # The cache holds what attention multiplies: the compute dtype (fp32 where a CPU lacks
-        # bf16 units; converting every gathered block each step would cost more than it saves).
-        self.kv_cache_dtype = self.model_config.compute_dtype
+        # bf16 units; converting every gathered block each step would cost more than it saves);
+        # or E4M3 with --kv-cache-dtype fp8, widened with the layer's scales as it is read.
+        self.kv_cache_dtype = kv_sizing.FP8_KV if config.cache_config.fp8_kv else self.model_config.compute_dtype
         # The last step's sampled tokens, on the device, by request: async scheduling runs the next
         # step before they reach the scheduler, so its inputs take them from here.
         self.prev_sampled: torch.Tensor | None = None
@@ -92,6 +94,7 @@ class ModelRunner:
         elif self.device.type == "cuda" and CudaAttentionBackend.supports(self.model.attention_layers()[0].spec,
                                                                           self.block_size):
             self.backend = CudaAttentionBackend()
+        kv_sizing.check_fp8_kv_cache(self)
         if self.show_progress:   # vLLM's line, with the weights as this rank holds them
             held = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
             logger.info("Model loading took %.4f GiB memory and %.6f seconds", sum(held.values()) / (1 << 30),
@@ -112,7 +115,9 @@ class ModelRunner:
         elif compute == torch.bfloat16 and getattr(self.model, "lm_head", None) is not None:
             lm_head = self.model.lm_head
             lm_head.weight = cpu_ops.pack_weight(lm_head.weight.detach(), torch.bfloat16)
-        kv_dtype = torch.bfloat16 if dtype == torch.bfloat16 else self.kv_cache_dtype
+        kv_dtype = self.kv_cache_dtype   # bf16 weights: a bf16 pool (unless fp8), widened in registers
+        if dtype == torch.bfloat16 and kv_dtype != kv_sizing.FP8_KV:
+            kv_dtype = torch.bfloat16
         if CpuNativeAttentionBackend.supports(self.model.attention_layers()[0].spec, kv_dtype):
             self.backend, self.kv_cache_dtype = CpuNativeAttentionBackend(), kv_dtype
 
@@ -265,6 +270,8 @@ class ModelRunner:
                 self._remember_samples(inputs.sample_req_ids, torch.empty(len(states), dtype=torch.long,
                                                                           device=self.device))
             return PendingOutput(out)
+        if inputs.spec_drafts is not None:
+            return PendingOutput(self._verify_drafts(out, inputs, states, logits))
         md = build_sampling_metadata(states, inputs.outputs_before_sample, self.model_config.vocab_size,
                                      self.eos_token_ids, self.device, self._pending_tokens(inputs, states, in_flight))
         logits, grammar_rows = self.grammars.mask_logits(logits, states)
@@ -272,6 +279,31 @@ class ModelRunner:
         self.grammars.record(inputs.sample_req_ids, sampled, grammar_rows)
         self._remember_samples(inputs.sample_req_ids, sampled)
         return self._pending_output(out, inputs.sample_req_ids, states, sampled, lp_rows)
+
+    def _verify_drafts(self, out: ModelRunnerOutput, inputs: StepInputs, states: list[CachedRequestState],
+                       logits: torch.Tensor) -> ModelRunnerOutput:
+        """A step that carried drafts: each request's rows (one per draft, plus one) go through the
+        grammar mask and the rejection sampler; requests without drafts draw their one token there
+        too. Logprobs are only asked by requests without drafts (the scheduler proposes none for
+        them): each has one row."""
+        drafts = inputs.spec_drafts
+        row_states = [state for state, request_drafts in zip(states, drafts) for _ in range(len(request_drafts) + 1)]
+        md = build_sampling_metadata(row_states, inputs.outputs_before_sample, self.model_config.vocab_size,
+                                     self.eos_token_ids, self.device)
+        logits, _ = self.grammars.mask_logits(logits, row_states, drafts)
+        raw_logprobs = logits.float().log_softmax(dim=-1) if md.num_logprobs is not None else None
+        tokens = rejection_sample(logits, md, [len(d) for d in drafts], [t for d in drafts for t in d])
+        self.grammars.record_lists(inputs.sample_req_ids, tokens)
+        row = 0
+        for req_id, state, request_tokens, request_drafts in zip(inputs.sample_req_ids, states, tokens, drafts):
+            out.sampled_token_ids[req_id] = request_tokens
+            k = state.sampling_params.logprobs
+            if raw_logprobs is not None and k is not None:
+                chosen = torch.tensor(request_tokens[-1:], device=logits.device)
+                ids, lps, ranks = compute_logprobs(raw_logprobs[row:row + 1], chosen, md.num_logprobs)
+                out.logprobs[req_id] = _rows_to_lists(ids[0], lps[0], ranks[0], k)
+            row += len(request_drafts) + 1
+        return out
 
     def _remember_samples(self, req_ids: list[str], sampled: torch.Tensor) -> None:
         tp = get_tp_group()
@@ -313,7 +345,7 @@ class ModelRunner:
             if event is not None:
                 event.synchronize()
             for row, (req_id, token, state) in enumerate(zip(req_ids, sampled.tolist(), states)):
-                out.sampled_token_ids[req_id] = token
+                out.sampled_token_ids[req_id] = [token]
                 k = state.sampling_params.logprobs
                 if k is not None and lp_rows is not None:
                     out.logprobs[req_id] = _rows_to_lists(lp_rows[0][row], lp_rows[1][row], lp_rows[2][row], k)

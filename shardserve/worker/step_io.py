@@ -36,6 +36,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)   # workers drop their state for these
+    # Speculative decoding: draft tokens to verify after a request's last token (they are also
+    # counted in num_scheduled_tokens: 1 + len(drafts)).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -44,9 +47,11 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled tokens (only for requests whose scheduled chunk reached their last token) and the
-    logprobs asked for. Logprobs are (token_ids, logprobs, ranks) rows: first the sampled token."""
+    """Sampled tokens (only for requests whose scheduled chunk reached their last token: one, or with
+    drafts the accepted ones plus one) and the logprobs asked for. Logprobs are (token_ids, logprobs,
+    ranks) rows: first the sampled token. draft_token_ids: a draft model's proposals for the next step."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], list[int]]]] = field(default_factory=dict)

@@ -60,9 +60,9 @@ class Harness:
             st = self.worker[req_id]
             if st.num_computed_tokens + n == len(st.token_ids):
                 if tokens and req_id in tokens:
-                    sampled[req_id] = tokens[req_id]
+                    sampled[req_id] = [tokens[req_id]]
                 else:
-                    sampled[req_id] = self.next_token
+                    sampled[req_id] = [self.next_token]
                     self.next_token += 1
         return ModelRunnerOutput(sampled_token_ids=sampled)
 

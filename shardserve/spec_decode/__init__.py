@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (n-gram, draft model), the rejection sampler, acceptance counts."""
