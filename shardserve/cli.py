@@ -45,6 +45,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", "-q", choices=list(QUANTIZATION_METHODS), default=None,
                         help="quantize a full-precision checkpoint's weights at load (a quantized checkpoint's "
                         "own format is read from its config; default: none)")
+    parser.add_argument("--speculative-config", default=None,
+                        help='speculative decoding, JSON with vLLM\'s keys: {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4} or {"model": DRAFT_PATH, '
+                        '"num_speculative_tokens": 4} (default: off)')
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights with the checkpoint's shapes, for benchmarks "
                         "(default: %(default)s)")
@@ -81,6 +85,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       seed=ns.seed, max_logprobs=ns.max_logprobs, load_format=ns.load_format,
                       quantization=ns.quantization,
                       enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
+                      speculative_config=ns.speculative_config,
                       tensor_parallel_size=ns.tensor_parallel_size,
                       pipeline_parallel_size=ns.pipeline_parallel_size, data_parallel_size=ns.data_parallel_size,
                       enable_expert_parallel=ns.enable_expert_parallel,
