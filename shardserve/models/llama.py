@@ -25,6 +25,7 @@ from shardserve.layers.norm import RMSNorm, ShardedRMSNorm
 from shardserve.layers.rotary import RotaryEmbedding
 from shardserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from shardserve.models.spec import LlamaSpec
+from shardserve.quantization.kv_scales import kv_scale_targets
 
 
 class LlamaAttention(nn.Module):
@@ -181,6 +182,9 @@ class LlamaForCausalLM(nn.Module):
         layer = _LAYER_INDEX.match(checkpoint_name)
         if layer and not self.model.start <= int(layer.group(1)) < self.model.end:
             return []
+        scales = kv_scale_targets(checkpoint_name)   # an FP8 checkpoint's KV-cache scales
+        if scales is not None:
+            return scales
         if checkpoint_name.startswith("model.embed_tokens."):
             if self.model.embed_tokens is not None:
                 return [checkpoint_name]

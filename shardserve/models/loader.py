@@ -200,6 +200,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     32-bit float tensors to this dtype first (the model's dtype, when its parameters are wider),
     except for parameters marked `full_precision` (quantization scales)."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    # Tensors a checkpoint may or may not carry (an attention layer's KV-cache scales): buffers with
+    # a weight_loader, filled when present, left at their defaults when not.
+    optional = {name: b for name, b in model.named_buffers() if hasattr(b, "weight_loader")}
     packed_modules_mapping = getattr(model, "packed_modules_mapping", {})
     expert_shard = getattr(model, "expert_shard", lambda name: None)
     targets = _checkpoint_targets(model)
@@ -208,6 +211,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         for target in targets(checkpoint_name):
             name, shard_id = expert_shard(target) or _packed_name(target, packed_modules_mapping)
             param = params.get(name)
+            if param is None:
+                param = optional.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no matching parameter in "
                                  f"{type(model).__name__}")

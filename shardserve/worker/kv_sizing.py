@@ -1,6 +1,8 @@
 """How many KV blocks a worker's pool gets: its bytes per block, and the budget (a fixed number of
 blocks, `kv_cache_memory`, the CPU default, or what profiling the largest step leaves of
-`gpu_memory_utilization` on a GPU)."""
+`gpu_memory_utilization` on a GPU). And the pool's dtype where the user picks it: `--kv-cache-dtype
+fp8` is E4M3, one byte per value (kernels/attention/kv_fp8.py), checked against the device and
+backend at start-up."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardserve.kernels.attention.kv_fp8 import FP8_KV
 from shardserve.utils import cdiv
 
 if TYPE_CHECKING:
@@ -16,6 +19,28 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3   # vLLM's CPU backend default (VLLM_CPU_KVCACHE_SPACE=4)
 GRAPH_MEMORY_RESERVE = 2 * 1024**3         # kept out of the KV pool for CUDA-graph capture
+
+
+def check_fp8_kv_cache(runner: "ModelRunner") -> None:
+    """At start-up, once the backend is chosen: refuse an fp8 pool where it cannot run, and say
+    which scales it uses (vLLM's warning when a checkpoint gives none)."""
+    from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
+    if runner.kv_cache_dtype != FP8_KV:
+        return
+    if isinstance(runner.backend, CudaAttentionBackend):
+        major, minor = torch.cuda.get_device_capability(runner.device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"--kv-cache-dtype fp8 needs FP8 support in the GPU (compute capability 8.9 or "
+                             f"newer: Ada, Hopper, Blackwell); {torch.cuda.get_device_name(runner.device)} is "
+                             f"{major}.{minor}. Use --kv-cache-dtype auto")
+    layers = runner.model.attention_layers()
+    loaded = sum(len(layer.scales_loaded) == 2 for layer in layers)
+    if loaded:
+        logger.info("fp8 (E4M3) KV cache: the checkpoint's k_scale / v_scale in %d of %d layers%s", loaded,
+                    len(layers), "" if loaded == len(layers) else ", 1.0 in the others")
+    else:
+        logger.warning("fp8 (E4M3) KV cache with k_scale = v_scale = 1.0: the checkpoint gives no KV-cache "
+                       "scales, which may cost accuracy where keys or values exceed +-448 or fall below ~0.002")
 
 
 def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:

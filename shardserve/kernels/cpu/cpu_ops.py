@@ -78,10 +78,11 @@ def _library() -> ctypes.CDLL | None:
     lib.linear_packed.restype = None
     lib.linear_packed.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, i64]
     lib.write_kv.restype = None
-    lib.write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, i64]
+    f32 = ctypes.c_float
+    lib.write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, i64, f32, f32]
     lib.paged_attention.restype = None
     lib.paged_attention.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64,
-                                           i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+                                    i64, i64, i64, i64, i64, i64, f32, i64, f32, f32]
     lib.rms_norm.restype = lib.silu_and_mul.restype = lib.rotary_neox.restype = None
     lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.silu_and_mul.argtypes = [ptr, ptr, i64, i64]
@@ -169,32 +170,38 @@ def _check_rows(t: torch.Tensor, name: str) -> None:
                          f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
 
 
+# The pool dtypes the kernels read and write (cpu_ops.c's KV_F32, KV_BF16, KV_FP8).
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor) -> None:
-    """Store new tokens' k, v ([T, Hk, D] fp32) at `slots` of a [Hk, blocks, block_size, D] pool."""
+             slots: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store new tokens' k, v ([T, Hk, D] fp32) at `slots` of a [Hk, blocks, block_size, D] pool
+    (fp32, bf16, or fp8 E4M3 holding k / k_scale and v / v_scale: kernels/attention/kv_fp8.py)."""
     _check_rows(k, "k")
     _check_rows(v, "v")
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
     slots = slots.contiguous()
     hk, blocks, block_size, dim = k_cache.shape
     _library().write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                        v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), slots.data_ptr(), k.shape[0],
-                        hk, dim, blocks * block_size)
+                        v_cache.data_ptr(), KV_KINDS[k_cache.dtype], slots.data_ptr(), k.shape[0],
+                        hk, dim, blocks * block_size, k_scale, v_scale)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, spec) -> None:
     """out[b] = attention of query b (q[b], [B, Hq, D]) over the first seq_lens[b] tokens of the
-    sequence whose block table is block_tables[b]."""
+    sequence whose block table is block_tables[b]. An fp8 pool is read times spec.k_scale / v_scale."""
     _check_rows(q, "q")
     _check_rows(out, "out")
     assert block_tables.dtype == torch.int32 and block_tables.is_contiguous()
     assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
     hk, blocks, block_size, dim = k_cache.shape
     _library().paged_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), KV_KINDS[k_cache.dtype],
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), out.stride(0),
-        q.shape[0], q.shape[1], hk, dim, block_size, blocks * block_size, spec.scale, spec.sliding_window or 0)
+        q.shape[0], q.shape[1], hk, dim, block_size, blocks * block_size, spec.scale, spec.sliding_window or 0,
+        spec.k_scale, spec.v_scale)
 
 
 def pack_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:

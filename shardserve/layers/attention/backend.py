@@ -40,6 +40,10 @@ class AttentionSpec:
     head_dim: int
     scale: float
     sliding_window: int | None = None
+    # An fp8 KV pool holds k / k_scale and v / v_scale (vLLM's per-layer scales; 1.0 unless the
+    # checkpoint gives them, see layer.py). Other pools ignore them.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 class AttentionBackend(ABC):

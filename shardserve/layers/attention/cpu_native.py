@@ -5,7 +5,8 @@ values at positions 0..its own through its request's block table, straight from 
 no gather into padded batches, no masks, no per-request SDPA calls. A prefill token is thus
 computed exactly as if it had been decoded, so chunked prefill, prefix-cache hits and batching
 change no bit of a request's result. The pool may be bf16 while the model computes in fp32: half
-the bytes to read, widened in registers.
+the bytes to read, widened in registers; or fp8 E4M3 (`--kv-cache-dtype fp8`, the layer's k_scale /
+v_scale): a quarter.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
     @staticmethod
     def supports(spec: AttentionSpec, kv_cache_dtype: torch.dtype) -> bool:
         return (cpu_ops.available() and spec.head_dim % 8 == 0
-                and kv_cache_dtype in (torch.float32, torch.bfloat16))
+                and kv_cache_dtype in cpu_ops.KV_KINDS)
 
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> NativeAttentionMetadata:
         query_lens = torch.tensor(common.query_lens)
@@ -53,7 +54,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             if out is None:
                 return result.to(q.dtype)
             return out.copy_(result)
-        cpu_ops.write_kv(k, v, k_cache, v_cache, md.slots)
+        cpu_ops.write_kv(k, v, k_cache, v_cache, md.slots, spec.k_scale, spec.v_scale)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
         cpu_ops.paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, out, spec)

@@ -1,6 +1,8 @@
-"""The attention module models use: holds its layer's KV cache and defers to the step's backend."""
+"""The attention module models use: holds its layer's KV cache (and the scales of an fp8 one) and
+defers to the step's backend."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,24 @@ class Attention(nn.Module):
         self.spec = spec
         # Bound by the model runner once the KV pool is allocated; empty during weight loading.
         self.kv_cache = torch.empty(0)
+        # vLLM's per-layer KV-cache scales, which FP8 checkpoints may carry (the model maps their
+        # names here, quantization/kv_scales.py): optional buffers the loader fills when present,
+        # mirrored into spec's floats, which the backends read for an fp8 pool. 1.0 otherwise.
+        for name in ("k_scale", "v_scale"):
+            scale = torch.full((), getattr(spec, name), dtype=torch.float32)
+            scale.weight_loader = functools.partial(self._load_scale, name)
+            scale.full_precision = True   # never rounded to the model's dtype
+            self.register_buffer(name, scale, persistent=False)
+        self.scales_loaded: set[str] = set()
+
+    def _load_scale(self, name: str, buffer: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        """A per-tensor scale ([] or [1]; the largest, if a checkpoint gives several)."""
+        value = float(loaded.float().max())
+        if not value > 0.0 or value == float("inf"):
+            raise ValueError(f"KV-cache {name} {value} is not a positive finite number")
+        buffer.fill_(value)
+        setattr(self.spec, name, value)
+        self.scales_loaded.add(name)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                 rotary: tuple[RotaryEmbedding, torch.Tensor] | None = None) -> torch.Tensor:

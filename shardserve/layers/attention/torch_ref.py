@@ -4,7 +4,8 @@ Decodes are batched: every decode request's blocks are gathered through its bloc
 padded [B, max_blocks] batch (padding points at the zero null block and is masked). Prefill
 chunks are handled one request at a time with torch's SDPA, reading any cached prefix from the pool.
 Subclasses replace the decode and prefill parts with kernels (`_build_decodes`/`_decodes`,
-`_build_prefills`/`_prefills`).
+`_build_prefills`/`_prefills`). An fp8 pool (`--kv-cache-dtype fp8`) is written and read through
+kernels/attention/kv_fp8.py's reference with the layer's `k_scale` / `v_scale`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardserve.kernels.attention import kv_fp8
 from shardserve.layers.attention.backend import AttentionBackend, AttentionSpec, CommonAttentionMetadata
 from shardserve.utils import cdiv
 
@@ -87,7 +89,9 @@ class TorchAttentionBackend(AttentionBackend):
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
     def zero_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
-        kv_cache.index_fill_(kv_cache.dim() - 3, block_ids, 0.0)   # [..., blocks, block_size, head_dim]
+        if kv_fp8.is_fp8(kv_cache.dtype):   # torch fills no fp8 tensor; byte 0 is +0.0
+            kv_cache = kv_cache.view(torch.uint8)
+        kv_cache.index_fill_(kv_cache.dim() - 3, block_ids, 0)   # [..., blocks, block_size, head_dim]
 
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> TorchAttentionMetadata:
         block_size = common.block_size
@@ -122,7 +126,7 @@ class TorchAttentionBackend(AttentionBackend):
                 kv_cache: torch.Tensor, md: TorchAttentionMetadata, rotary=None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        self._write(q, k, v, k_cache, v_cache, md, rotary)
+        self._write(q, k, v, k_cache, v_cache, md, rotary, spec)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if md.num_decodes:
@@ -136,23 +140,25 @@ class TorchAttentionBackend(AttentionBackend):
         """Fill the prefill rows of out: one SDPA call per request."""
         for p in md.prefills:
             rows = slice(p.token_start, p.token_start + p.query_len)
-            if p.context_len == 0 and spec.sliding_window is None:
+            if p.context_len == 0 and spec.sliding_window is None and not kv_fp8.is_fp8(k_cache.dtype):
                 out[rows] = _sdpa(q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
                                   spec, None).transpose(0, 1)
                 continue
             kv_len = p.context_len + p.query_len
-            keys = _sequence(k_cache, p.block_ids, kv_len).to(q.dtype)
-            values = _sequence(v_cache, p.block_ids, kv_len).to(q.dtype)
+            keys = kv_fp8.load(_sequence(k_cache, p.block_ids, kv_len), spec.k_scale, q.dtype)
+            values = kv_fp8.load(_sequence(v_cache, p.block_ids, kv_len), spec.v_scale, q.dtype)
             q_pos = torch.arange(p.context_len, kv_len, device=q.device)
             k_pos = torch.arange(kv_len, device=q.device)
             mask = _allowed(q_pos.unsqueeze(1), k_pos.unsqueeze(0), spec.sliding_window)
             out[rows] = _sdpa(q[rows].transpose(0, 1), keys, values, spec, mask).transpose(0, 1)
 
     def _write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               md: TorchAttentionMetadata, rotary) -> None:
-        """New tokens' K/V into the pool (and, in a backend that fuses it, the rotation first)."""
-        k_cache[:, md.write_blocks, md.write_offsets] = k.transpose(0, 1).to(k_cache.dtype)
-        v_cache[:, md.write_blocks, md.write_offsets] = v.transpose(0, 1).to(v_cache.dtype)
+               md: TorchAttentionMetadata, rotary, spec: AttentionSpec | None = None) -> None:
+        """New tokens' K/V into the pool (and, in a backend that fuses it, the rotation first); an
+        fp8 pool takes them divided by spec's scales."""
+        k_scale, v_scale = (spec.k_scale, spec.v_scale) if spec is not None else (1.0, 1.0)
+        k_cache[:, md.write_blocks, md.write_offsets] = kv_fp8.store(k.transpose(0, 1), k_cache.dtype, k_scale)
+        v_cache[:, md.write_blocks, md.write_offsets] = kv_fp8.store(v.transpose(0, 1), v_cache.dtype, v_scale)
 
     def _decodes(self, spec: AttentionSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  md: TorchAttentionMetadata, out: torch.Tensor) -> None:
@@ -172,6 +178,9 @@ class TorchAttentionBackend(AttentionBackend):
         length = md.valid.shape[1]
         keys = k_cache.index_select(1, md.blocks).view(hk * b, length, dim)
         values = v_cache.index_select(1, md.blocks).view(hk * b, length, dim)
+        if kv_fp8.is_fp8(keys.dtype):   # widened to the activations' dtype with the layer's scales
+            keys = kv_fp8.dequantize(keys, spec.k_scale, q.dtype)
+            values = kv_fp8.dequantize(values, spec.v_scale, q.dtype)
         qh = (q.view(b, hk, group, dim).transpose(0, 1).reshape(hk * b, group, dim) * spec.scale).to(keys.dtype)
         scores = torch.bmm(qh, keys.transpose(1, 2)).float().view(hk, b, group, length)
         allowed = md.valid

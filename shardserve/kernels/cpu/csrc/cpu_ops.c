@@ -2,7 +2,8 @@
  * (plain C, no torch headers; called through ctypes on tensors' data pointers).
  *
  * - linear_packed: fp32 activations times bf16 or fp32 weights packed in panels, fp32 accumulation.
- * - write_kv / paged_attention: the paged KV pool (fp32 or bf16) written and read in place.
+ * - write_kv / paged_attention: the paged KV pool (fp32, bf16 or fp8 E4M3 with a per-tensor scale)
+ *   written and read in place.
  * - rms_norm (with the residual add), silu_and_mul, rotary_neox: the small per-token layers, one
  *   call each instead of several torch ops.
  *
@@ -222,9 +223,20 @@ void linear_packed(const float *x, int64_t ldx, const void *wp, int wbf16, const
 
 /* ---- paged KV cache ---------------------------------------------------------------------------
  * Cache layout (TorchAttentionBackend's): one [num_kv_heads, num_blocks, block_size, head_dim]
- * tensor for K and one for V, fp32 or bf16 (kv_bf16). A token at slot s = block * block_size +
- * offset of head h lives at row h * num_blocks * block_size + s. head_dim must be a multiple of 8.
+ * tensor for K and one for V, of kind KV_F32, KV_BF16 or KV_FP8. A token at slot s = block *
+ * block_size + offset of head h lives at row h * num_blocks * block_size + s. head_dim must be a
+ * multiple of 8.
+ *
+ * KV_FP8 (--kv-cache-dtype fp8): E4M3 bytes holding x / scale (one k_scale, one v_scale per layer),
+ * rounded to nearest even and saturated at +-448, as kernels/attention/kv_fp8.py's torch reference
+ * (torch's float8_e4m3fn cast). A read widens the byte to fp16 by moving its bits (s eeee mmm into
+ * s 0eeee mmm0000000: the same value times 2^-8, subnormals included) and fp16 to fp32 with F16C;
+ * the 2^8 and the scales are folded into the score scale and the softmax normaliser, so the inner
+ * loops multiply nothing more. (E4M3's NaN byte would read as 480: writes never produce it from
+ * finite values.)
  */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
+#define FP8_WIDEN 256.0f   /* the fp16 bit move gives the E4M3 value times 2^-8 */
 
 static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as torch's .to(bfloat16) */
     union { float f; uint32_t u; } v = { f };
@@ -232,26 +244,54 @@ static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as tor
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-static inline __m256 load_kv8(const void *base, int64_t index, int kv_bf16) {
-    return kv_bf16 ? load_bf16x8((const uint16_t *)base + index) : _mm256_loadu_ps((const float *)base + index);
+/* fp32 -> E4M3 (bias 7, no infinities, 0x7f NaN): nearest even, saturated at +-448. */
+static inline uint8_t f32_to_e4m3(float f) {
+    union { float f; uint32_t u; } v = { f };
+    const uint8_t sign = (uint8_t)((v.u >> 24) & 0x80u);
+    v.u &= 0x7fffffffu;
+    if (v.u > 0x7f800000u) return sign | 0x7f;                       /* NaN */
+    if (v.f >= 448.0f) return sign | 0x7e;                           /* saturate (infinity too) */
+    if (v.f < 0x1p-6f) return sign | (uint8_t)lrintf(v.f * 512.0f);  /* subnormal: k * 2^-9, 8 = 2^-6 */
+    const uint32_t r = v.u + 0x7ffffu + ((v.u >> 20) & 1u);          /* mantissa to 3 bits, ties to even */
+    return sign | (uint8_t)((((r >> 23) - 120u) << 3) | ((r >> 20) & 7u));
+}
+
+static inline __m256 load_fp8x8(const uint8_t *p) {   /* 8 E4M3 bytes -> their values times 2^-8 */
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+    return _mm256_cvtph_ps(h);
+}
+
+static inline __m256 load_kv8(const void *base, int64_t index, int kind) {
+    if (kind == KV_FP8) return load_fp8x8((const uint8_t *)base + index);
+    return kind == KV_BF16 ? load_bf16x8((const uint16_t *)base + index) : _mm256_loadu_ps((const float *)base + index);
 }
 
 /* Keys and values sit in scattered pages of the pool: fetch a few rows ahead into L1 while the
  * current ones are multiplied (the hardware prefetcher loses the stream at every page border). */
-static inline void prefetch_kv(const void *base, int64_t index, int64_t count, int kv_bf16) {
-    const char *p = (const char *)base + index * (kv_bf16 ? 2 : 4);
-    for (int64_t off = 0; off < count * (kv_bf16 ? 2 : 4); off += 64)
+static inline void prefetch_kv(const void *base, int64_t index, int64_t count, int kind) {
+    const int64_t size = kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1;
+    const char *p = (const char *)base + index * size;
+    for (int64_t off = 0; off < count * size; off += 64)
         _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-/* Write the new tokens' K and V ([T, Hk, D], row strides given) into their slots. */
+/* Write the new tokens' K and V ([T, Hk, D], row strides given) into their slots; an fp8 pool
+ * stores k / k_scale and v / v_scale. */
 void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, void *k_cache, void *v_cache,
-              int kv_bf16, const int64_t *slots, int64_t T, int64_t Hk, int64_t D, int64_t pool_slots) {
+              int kv_kind, const int64_t *slots, int64_t T, int64_t Hk, int64_t D, int64_t pool_slots,
+              float k_scale, float v_scale) {
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < Hk; h++) {
             const int64_t dst = (h * pool_slots + slots[t]) * D;
             const float *ks = k + t * k_stride + h * D, *vs = v + t * v_stride + h * D;
-            if (kv_bf16) {
+            if (kv_kind == KV_FP8) {
+                for (int64_t d = 0; d < D; d++) {
+                    ((uint8_t *)k_cache)[dst + d] = f32_to_e4m3(ks[d] / k_scale);
+                    ((uint8_t *)v_cache)[dst + d] = f32_to_e4m3(vs[d] / v_scale);
+                }
+            } else if (kv_kind == KV_BF16) {
                 for (int64_t d = 0; d < D; d++) {
                     ((uint16_t *)k_cache)[dst + d] = f32_to_bf16(ks[d]);
                     ((uint16_t *)v_cache)[dst + d] = f32_to_bf16(vs[d]);
@@ -283,13 +323,13 @@ void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
         _mm_storeu_ps(s + g * ls, _mm_mul_ps(r, _mm_set1_ps(scale)));                     \
     }
 static inline __attribute__((always_inline)) void
-dot4(const int BF16, const int GN, const float *q, const void *k_cache, const int64_t *rows, int64_t D,
+dot4(const int KIND, const int GN, const float *q, const void *k_cache, const int64_t *rows, int64_t D,
      float *s, int64_t ls, float scale) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, c0 = a0,
            c1 = a0, c2 = a0, c3 = a0;
     for (int64_t d = 0; d < D; d += 8) {
-        const __m256 k0 = load_kv8(k_cache, rows[0] + d, BF16), k1 = load_kv8(k_cache, rows[1] + d, BF16);
-        const __m256 k2 = load_kv8(k_cache, rows[2] + d, BF16), k3 = load_kv8(k_cache, rows[3] + d, BF16);
+        const __m256 k0 = load_kv8(k_cache, rows[0] + d, KIND), k1 = load_kv8(k_cache, rows[1] + d, KIND);
+        const __m256 k2 = load_kv8(k_cache, rows[2] + d, KIND), k3 = load_kv8(k_cache, rows[3] + d, KIND);
         DOT_ACC(0, a0, a1, a2, a3) DOT_ACC(1, b0, b1, b2, b3) DOT_ACC(2, c0, c1, c2, c3)
     }
     DOT_OUT(0, a0, a1, a2, a3) DOT_OUT(1, b0, b1, b2, b3) DOT_OUT(2, c0, c1, c2, c3)
@@ -310,17 +350,17 @@ dot4(const int BF16, const int GN, const float *q, const void *k_cache, const in
     M(op, 1, 0, a10) M(op, 1, 1, a11) M(op, 1, 2, a12) M(op, 1, 3, a13)                   \
     M(op, 2, 0, a20) M(op, 2, 1, a21) M(op, 2, 2, a22) M(op, 2, 3, a23)
 static inline __attribute__((always_inline)) void
-pv_block(const int BF16, const int GN, const int ND, const float *p, int64_t ls, const void *v_cache,
+pv_block(const int KIND, const int GN, const int ND, const float *p, int64_t ls, const void *v_cache,
          const int64_t *rows, int64_t n, float *o, const float *inv, int64_t d0, int64_t D) {
     __m256 a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23;
     PV_ALL(PV_IO, PV_ZERO)
     for (int64_t t = 0; t < n; t++) {
         if (t + 8 < n)
-            prefetch_kv(v_cache, rows[t + 8] + d0, 8 * ND, BF16);
-        const __m256 v0 = load_kv8(v_cache, rows[t] + d0, BF16);
-        const __m256 v1 = ND > 1 ? load_kv8(v_cache, rows[t] + d0 + 8, BF16) : v0;
-        const __m256 v2 = ND > 2 ? load_kv8(v_cache, rows[t] + d0 + 16, BF16) : v0;
-        const __m256 v3 = ND > 3 ? load_kv8(v_cache, rows[t] + d0 + 24, BF16) : v0;
+            prefetch_kv(v_cache, rows[t + 8] + d0, 8 * ND, KIND);
+        const __m256 v0 = load_kv8(v_cache, rows[t] + d0, KIND);
+        const __m256 v1 = ND > 1 ? load_kv8(v_cache, rows[t] + d0 + 8, KIND) : v0;
+        const __m256 v2 = ND > 2 ? load_kv8(v_cache, rows[t] + d0 + 16, KIND) : v0;
+        const __m256 v3 = ND > 3 ? load_kv8(v_cache, rows[t] + d0 + 24, KIND) : v0;
         PV_ACC(0, 0, a00) PV_ACC(0, 1, a01) PV_ACC(0, 2, a02) PV_ACC(0, 3, a03)
         PV_ACC(1, 0, a10) PV_ACC(1, 1, a11) PV_ACC(1, 2, a12) PV_ACC(1, 3, a13)
         PV_ACC(2, 0, a20) PV_ACC(2, 1, a21) PV_ACC(2, 2, a22) PV_ACC(2, 3, a23)
@@ -333,19 +373,20 @@ pv_block(const int BF16, const int GN, const int ND, const float *p, int64_t ls,
 #undef PV_STORE
 #undef PV_ALL
 
-/* One (query, KV head) task: the G query heads sharing the KV head over keys rows[0 .. n). */
+/* One (query, KV head) task: the G query heads sharing the KV head over keys rows[0 .. n). The
+ * output is sum(p V) * v_mul / sum(p) (v_mul: the value scale of an fp8 pool, else 1). */
 static inline __attribute__((always_inline)) void
-attend(const int BF16, const float *q, const void *k_cache, const void *v_cache, const int64_t *rows, int64_t n,
-       int64_t ls, float *scores, float *o, int64_t G, int64_t D, float scale) {
+attend(const int KIND, const float *q, const void *k_cache, const void *v_cache, const int64_t *rows, int64_t n,
+       int64_t ls, float *scores, float *o, int64_t G, int64_t D, float scale, float v_mul) {
     float inv[G];
     for (int64_t g0 = 0; g0 < G; g0 += 3) {
         const int gn = G - g0 < 3 ? (int)(G - g0) : 3;
         for (int64_t t = 0; t < n; t += 4) {
             for (int64_t i = t + 16; i < t + 20 && i < ls; i++)
-                prefetch_kv(k_cache, rows[i], D, BF16);
-            if (gn == 3) dot4(BF16, 3, q + g0 * D, k_cache, rows + t, D, scores + g0 * ls + t, ls, scale);
-            else if (gn == 2) dot4(BF16, 2, q + g0 * D, k_cache, rows + t, D, scores + g0 * ls + t, ls, scale);
-            else dot4(BF16, 1, q + g0 * D, k_cache, rows + t, D, scores + g0 * ls + t, ls, scale);
+                prefetch_kv(k_cache, rows[i], D, KIND);
+            if (gn == 3) dot4(KIND, 3, q + g0 * D, k_cache, rows + t, D, scores + g0 * ls + t, ls, scale);
+            else if (gn == 2) dot4(KIND, 2, q + g0 * D, k_cache, rows + t, D, scores + g0 * ls + t, ls, scale);
+            else dot4(KIND, 1, q + g0 * D, k_cache, rows + t, D, scores + g0 * ls + t, ls, scale);
         }
     }
     for (int64_t g = 0; g < G; g++) {
@@ -362,7 +403,7 @@ attend(const int BF16, const float *q, const void *k_cache, const void *v_cache,
         }
         float sum = hsum(acc);
         for (; t < n; t++) { sg[t] = exp1(sg[t] - mx); sum += sg[t]; }
-        inv[g] = 1.f / sum;
+        inv[g] = v_mul / sum;
     }
     for (int64_t g0 = 0; g0 < G; g0 += 3) {
         const int gn = G - g0 < 3 ? (int)(G - g0) : 3;
@@ -370,14 +411,14 @@ attend(const int BF16, const float *q, const void *k_cache, const void *v_cache,
         float *og = o + g0 * D;
         int64_t d0 = 0;
         for (; d0 + 32 <= D; d0 += 32) {
-            if (gn == 3) pv_block(BF16, 3, 4, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
-            else if (gn == 2) pv_block(BF16, 2, 4, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
-            else pv_block(BF16, 1, 4, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
+            if (gn == 3) pv_block(KIND, 3, 4, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
+            else if (gn == 2) pv_block(KIND, 2, 4, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
+            else pv_block(KIND, 1, 4, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
         }
         for (; d0 < D; d0 += 8) {
-            if (gn == 3) pv_block(BF16, 3, 1, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
-            else if (gn == 2) pv_block(BF16, 2, 1, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
-            else pv_block(BF16, 1, 1, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
+            if (gn == 3) pv_block(KIND, 3, 1, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
+            else if (gn == 2) pv_block(KIND, 2, 1, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
+            else pv_block(KIND, 1, 1, p, ls, v_cache, rows, n, og, inv + g0, d0, D);
         }
     }
 }
@@ -387,12 +428,16 @@ attend(const int BF16, const float *q, const void *k_cache, const void *v_cache,
  * chunk whose own K/V were just written), so a prompt token is computed exactly as if decoded. One
  * task per (query, KV head) handles the query heads that share that KV head (GQA), so keys and
  * values are loaded once for all of them. Every task's arithmetic is independent of the rest of
- * the batch. window > 0 keeps the last `window` keys. */
+ * the batch. window > 0 keeps the last `window` keys. An fp8 pool's values are the bytes times
+ * k_scale (v_scale); the scales are ignored for the other kinds. */
 void paged_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                     int kv_bf16, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                     int kv_kind, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                      float *out, int64_t out_stride, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
-                     int64_t block_size, int64_t pool_slots, float scale, int64_t window) {
+                     int64_t block_size, int64_t pool_slots, float scale, int64_t window, float k_scale,
+                     float v_scale) {
     const int64_t G = Hq / Hk;
+    const float score_scale = kv_kind == KV_FP8 ? scale * (k_scale * FP8_WIDEN) : scale;
+    const float v_mul = kv_kind == KV_FP8 ? v_scale * FP8_WIDEN : 1.0f;
 #pragma omp parallel for collapse(2) schedule(dynamic, 4)
     for (int64_t b = 0; b < B; b++)
         for (int64_t hk = 0; hk < Hk; hk++) {
@@ -415,10 +460,12 @@ void paged_attention(const float *q, int64_t q_stride, const void *k_cache, cons
                 rows[t] = rows[n - 1];
             const float *qb = q + b * q_stride + hk * G * D;
             float *ob = out + b * out_stride + hk * G * D;
-            if (kv_bf16)
-                attend(1, qb, k_cache, v_cache, rows, n, ls, scores, ob, G, D, scale);
+            if (kv_kind == KV_FP8)
+                attend(KV_FP8, qb, k_cache, v_cache, rows, n, ls, scores, ob, G, D, score_scale, v_mul);
+            else if (kv_kind == KV_BF16)
+                attend(KV_BF16, qb, k_cache, v_cache, rows, n, ls, scores, ob, G, D, score_scale, v_mul);
             else
-                attend(0, qb, k_cache, v_cache, rows, n, ls, scores, ob, G, D, scale);
+                attend(KV_F32, qb, k_cache, v_cache, rows, n, ls, scores, ob, G, D, score_scale, v_mul);
             free(rows);
         }
 }
