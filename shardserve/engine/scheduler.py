@@ -49,6 +49,9 @@ class Scheduler:
         self.config = scheduler_config
         self.spec = speculative_config
         self.spec_stats = SpecDecodingStats(speculative_config.num_speculative_tokens) if speculative_config else None
+        # A draft model writes KV for its drafts past a request's known tokens: slots reserved ahead.
+        self.lookahead = (speculative_config.num_speculative_tokens
+                          if speculative_config and speculative_config.method == "draft_model" else 0)
         # Pipeline-parallel engines run several schedulers over disjoint slices of one KV pool.
         self.block_offset = block_offset
         self.max_model_len = scheduler_config.max_model_len
@@ -116,9 +119,10 @@ class Scheduler:
                 continue
             drafts = self._drafts_to_verify(req, token_budget) if req.spec_token_ids else []
             num_new_tokens += len(drafts)
-            if not self._make_room(req, num_new_tokens, output):
+            if not self._make_room(req, num_new_tokens + self.lookahead, output):
                 break   # it preempted itself, after everything admitted later than it
-            self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens + num_new_tokens)
+            self.kv.allocate(req.request_id, req.all_token_ids,
+                             req.num_computed_tokens + num_new_tokens + self.lookahead)
             output.scheduled_cached_reqs.append(self._cached_request_data(req))
             self._mark_synced(req)
             if drafts:
@@ -138,9 +142,9 @@ class Scheduler:
                 break
             num_new_tokens = min(num_new_tokens, token_budget)
             num_total_tokens = num_hit_tokens + num_new_tokens
-            if not self.kv.can_allocate(req.request_id, num_total_tokens, hit_blocks):
+            if not self.kv.can_allocate(req.request_id, num_total_tokens + self.lookahead, hit_blocks):
                 break
-            self.kv.allocate(req.request_id, req.all_token_ids, num_total_tokens, hit_blocks)
+            self.kv.allocate(req.request_id, req.all_token_ids, num_total_tokens + self.lookahead, hit_blocks)
             self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
             self.waiting.popleft()
             self._start_running(req, num_hit_tokens)

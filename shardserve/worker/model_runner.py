@@ -23,6 +23,7 @@ from shardserve.structured.bitmask import GrammarBitmask
 from shardserve.transfer import to_device
 from shardserve.utils import cdiv
 from shardserve.worker import kv_sizing
+from shardserve.worker.draft_proposer import DraftProposer
 from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
 from shardserve.worker.sampling_inputs import build_sampling_metadata
 from shardserve.worker.step_graphs import StepGraphs
@@ -64,6 +65,7 @@ class ModelRunner:
         self.grammars = GrammarBitmask(self.model_config.vocab_size, self.device)   # structured outputs
         self.states: dict[str, CachedRequestState] = {}
         self.model: torch.nn.Module | None = None
+        self.drafter: DraftProposer | None = None   # speculative decoding with a draft model
         self.kv_caches: list[torch.Tensor] = []   # one per attention layer (views of kv_pools)
         self.kv_pools: list[torch.Tensor] = []    # what was allocated: all layers' caches in one where it can
         self.cuda_baseline = 0                   # bytes the GPU held before the model loaded (load_model)
@@ -95,6 +97,13 @@ class ModelRunner:
                                                                           self.block_size):
             self.backend = CudaAttentionBackend()
         kv_sizing.check_fp8_kv_cache(self)
+        spec = self.config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftProposer(self, spec)
+            self._check_draft_attention()
+            if self.device.type == "cpu" and self.model_config.compute_dtype == torch.float32 and cpu_ops.available():
+                cpu_ops.pack_weights(self.drafter.model, torch.bfloat16 if model_config.dtype == torch.bfloat16
+                                     else torch.float32)
         if self.show_progress:   # vLLM's line, with the weights as this rank holds them
             held = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
             logger.info("Model loading took %.4f GiB memory and %.6f seconds", sum(held.values()) / (1 << 30),
@@ -121,8 +130,22 @@ class ModelRunner:
         if CpuNativeAttentionBackend.supports(self.model.attention_layers()[0].spec, kv_dtype):
             self.backend, self.kv_cache_dtype = CpuNativeAttentionBackend(), kv_dtype
 
+    def _check_draft_attention(self) -> None:
+        """The draft's attention runs on the target's backend and pool dtype."""
+        spec = self.drafter.model.attention_layers()[0].spec
+        backend = self.backend
+        cpu_refuses = (isinstance(backend, CpuNativeAttentionBackend)
+                       and not CpuNativeAttentionBackend.supports(spec, self.kv_cache_dtype))
+        cuda_refuses = isinstance(backend, CudaAttentionBackend) and not CudaAttentionBackend.supports(spec,
+                                                                                                      self.block_size)
+        if cpu_refuses or cuda_refuses:
+            raise ValueError(f"the draft model's attention (head_dim {spec.head_dim}, {spec.num_kv_heads} KV heads) "
+                             f"does not run on the target's {type(backend).__name__}")
+
     def kv_bytes_per_block(self) -> int:
-        return kv_sizing.kv_bytes_per_block(self.model, self.block_size, self.kv_cache_dtype)
+        """The target's KV per block, plus the draft model's (it shares the block tables)."""
+        models = [self.model] + ([self.drafter.model] if self.drafter is not None else [])
+        return sum(kv_sizing.kv_bytes_per_block(m, self.block_size, self.kv_cache_dtype) for m in models)
 
     def determine_num_blocks(self) -> int:
         return kv_sizing.determine_num_blocks(self)
@@ -200,6 +223,8 @@ class ModelRunner:
         self.kv_caches, self.kv_pools = [], []
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.empty(0)
+        if self.drafter is not None:
+            self.drafter.release()
 
     def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
         self.release_kv_cache()   # a previous pool goes before the new one is allocated
@@ -219,6 +244,8 @@ class ModelRunner:
             self.kv_caches = list(self.kv_pools)
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
+        if self.drafter is not None:   # zeroed with the target's blocks (_zero_blocks)
+            self.kv_pools.append(self.drafter.allocate(pool_blocks))
         if graphs:
             self.graphs = StepGraphs(self.model, self.backend, self.device, self.model_config,
                                      self.config.scheduler_config, self.block_size, num_blocks)
@@ -234,6 +261,8 @@ class ModelRunner:
         """Queue one step on the device and return without waiting for it (on a GPU; a CPU step
         runs here): the caller can prepare the next step while this one computes."""
         update_states(self.states, sched)
+        if self.drafter is not None:
+            self.drafter.track(sched)
         if self.grammars.matchers:   # finished, or new again after preemption (replayed from its tokens)
             self.grammars.drop([*sched.finished_req_ids, *(r.req_id for r in sched.scheduled_new_reqs)])
         out = ModelRunnerOutput()
@@ -260,6 +289,13 @@ class ModelRunner:
             pp_send_next(list(hidden))
             return PendingOutput(out)
         self._prompt_logprobs(inputs, hidden, out)
+        pending = self._sample(inputs, hidden, out, in_flight)
+        if self.drafter is not None:
+            pending = self._propose_drafts(sched, pending)
+        return pending
+
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput,
+                in_flight: torch.Tensor | None) -> PendingOutput:
         if not inputs.sample_req_ids:
             return PendingOutput(out)
         states = [self.states[r] for r in inputs.sample_req_ids]
@@ -304,6 +340,29 @@ class ModelRunner:
                 out.logprobs[req_id] = _rows_to_lists(ids[0], lps[0], ranks[0], k)
             row += len(request_drafts) + 1
         return out
+
+    def _propose_drafts(self, sched: SchedulerOutput, pending: PendingOutput) -> PendingOutput:
+        """The draft model's turn after the target's step: every TP rank needs the tokens the
+        driver sampled (it broadcasts them), then drafts alike; the driver reports the drafts."""
+        out = pending.get()
+        tp = get_tp_group()
+        sampled = out.sampled_token_ids
+        if tp.world_size > 1:
+            req_ids = sorted(sched.num_scheduled_tokens)
+            width = self.drafter.k + 2   # a count, then up to k + 1 tokens
+            table = torch.zeros(len(req_ids), width, dtype=torch.long)
+            for row, req_id in enumerate(req_ids):
+                tokens = sampled.get(req_id, [])
+                table[row, 0] = len(tokens)
+                table[row, 1:1 + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            table = table.to(self.device)
+            dist.broadcast(table, src=tp.ranks[0], group=tp.group)
+            rows = table.tolist()
+            sampled = {req_id: row[1:1 + row[0]] for req_id, row in zip(req_ids, rows) if row[0]}
+        drafts = self.drafter.propose(sched, sampled)
+        if tp.rank == 0:
+            out.draft_token_ids = drafts
+        return PendingOutput(out)
 
     def _remember_samples(self, req_ids: list[str], sampled: torch.Tensor) -> None:
         tp = get_tp_group()
