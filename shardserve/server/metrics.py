@@ -1,6 +1,7 @@
 """Prometheus metrics under vLLM's names (so existing dashboards work) and the per-request log line.
 
-Gauges and the engine's cumulative counters (preemptions, prefix-cache queries and hits) are read
+Gauges and the engine's cumulative counters (preemptions, prefix-cache queries and hits, speculative
+decoding's drafts and accepted tokens) are read
 from the engine when /metrics is scraped; per-request counters and histograms are recorded when a
 request finishes, from the engine's timestamps (arrival, first scheduled, first token, finished)
 and the times its tokens reached the server.
@@ -47,6 +48,25 @@ class _EngineCollector:
             metric = family(name, doc, labels=["model_name"])
             metric.add_metric([self.model_name], value)
             yield metric
+        if s.spec_decoding is not None:
+            yield from self._spec_decoding(s.spec_decoding)
+
+    def _spec_decoding(self, spec):
+        """Speculative decoding's acceptance counters, as vLLM names them."""
+        for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Verification steps of one request that carried drafts.",
+                 spec.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)):
+            metric = CounterMetricFamily(name, doc, labels=["model_name"])
+            metric.add_metric([self.model_name], value)
+            yield metric
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft (0 = first).",
+                                      labels=["model_name", "position"])
+        for position, value in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], value)
+        yield per_pos
 
 
 class ServerMetrics:
