@@ -111,7 +111,10 @@ class OutputProcessor:
             text_ids = up.new_token_ids
             if up.finished and req.status.value == "stop" and not sp.include_stop_str_in_output:
                 text_ids = text_ids[:-1]   # an EOS or stop token ends the text without appearing in it
-            stop_str = sample.detokenizer.add_tokens(text_ids, req.num_output_tokens)
+            if len(text_ids) > 1 and sp.stop_strings:   # accepted drafts: stop at the token that completes one
+                stop_str = self._add_one_by_one(sample, len(sample.token_ids) - len(up.new_token_ids), text_ids)
+            else:
+                stop_str = sample.detokenizer.add_tokens(text_ids, req.num_output_tokens)
         if stop_str is not None:   # a stop string wins over a length limit reached on the same token
             sample.finish_reason, sample.stop_reason = "stop", stop_str
             if not up.finished:
@@ -119,6 +122,18 @@ class OutputProcessor:
         elif up.finished:
             sample.finish_reason = req.status.value
             sample.stop_reason = req.stop_reason
+
+    @staticmethod
+    def _add_one_by_one(sample: SampleState, first: int, token_ids: list[int]) -> str | None:
+        """Several tokens from one step (speculative decoding), the first of them at output index
+        `first`: the one that completes a stop string ends the output, as it would have without
+        drafts; the tokens after it are dropped."""
+        for i, token_id in enumerate(token_ids):
+            stop_str = sample.detokenizer.add_tokens([token_id], first + i + 1)
+            if stop_str is not None:
+                del sample.token_ids[first + i + 1:]
+                return stop_str
+        return None
 
     def _make_output(self, state: RequestState) -> RequestOutput:
         completions = []

@@ -94,11 +94,17 @@ def test_preemption_and_prefix_hits_keep_tokens_exact(models, kind):
 
 
 def test_stop_strings_end_the_text_where_they_would_without_drafts(models):
-    base, llm = make_llm(models, "none"), make_llm(models, "ngram")
+    """With every draft accepted (self-draft), a step adds five tokens: a stop string completed by
+    one of the first four must cut the tokens after it too."""
+    base = make_llm(models, "none")
     text = run(base, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), PROMPTS[:1])[0][1]
-    params = SamplingParams(temperature=0, max_tokens=24, stop=[text[len(text) // 2:len(text) // 2 + 2]])
-    assert run(llm, params, PROMPTS[:1]) == run(base, params, PROMPTS[:1])
-    assert run(llm, params, PROMPTS[:1])[0][2] == "stop"
+    stops = [text[i:i + 2] for i in range(3, len(text) - 2, max(1, len(text) // 7))]
+    for kind in ("ngram", "self"):
+        llm = make_llm(models, kind)
+        for stop in stops:
+            params = SamplingParams(temperature=0, max_tokens=24, stop=[stop])
+            expected = run(base, params, PROMPTS[:1])
+            assert run(llm, params, PROMPTS[:1]) == expected and expected[0][2] == "stop"
 
 
 def test_structured_outputs_with_drafts_match_and_parse(models):
