@@ -8,7 +8,8 @@ a small second kernel merges the splits. In decode-only steps the kernel also ro
 k (rotary embedding) and stores the new K/V, which the split reading the new token's page does
 before it reads it: one launch fewer per layer than the rotary + K/V write kernel first.
 
-KV layout (TorchAttentionBackend's): K and V each [num_kv_heads, num_blocks, block_size, head_dim].
+KV layout (TorchAttentionBackend's): K and V each [num_kv_heads, num_blocks, block_size, head_dim],
+of the activations' dtype, fp32, or fp8 E4M3 with the layer's k_scale / v_scale (triton_paged.py).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels import pdl
-from shardserve.kernels.attention.triton_paged import load_pages, online_softmax_step
+from shardserve.kernels.attention.triton_paged import load_pages, online_softmax_step, to_pool
 from shardserve.kernels.rope.triton_rope import rotate_whole
 
 
@@ -29,7 +30,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
                          stride_qt, stride_qh, stride_kh, stride_kb, stride_tb, stride_ot, stride_oh,
                          scale, window, max_pages, num_splits,
                          pos_ptr, new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, slots_ptr, stride_nk, stride_nv, pool_slots,
-                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         k_scale, v_scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
                          PDL: tl.constexpr):
     pdl.start(PDL)
@@ -68,15 +69,17 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
             new_k = rotate_whole(tl.load(k_row + d), tl.load(k_row + other), c, s, d < half)
             dst = (hk * pool_slots + tl.load(slots_ptr + b)) * HEAD_DIM + d
             dt = k_ptr.dtype.element_ty
-            tl.store(k_ptr + dst, new_k.to(dt))
-            tl.store(v_ptr + dst, tl.load(new_v_ptr + b * stride_nv + hk * HEAD_DIM + d).to(dt))
+            tl.store(k_ptr + dst, to_pool(new_k, k_scale, dt))
+            tl.store(v_ptr + dst, to_pool(tl.load(new_v_ptr + b * stride_nv + hk * HEAD_DIM + d), v_scale, dt))
             tl.debug_barrier()   # every thread's stores land before any thread loads that page
     for page0 in range(start, stop, PAGES):
         k, v = load_pages(k_ptr, v_ptr, tables_ptr + b * stride_tb, page0, max_pages, hk * stride_kh, stride_kb,
                           BLOCK_SIZE=BLOCK_SIZE, PAGES=PAGES, HEAD_DIM=HEAD_DIM)
         pos = page0 * BLOCK_SIZE + j
         valid = (pos < seq_len) & (pos >= first)
-        m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, scale, IEEE=IEEE)
+        m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, scale * k_scale, IEEE=IEEE)
+    if k_ptr.dtype.element_ty == tl.float8e4nv:   # the values' scale, once on the (partial) output
+        acc = acc * v_scale
     if num_splits == 1:
         tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUP)
@@ -131,14 +134,16 @@ def num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                            scale: float, window: int | None, splits: int | None = None,
-                           rope: tuple | None = None, tune: dict | None = None) -> None:
+                           rope: tuple | None = None, tune: dict | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """q, out: [B, Hq, D] (head rows packed); caches [Hk, blocks, block_size, D] contiguous;
     block_tables [B, max_blocks] int32; seq_lens [B] int32 (tokens including the new one).
     With several splits (flash-decoding), each split of a request's keys is one program and a
     second kernel merges their partial results. rope: (positions [B], new k, new v [B, Hk, D]
     (head rows packed), cos, sin [max_position, D / 2], slots [B]): q and the new k are not rotated
     yet and the new K/V not stored; the kernel does both (the rotation and the store of
-    triton_rope.rotary_and_write_kv, bit for bit), one launch fewer per layer."""
+    triton_rope.rotary_and_write_kv, bit for bit), one launch fewer per layer. k_scale, v_scale: an
+    fp8 pool's scales (ignored for other pools but by the store of k / v)."""
     batch, hq, dim = q.shape
     hk, _, block_size, _ = k_cache.shape
     group = hq // hk
@@ -160,16 +165,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or 0, block_tables.shape[1], splits,
         positions, new_k, new_v, cos, sin, slots, new_k.stride(0), new_v.stride(0), k_cache.shape[1] * block_size,
+        *_scales(k_cache, k_scale, v_scale),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, PAGES=pages,
-        HEAD_DIM=dim, IEEE=k_cache.dtype == torch.float32, ROPE=rope is not None, **pdl.launch_args(q), **tune)
+        HEAD_DIM=dim, IEEE=q.dtype == torch.float32, ROPE=rope is not None, **pdl.launch_args(q), **tune)
     if splits > 1:
         _merge_splits_kernel[(batch, hq)](part, stats, out, out.stride(0), out.stride(1), splits,
                                           MAX_SPLITS=MAX_SPLITS, HEAD_DIM=dim, **pdl.launch_args(q))
 
 
+def _scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The scales a kernel gets: an fp8 pool's own, 1.0 for others (fp32 arguments either way, so no
+    value of them compiles another variant)."""
+    return (float(k_scale), float(v_scale)) if k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
+
+
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                     pool_slots, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+                     pool_slots, k_scale, v_scale, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -178,18 +190,19 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_k
     dst = (h * pool_slots + slot) * HEAD_DIM + d
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty))
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty))
+    tl.store(k_cache_ptr + dst, to_pool(k, k_scale, k_cache_ptr.dtype.element_ty))
+    tl.store(v_cache_ptr + dst, to_pool(v, v_scale, v_cache_ptr.dtype.element_ty))
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor) -> None:
+             slots: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """New tokens' k, v ([T, Hk, D], head rows packed) into the pool at `slots` (int64): one launch
-    for both, where indexed assignment takes one per tensor."""
+    for both, where indexed assignment takes one per tensor. An fp8 pool takes k / k_scale, v / v_scale."""
     tokens, hk, dim = k.shape
     _, blocks, block_size, _ = k_cache.shape
     _write_kv_kernel[(tokens, hk)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                   blocks * block_size, HEAD_DIM=dim, **pdl.launch_args(k))
+                                   blocks * block_size, *_scales(k_cache, k_scale, v_scale), HEAD_DIM=dim,
+                                   **pdl.launch_args(k))
 
 
 def supported(head_dim: int, block_size: int) -> bool:

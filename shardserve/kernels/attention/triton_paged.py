@@ -1,5 +1,11 @@
 """Triton pieces shared by the paged attention kernels (decode and prefill): a tile of keys and
-values gathered through a request's block table, and one online-softmax step over it."""
+values gathered through a request's block table, one online-softmax step over it, and a value as
+the pool stores it.
+
+An fp8 pool (`--kv-cache-dtype fp8`, E4M3) holds x / scale, rounded to nearest even and saturated
+at +-448 (kernels/attention/kv_fp8.py is the reference): `to_pool` stores so, with IEEE division
+(Triton's `/` is approximate), and the kernels widen what they load to the activations' dtype
+(exact) and fold the layer's scales into the softmax scale (k_scale) and the output (v_scale)."""
 from __future__ import annotations
 
 import triton
@@ -20,9 +26,22 @@ def load_pages(k_ptr, v_ptr, table_ptr, page0, max_pages, head_base, stride_kb,
 
 
 @triton.jit
+def to_pool(x, scale, dt: tl.constexpr):
+    """x as a pool of element type `dt` stores it: cast, or for E4M3 x / scale saturated and rounded."""
+    if dt == tl.float8e4nv:
+        y = tl.math.div_rn(x.to(tl.float32), scale)
+        return tl.minimum(tl.maximum(y, -448.0), 448.0).to(dt)
+    return x.to(dt)
+
+
+@triton.jit
 def online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale, IEEE: tl.constexpr):
     """Fold one tile of keys into the running max, sum and output of flash attention. `allowed`
-    masks [query rows, keys]; a row with no allowed key yet keeps zero weight (no NaN)."""
+    masks [query rows, keys]; a row with no allowed key yet keeps zero weight (no NaN). Keys and
+    values from an fp8 pool are widened to q's dtype here (the caller applies the scales)."""
+    if k.dtype != q.dtype:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if IEEE:   # fp32 caches: no TF32 shortcut, the result must match the torch reference
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:

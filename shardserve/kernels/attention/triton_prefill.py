@@ -5,7 +5,8 @@ softmax in fp32 (flash-attention's forward pass over pages).
 The new tokens' K/V are written to the pool before this runs, so a chunk's keys are all in the
 pool: positions 0 .. context + its own. The work is cut into tiles of BLOCK_M queries of one
 request; the host lists the tiles once per step (`prefill_tiles.py`), and the grid is (tile, query
-head). KV layout (TorchAttentionBackend's): K and V each [num_kv_heads, num_blocks, block_size, head_dim].
+head). KV layout (TorchAttentionBackend's): K and V each [num_kv_heads, num_blocks, block_size, head_dim],
+of the activations' dtype, fp32, or fp8 E4M3 with the layer's k_scale / v_scale (triton_paged.py).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ KEYS_PER_ITER = 64
             do_not_specialize_on_alignment=["tables_ptr"])
 def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, tiles_ptr, num_tiles, num_reqs,
                           stride_qt, stride_qh, stride_kh, stride_kb, stride_tb, stride_ot, stride_oh,
-                          scale, window, max_pages,
+                          scale, window, max_pages, k_scale, v_scale,
                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
                           HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.program_id(0)
@@ -61,24 +62,29 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, tiles_ptr, n
         allowed = k_pos[None, :] <= q_pos[:, None]
         if window > 0:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-        m_i, l_i, acc = online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale, IEEE=IEEE)
+        m_i, l_i, acc = online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale * k_scale, IEEE=IEEE)
     out = acc / l_i[:, None]
+    if k_ptr.dtype.element_ty == tl.float8e4nv:
+        out = out * v_scale
     tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rows[:, None])
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: PrefillTiles,
-                            out: torch.Tensor, scale: float, window: int | None) -> None:
+                            out: torch.Tensor, scale: float, window: int | None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> None:
     """q, out: [T, Hq, D] (the whole step's tokens; tiles index into them); caches
-    [Hk, blocks, block_size, D] contiguous."""
+    [Hk, blocks, block_size, D] contiguous (fp8: read times k_scale, v_scale)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     _, hq, dim = q.shape
     hk, _, block_size, _ = k_cache.shape
     tables = tiles.block_tables
-    ieee = k_cache.dtype == torch.float32
+    ieee = q.dtype == torch.float32
     keys = KEYS_PER_ITER // 2 if ieee else KEYS_PER_ITER   # fp32 tiles take twice the shared memory
     _paged_prefill_kernel[(tiles.num_tiles, hq)](
         q, k_cache, v_cache, out, tables, tiles.data, tiles.num_tiles, tiles.num_reqs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
         out.stride(0), out.stride(1), scale, window or 0, tables.shape[1],
+        float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0,
         GROUP=hq // hk, BLOCK_M=BLOCK_M, BLOCK_SIZE=block_size, PAGES=max(1, keys // block_size),
         HEAD_DIM=dim, IEEE=ieee, num_stages=2 if ieee else 3)

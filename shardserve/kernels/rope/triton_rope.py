@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels import pdl
+from shardserve.kernels.attention.triton_paged import to_pool
 from shardserve.kernels.rope.layout import heads_packed, triton_tileable
 
 
@@ -72,8 +73,8 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_stride, k_stride, 
 
 @triton.jit(do_not_specialize=["pool_slots"])
 def _rotary_write_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-                            stride_qt, stride_kt, stride_vt, n_kv, pool_slots, HALF: tl.constexpr,
-                            PDL: tl.constexpr):
+                            stride_qt, stride_kt, stride_vt, n_kv, pool_slots, k_scale, v_scale,
+                            HALF: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)   # KV heads first, then query heads
@@ -84,10 +85,10 @@ def _rotary_write_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_ca
         k1, k2 = _rotate_in_place(k_ptr + t * stride_kt + h * 2 * HALF, cos_row, sin_row, HALF)
         dst = (h * pool_slots + tl.load(slots_ptr + t)) * 2 * HALF
         dt = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + dst + i, k1.to(dt))
-        tl.store(k_cache_ptr + dst + HALF + i, k2.to(dt))
+        tl.store(k_cache_ptr + dst + i, to_pool(k1, k_scale, dt))
+        tl.store(k_cache_ptr + dst + HALF + i, to_pool(k2, k_scale, dt))
         d = tl.arange(0, 2 * HALF)
-        tl.store(v_cache_ptr + dst + d, tl.load(v_ptr + t * stride_vt + h * 2 * HALF + d).to(dt))
+        tl.store(v_cache_ptr + dst + d, to_pool(tl.load(v_ptr + t * stride_vt + h * 2 * HALF + d), v_scale, dt))
     else:
         _rotate_in_place(q_ptr + t * stride_qt + (h - n_kv) * 2 * HALF, cos_row, sin_row, HALF)
 
@@ -107,11 +108,14 @@ def rotary_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos:
 
 def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slots: torch.Tensor) -> None:
+                        slots: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Rotate q and k in place and store the rotated k and v ([T, Hk, D], head rows packed) at
-    `slots` of the pool (each cache [Hk, blocks, block_size, D])."""
+    `slots` of the pool (each cache [Hk, blocks, block_size, D]; an fp8 one takes k / k_scale and
+    v / v_scale)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     t, hq, dim = q.shape
     hk, blocks, block_size, _ = k_cache.shape
     _rotary_write_kv_kernel[(t, hk + hq)](positions, q, k, v, cos, sin, k_cache, v_cache, slots,
                                          q.stride(0), k.stride(0), v.stride(0), hk, blocks * block_size,
+                                         float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0,
                                          HALF=dim // 2, **pdl.launch_args(q))

@@ -1,7 +1,8 @@
 """Paged attention on CUDA through Triton kernels: decodes (K/V read in place through the block
 tables), every prefill chunk of a step in one launch (cached prefixes read in place too), and the
 new K/V written with one kernel. Everything a decode step does has static shapes, so decode steps
-can be captured in CUDA graphs (worker/cuda_graphs.py)."""
+can be captured in CUDA graphs (worker/cuda_graphs.py). An fp8 pool (`--kv-cache-dtype fp8`) goes
+through the same kernels with the layer's k_scale / v_scale (kernels/attention/triton_paged.py)."""
 from __future__ import annotations
 
 import os
@@ -44,7 +45,8 @@ class CudaAttentionBackend(TorchAttentionBackend):
 
     def _prefills(self, spec, q, k, v, k_cache, v_cache, md: TorchAttentionMetadata, out) -> None:
         from shardserve.kernels.attention.triton_prefill import paged_prefill_attention
-        paged_prefill_attention(q, k_cache, v_cache, md.prefill_batch, out, spec.scale, spec.sliding_window)
+        paged_prefill_attention(q, k_cache, v_cache, md.prefill_batch, out, spec.scale, spec.sliding_window,
+                                spec.k_scale, spec.v_scale)
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: TorchAttentionMetadata, rotary=None,
@@ -57,28 +59,31 @@ class CudaAttentionBackend(TorchAttentionBackend):
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_decode_attention(q, kv_cache[0], kv_cache[1], md.decodes.block_tables, md.decodes.seq_lens, out,
-                               spec.scale, spec.sliding_window, rope=(rotary[0], k, v, rotary[1], rotary[2], md.slots))
+                               spec.scale, spec.sliding_window, rope=(rotary[0], k, v, rotary[1], rotary[2], md.slots),
+                               k_scale=spec.k_scale, v_scale=spec.v_scale)
         return out
 
     def fuses_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         from shardserve.kernels.rope.triton_rope import fusable
         return fusable(q, k, v)
 
-    def _write(self, q, k, v, k_cache, v_cache, md: TorchAttentionMetadata, rotary) -> None:
+    def _write(self, q, k, v, k_cache, v_cache, md: TorchAttentionMetadata, rotary,
+               spec: AttentionSpec | None = None) -> None:
         from shardserve.kernels.attention.triton_decode import write_kv
+        scales = (spec.k_scale, spec.v_scale) if spec is not None else (1.0, 1.0)
         if rotary is not None:   # one kernel: rotate q and k in place, store k and v
             from shardserve.kernels.rope.triton_rope import rotary_and_write_kv
-            rotary_and_write_kv(rotary[0], q, k, v, rotary[1], rotary[2], k_cache, v_cache, md.slots)
+            rotary_and_write_kv(rotary[0], q, k, v, rotary[1], rotary[2], k_cache, v_cache, md.slots, *scales)
             return
         if k.stride(2) != 1 or v.stride(2) != 1:
             k, v = k.contiguous(), v.contiguous()
-        write_kv(k, v, k_cache, v_cache, md.slots)
+        write_kv(k, v, k_cache, v_cache, md.slots, *scales)
 
     def _decodes(self, spec, q, k_cache, v_cache, md: TorchAttentionMetadata, out) -> None:
         from shardserve.kernels.attention.triton_decode import paged_decode_attention
         n = md.num_decodes
         paged_decode_attention(q[:n], k_cache, v_cache, md.decodes.block_tables, md.decodes.seq_lens, out[:n],
-                               spec.scale, spec.sliding_window)
+                               spec.scale, spec.sliding_window, k_scale=spec.k_scale, v_scale=spec.v_scale)
 
 
 def prefill_metadata(slots: torch.Tensor, tiles, block_size: int) -> TorchAttentionMetadata:
