@@ -11,6 +11,10 @@ physical limits measured in the same run:
 
 With `--random-weights SHAPE` (llama-3-8b, llama-3-70b, qwen3-0.6b, qwen3-8b, or a config.json /
 checkpoint directory) the model is built full size with random weights: no hub, no tokenizer.
+`-q fp8` quantizes them at load; `-q gptq` / `-q awq` make the model an INT4 checkpoint of that
+format instead (group 128, random 4-bit values and zeros, scales 1), as a real one would load. The
+roofline counts the bytes each format holds per weight (FP8 1, INT4 1/2 plus its group's scale and
+zero).
 """
 from __future__ import annotations
 
@@ -43,19 +47,33 @@ def model_source(ns) -> tuple[str, dict[str, Any], bool]:
             name = os.path.basename(spec.rstrip("/"))
         else:
             config, name = shape_config(spec), spec
+        if getattr(ns, "quantization", None) in INT4_RANDOM:   # the shape as a GPTQ / AWQ checkpoint
+            config = {**config, "quantization_config": INT4_RANDOM[ns.quantization]}
         return write_shape_dir(config, name), config, True
+    if getattr(ns, "quantization", None) in INT4_RANDOM:
+        raise ValueError(f"-q {ns.quantization} makes random INT4 weights (with --random-weights); a GPTQ or AWQ "
+                         "checkpoint is read in its own format without the flag")
     from shardserve.models.loader import load_hf_config, resolve_model_path
     path = resolve_model_path(ns.model)
     return path, load_hf_config(path), False
 
 
+INT4_GROUP = 128
+INT4_RANDOM = {   # the quantization_config a random-weight INT4 model carries, as the tools write it
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": INT4_GROUP, "desc_act": False, "sym": True,
+             "checkpoint_format": "gptq"},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": INT4_GROUP, "zero_point": True, "version": "gemm"},
+}
+
+
 def make_llm(ns, path: str, random_weights: bool):
     from shardserve import LLM
+    quantization = getattr(ns, "quantization", None)
     kw = dict(dtype=ns.dtype, device=ns.device, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
               max_num_batched_tokens=ns.max_num_batched_tokens, seed=ns.seed,
               tensor_parallel_size=ns.tensor_parallel_size, gpu_memory_utilization=ns.gpu_memory_utilization,
               enable_expert_parallel=getattr(ns, "enable_expert_parallel", False),
-              quantization=getattr(ns, "quantization", None),
+              quantization=None if quantization in INT4_RANDOM else quantization,   # INT4: in the config
               enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
               enable_prefix_caching=ns.enable_prefix_caching)
     if ns.kv_cache_memory:
@@ -122,8 +140,9 @@ def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
     tp = llm.engine.config.parallel_config.tensor_parallel_size
     elem = torch.tensor([], dtype=model_config.dtype).element_size()
     counts = param_counts(config)
-    # FP8 layers hold one byte per weight; embeddings, LM head, norms and experts stay in the dtype.
-    linear_elem = 1 if model_config.quantization == "fp8" else elem
+    # FP8 layers hold one byte per weight, INT4 ones half a byte and a scale and zero per group (the
+    # layout the GPU kernels read); embeddings, LM head, norms and experts stay in the dtype.
+    linear_elem, label = _linear_bytes(model_config.quantization, config, elem)
     in_dtype = counts["embed"] + counts["lm_head"] + counts["experts"]
     total = (counts["total"] - in_dtype) * linear_elem + in_dtype * elem
     return {"device": device, "tp": tp, "elem": elem, "counts": counts,
@@ -131,7 +150,20 @@ def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
             "dense_bytes_per_rank": (total - counts["experts"] * elem) / tp,
             "bandwidth": measure_bandwidth(device),
             "peak_flops": measure_matmul_peak(device, model_config.compute_dtype),
-            "dtype": str(model_config.dtype).replace("torch.", "") + (" fp8 weights" if linear_elem == 1 else "")}
+            "dtype": str(model_config.dtype).replace("torch.", "") + label}
+
+
+def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> tuple[float, str]:
+    """Bytes per weight of the quantized linear layers, and a label for the dtype line."""
+    stored = (config.get("quantization_config") or {}).get("quant_method")
+    if (requested or stored) == "fp8":
+        return 1.0, " fp8 weights"
+    if stored in ("gptq", "awq"):
+        from shardserve.quantization.int4 import held_bytes_per_weight
+        cfg = config["quantization_config"]
+        group = cfg.get("group_size", cfg.get("q_group_size", 128))
+        return held_bytes_per_weight(group, config["hidden_size"]), f" int4 weights ({stored}, group {group})"
+    return float(elem), ""
 
 
 def run_latency(ns) -> dict[str, Any]:

@@ -84,6 +84,11 @@ class LinearMethod(ABC):
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The layer's output for x (with the bias, where given)."""
 
+    def apply_gated(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up for a merged [gate, up] layer without bias in one kernel, or None where
+        this format has no such kernel for x (then: apply, then SiLU-and-mul)."""
+        return None
+
 
 _METHOD_FACTORY: Callable[["LinearBase"], LinearMethod | None] | None = None
 
@@ -244,10 +249,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for a [gate, up] pair of equal sizes: [tokens, input_size] -> [tokens,
-        output_size / 2]. A few rows on CUDA (no bias, plain weights): one Triton kernel for both
-        matmuls and the activation; otherwise this layer's matmul, then SiLU-and-mul."""
+        output_size / 2]. A few rows on CUDA (no bias; plain weights, or a format whose method has a
+        gated kernel): one Triton kernel for both matmuls and the activation; otherwise this layer's
+        matmul, then SiLU-and-mul."""
         if self.bias is None and self.quant_method is None and triton_gemv.handles(x, self.weight):
             return triton_gemv.gemv(x, self.weight, gated=True)
+        if self.bias is None and self.quant_method is not None:
+            out = self.quant_method.apply_gated(self, x)
+            if out is not None:
+                return out
         return silu_and_mul(self(x))
 
 

@@ -6,8 +6,11 @@
   q/k/v and gate/up layers keep one scale per part and spread it over that part's rows.
 - Activations: scaled per token at run time (dynamic). A checkpoint's static `input_scale` is read
   and not used: a per-token scale is never less accurate than one per tensor.
-- CUDA: the matmul is `torch._scaled_mm` on FP8 inputs with the row-wise scales (Hopper's FP8
-  tensor cores), bf16 out. Elsewhere (the CPU): the FP8 values are widened once, after loading,
+- CUDA: 1-16 rows (decode) go to a weight-streaming Triton GEMV that reads the E4M3 weight once
+  and widens it in registers against the bf16/fp16 activations as they are (kernels/quant/
+  triton_fp8_gemv.py; W8A16 there: no per-token rounding, no quantization kernel), with the gated
+  gate_up form; more rows go to `torch._scaled_mm` on FP8 inputs with the row-wise scales
+  (Hopper's FP8 tensor cores), bf16 out. Elsewhere (the CPU): the FP8 values are widened once, after loading,
   into an ordinary weight of the compute dtype, so every CPU kernel and test runs unchanged on the
   FP8-rounded values (the accuracy of FP8; not its memory saving).
 """
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardserve.kernels.quant import triton_fp8_gemv
 from shardserve.layers.linear import LinearBase, LinearMethod, linear
 
 FP8 = torch.float8_e4m3fn
@@ -90,7 +94,15 @@ class Fp8LinearMethod(LinearMethod):
             return linear(x, layer.weight, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if triton_fp8_gemv.handles(x2, layer.weight):   # a decode batch: the weight-streaming GEMV
+            out = triton_fp8_gemv.gemv(x2, layer.weight, layer.weight_scale, bias)
+            return out.view(*shape[:-1], out.shape[-1])
         xq, x_scale = quantize_tokens(x2)
         out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
                                bias=bias, out_dtype=x.dtype)
         return out.view(*shape[:-1], out.shape[-1])
+
+    def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+        if layer.weight.dtype != FP8 or x.dim() != 2 or not triton_fp8_gemv.handles(x, layer.weight):
+            return None
+        return triton_fp8_gemv.gemv(x, layer.weight, layer.weight_scale, gated=True)

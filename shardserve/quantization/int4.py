@@ -24,10 +24,15 @@ allows works. Scales are held in fp32 (exact for fp16 or bf16 checkpoints).
 
 Running: on the CPU the weights are dequantized once, after loading, into an ordinary weight of
 the layer's dtype, so every native CPU kernel and the weight packing run unchanged: the accuracy of
-INT4, not its memory saving. On CUDA the packed tensors stay (the memory saving) and `apply`
-dequantizes the layer's whole weight with torch ops at every call (no host sync, CUDA-graph safe;
-a transient fp32 copy of the weight), then F.linear: correct, not fast. The next step is a Triton
-W4A16 GEMV/GEMM that dequantizes in registers (kernels/gemv), called instead of `dequantize`.
+INT4, not its memory saving. On CUDA the weights stay 4-bit (the memory saving), repacked once into
+the Triton W4A16 kernels' layout (kernels/quant/int4_layout.py: one 128-byte load per row brings 256
+inputs; fp16 scales and uint8 zeros per group; a `desc_act` checkpoint's inputs sorted by group,
+the activations gathered into that order at each call). `apply` then runs, by rows: 1-4 the FMA
+GEMV (kernels/quant/triton_w4a16.py, the gate_up pair with its SiLU-and-mul in one kernel), up to
+DOT_MAX_ROWS the tensor-core W4A16 kernel, more a dequantize-into-bf16 kernel then cuBLAS. Groups the
+kernels cannot tile (not a multiple of 32 inputs, or a row-parallel shard whose inputs cut groups or
+pick them out of order) keep the checkpoint's packing and are dequantized with torch ops at every
+call (graph-safe, slow).
 
 Refused at start-up, naming the key: bits other than 4; GPTQ checkpoint_format other than gptq and
 gptq_v2 (marlin repacks), a quantized lm_head, per-module `dynamic` overrides; AWQ versions other than
@@ -42,10 +47,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.kernels.quant import int4_layout, reference, triton_w4a16
 from shardserve.layers.linear import LinearBase, LinearMethod, RowParallelLinear, linear
 
 PACK = 8                                  # 4-bit values per int32 word
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # nibble i of an AWQ word holds output 8c + AWQ_ORDER[i]
+DOT_MAX_ROWS = 1024                       # more rows: dequantize into bf16, then cuBLAS
 
 
 def unpack_int4(packed: torch.Tensor, dim: int, interleaved: bool = False) -> torch.Tensor:
@@ -68,6 +75,12 @@ def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group
     z = zeros.index_select(0, group_index)
     s = scales.index_select(0, group_index).float()
     return ((q - z).float() * s).to(dtype).t()
+
+
+def held_bytes_per_weight(group_size: int, k: int) -> float:
+    """Bytes a CUDA INT4 layer holds per weight in the kernels' layout: half a byte, plus an fp16
+    scale and a uint8 zero per group (group_size -1: one group over the k inputs)."""
+    return 0.5 + 3 / (k if group_size == -1 else group_size)
 
 
 def _bits(cfg: dict[str, Any], fmt: str, *keys: str) -> None:
@@ -216,14 +229,43 @@ class Int4LinearMethod(LinearMethod):
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             if hasattr(layer, name):
                 delattr(layer, name)
-        if self._keep_packed(qweight):   # packed stays; dequantized at every call (the module docstring)
+        self.kernel_group: int | None = None
+        if not self._keep_packed(qweight):
+            w = dequantize(self._unpack(qweight), zeros, scales, index, layer.params_dtype)
+            layer.weight = nn.Parameter(w.contiguous(), requires_grad=False)
+            return
+        order = self._kernel_order(index)
+        if order is None:   # kept as the checkpoint packs it; dequantized at every call (the module docstring)
             layer.qweight = nn.Parameter(qweight, requires_grad=False)
             layer.int4_zeros = nn.Parameter(zeros, requires_grad=False)
             layer.int4_scales = nn.Parameter(scales, requires_grad=False)
             layer.register_buffer("int4_group_index", index, persistent=False)
-        else:
-            w = dequantize(self._unpack(qweight), zeros, scales, index, layer.params_dtype)
-            layer.weight = nn.Parameter(w.contiguous(), requires_grad=False)
+            return
+        perm, first, groups, self.kernel_group = order
+        q = self._unpack(qweight)
+        layer.qweight = nn.Parameter(int4_layout.pack(q if perm is None else q.index_select(0, perm)),
+                                     requires_grad=False)
+        layer.int4_scales = nn.Parameter(int4_layout.compact_scales(scales[first:first + groups]), requires_grad=False)
+        layer.int4_zeros = nn.Parameter(zeros[first:first + groups].to(torch.uint8), requires_grad=False)
+        layer.register_buffer("int4_perm", perm, persistent=False)
+
+    def _kernel_order(self, index: torch.Tensor) -> tuple[torch.Tensor | None, int, int, int] | None:
+        """(input order or None, first group, groups, the kernels' group size) when the kernels can
+        take this layer: in that order, input k's group is first + k // group_size."""
+        perm = None
+        if self.config.desc_act:   # inputs sorted by group make each group a run again
+            perm = torch.argsort(index, stable=True)
+            index = index.index_select(0, perm)
+            if torch.equal(perm, torch.arange(perm.numel(), device=perm.device)):
+                perm = None
+        k = index.numel()
+        group = int4_layout.kernel_group(self.group, k)
+        if group is None or k == 0:
+            return None
+        first = int(index[0])
+        if not torch.equal(index, torch.arange(k, device=index.device) // self.group + first):
+            return None
+        return perm, first, int(index[-1]) - first + 1, group
 
     @staticmethod
     def _keep_packed(qweight: torch.Tensor) -> bool:
@@ -233,9 +275,37 @@ class Int4LinearMethod(LinearMethod):
     def _unpack(self, qweight: torch.Tensor) -> torch.Tensor:
         return unpack_int4(qweight, 0) if self.gptq else unpack_int4(qweight, 1, interleaved=True)
 
+    def _kernel_input(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if layer.int4_perm is not None:
+            x2 = x2.index_select(1, layer.int4_perm)
+        return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if getattr(layer, "int4_scales", None) is None:   # dequantized after loading (CPU)
             return linear(x, layer.weight, bias)
-        w = dequantize(self._unpack(layer.qweight), layer.int4_zeros, layer.int4_scales, layer.int4_group_index,
-                       x.dtype)
-        return F.linear(x, w, bias)
+        if self.kernel_group is None:
+            w = dequantize(self._unpack(layer.qweight), layer.int4_zeros, layer.int4_scales, layer.int4_group_index,
+                           x.dtype)
+            return F.linear(x, w, bias)
+        x2 = self._kernel_input(layer, x)
+        args = (layer.qweight, layer.int4_scales, layer.int4_zeros, layer.input_size, self.kernel_group)
+        rows = x2.shape[0]
+        if not x2.is_cuda or x2.dtype not in (torch.bfloat16, torch.float16) or rows == 0:
+            w = reference.int4_weight(layer.qweight, layer.int4_scales, layer.int4_zeros, layer.input_size,
+                                      self.kernel_group, x.dtype)
+            out = F.linear(x2, w, bias)
+        elif rows <= triton_w4a16.FMA_ROWS:
+            out = triton_w4a16.gemv_fma(x2, *args, bias=bias)
+        elif rows <= DOT_MAX_ROWS:
+            out = triton_w4a16.matmul_dot(x2, *args, bias=bias)
+        else:
+            out = F.linear(x2, triton_w4a16.dequantize(*args, dtype=x.dtype), bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+        if (self.kernel_group is None or not x.is_cuda or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16)
+                or not 0 < x.shape[0] <= triton_w4a16.FMA_ROWS):
+            return None
+        return triton_w4a16.gemv_fma(self._kernel_input(layer, x), layer.qweight, layer.int4_scales, layer.int4_zeros,
+                                     layer.input_size, self.kernel_group, gated=True)

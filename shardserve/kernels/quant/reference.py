@@ -1,0 +1,33 @@
+"""What the quantized-weight kernels compute, in plain torch: dequantize the weight, then matmul
+(cuBLAS on a GPU). The oracle for kernels/quant/triton_fp8_gemv.py and triton_w4a16.py."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardserve.kernels.quant import int4_layout
+
+
+def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """E4M3 [N, K] with fp32 scales [N] -> the weight in `dtype`, computed in fp32 and rounded once."""
+    return (weight.float() * scale.float()[:, None]).to(dtype)
+
+
+def int4_weight(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int, group: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Kernel-layout INT4 (int4_layout.pack) -> the weight [N, K] in `dtype`: (q - z) * s per group."""
+    q = int4_layout.unpack(words, k)                                        # [K, N]
+    g = torch.arange(k, device=words.device) // group
+    w = (q - zeros.index_select(0, g).int()).float() * scales.index_select(0, g).float()
+    return w.to(dtype).t()
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           gated: bool = False) -> torch.Tensor:
+    """x @ weight^T (+ bias); gated: silu(gate) * up for a stacked [2 * n, k] weight, the
+    intermediate rounded to x's dtype as the unfused path rounds it."""
+    y = F.linear(x, weight, bias)
+    if not gated:
+        return y
+    n = weight.shape[0] // 2
+    return F.silu(y[..., :n]) * y[..., n:]

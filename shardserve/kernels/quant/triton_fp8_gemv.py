@@ -1,0 +1,116 @@
+"""FP8 (E4M3) weights with a scale per output channel, times a few bf16/fp16 activation rows (a
+decode batch, 1-16 rows), in Triton for CUDA.
+
+As kernels/gemv/triton_gemv.py does for bf16: each program owns a strip of output features and
+streams their weight rows once, start to end (no split-K, no partial sums in memory), at one byte
+per weight. The weights are widened to the activations' dtype in registers (exact: every E4M3 value
+is a bf16 and an fp16) and the activations stay as they are (W8A16: no per-token FP8 rounding, no
+quantization kernel before the matmul); the channel's scale multiplies the fp32 sum once, before
+the one rounding. Two inner loops:
+- `fma`: fp32 multiply-adds on CUDA cores, for the fewest rows;
+- `dot`: the rows ride along as one tensor-core tile of 16.
+The gated form computes silu(x Wg^T) * (x Wu^T) for a stacked gate_up weight in the same pass.
+"""
+from __future__ import annotations
+
+import torch
+
+from shardserve.kernels import pdl
+from shardserve.utils import cdiv
+
+MAX_ROWS = 16
+FMA_ROWS = 2   # rows up to this: the FMA loop; more: the tensor-core tile
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # CPU-only installs launch no Triton kernels
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stride_w, stride_o,
+                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, FMA: tl.constexpr, EVEN_K: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl.start(PDL)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        kk = tl.arange(0, BLOCK_K)
+        col_ok = cols < n
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+        if FMA:
+            acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            k_ok = (k0 + kk) < k
+            if EVEN_K:
+                w_ok = col_ok[:, None]
+            else:
+                w_ok = col_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + (k0 + kk)[None, :], mask=w_ok, other=0.0)
+            if GATED:   # the up half's rows sit n rows below the gate's
+                w_up = tl.load(w_rows + n * stride_w + (k0 + kk)[None, :], mask=w_ok, other=0.0)
+            if FMA:
+                x = tl.load(x_ptr + m[:, None] * stride_x + (k0 + kk)[None, :],
+                            mask=(m[:, None] < rows) & k_ok[None, :], other=0.0).to(tl.float32)   # [M, K]
+                acc += w.to(tl.float32)[:, None, :] * x[None, :, :]
+                if GATED:
+                    acc_up += w_up.to(tl.float32)[:, None, :] * x[None, :, :]
+            else:
+                x = tl.load(x_ptr + m[None, :] * stride_x + (k0 + kk)[:, None],
+                            mask=(m[None, :] < rows) & k_ok[:, None], other=0.0)                    # [K, M]
+                acc = tl.dot(w.to(x.dtype), x, acc)
+                if GATED:
+                    acc_up = tl.dot(w_up.to(x.dtype), x, acc_up)
+        if FMA:
+            y = tl.sum(acc, axis=2)
+            y_up = tl.sum(acc_up, axis=2)
+        else:
+            y = acc
+            y_up = acc_up
+        dt = out_ptr.dtype.element_ty
+        y = y * tl.load(s_ptr + cols, mask=col_ok, other=0.0)[:, None]
+        if HAS_BIAS:   # added in fp32 before the one rounding
+            y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+        y = y.to(dt)
+        if GATED:   # as SiluAndMul on the rounded gate_up output: silu rounded, then the product
+            g = y.to(tl.float32)
+            sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            up = (y_up * tl.load(s_ptr + n + cols, mask=col_ok, other=0.0)[:, None]).to(dt).to(tl.float32)
+            y = (sg * up).to(dt)
+        ok = col_ok[:, None] & (m[None, :] < rows)
+        tl.store(out_ptr + m[None, :] * stride_o + cols[:, None], y, mask=ok)
+
+
+def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A CUDA bf16/fp16 activation of 1-16 rows against a contiguous E4M3 weight."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(-1) == 1 and weight.dtype == torch.float8_e4m3fn and weight.is_contiguous())
+
+
+def _tiles(rows: int, n: int, k: int, gated: bool) -> tuple[bool, int, int, int, int]:
+    """(FMA, BLOCK_N, BLOCK_K, warps, stages)."""
+    if rows <= FMA_ROWS:
+        return True, 16, 128, 4, 3
+    return False, 32, 256 if gated else 512, 4, 4
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+         gated: bool = False, tiles: tuple[bool, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [rows, K] @ (weight [N, K] * scale[:, None])^T (+ bias), scale fp32 [N]; gated: weight and
+    scale stack gate then up rows ([2 * n, K], [2 * n]) and the result is silu(gate) * up [rows, n]."""
+    if gated and bias is not None:
+        raise ValueError("the gated form takes no bias")
+    rows, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    fma, block_n, block_k, warps, stages = tiles or _tiles(rows, n, k, gated)
+    block_m = max(1, 1 << (rows - 1).bit_length()) if fma else MAX_ROWS
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    fp8_gemv_kernel[(cdiv(n, block_n),)](
+        x, weight, scale, bias if bias is not None else scale, out, rows, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, GATED=gated, FMA=fma, EVEN_K=k % block_k == 0, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl.launch_args(x))
+    return out

@@ -1,0 +1,94 @@
+"""The quantized-weight Triton kernels (kernels/quant/) against dequantize-then-matmul in fp32
+(kernels/quant/reference.py) on a GPU: the FP8 GEMV's two inner loops, the W4A16 FMA GEMV, the
+tensor-core W4A16 kernel and the dequantize kernel, over Llama-3-8B shapes and sizes that are no
+multiple of any block, plain, with a bias and in the gated gate_up form."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve.kernels.quant import int4_layout, reference
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("GPU-only: needs CUDA and Triton", allow_module_level=True)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rows: int, n: int) -> None:
+    """Within bf16 rounding of the output: the kernels sum in fp32 in another order than the
+    reference, and round once."""
+    assert got.shape == (rows, n)
+    assert not got.isnan().any()
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert err < 6e-3, err
+    assert torch.allclose(got.float(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item()), \
+        (got.float() - want).abs().max()
+
+
+def _fp8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from shardserve.quantization.fp8 import quantize_rows
+    return quantize_rows(torch.randn(n, k, device="cuda") * 0.05)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="E4M3 tensors need compute capability 8.9+")
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("n,k,gated,bias", [(6144, 4096, False, False), (4096, 14336, False, False),
+                                            (14336, 4096, True, False), (1000, 904, False, True),
+                                            (328, 200, True, False)])
+def test_fp8_gemv_matches_dequantized_reference(rows, n, k, gated, bias):
+    from shardserve.kernels.quant import triton_fp8_gemv
+    torch.manual_seed(rows * 7 + k)
+    w, scale = _fp8_weight(2 * n if gated else n, k)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    assert triton_fp8_gemv.handles(x, w)
+    want = reference.matmul(x.float(), reference.fp8_weight(w, scale, torch.float32),
+                            b.float() if b is not None else None, gated)
+    for fma in (True, False):   # both inner loops, whichever the row count picks by default
+        tiles = (True, 16, 128, 4, 3) if fma else (False, 32, 256, 4, 4)
+        _close(triton_fp8_gemv.gemv(x, w, scale, b, gated, tiles=tiles), want, rows, n)
+    _close(triton_fp8_gemv.gemv(x, w, scale, b, gated), want, rows, n)
+    assert not triton_fp8_gemv.handles(torch.randn(17, k, device="cuda", dtype=torch.bfloat16), w)
+
+
+def _int4_weight(n: int, k: int, group: int) -> tuple[torch.Tensor, ...]:
+    groups = -(-k // group)
+    q = torch.randint(0, 16, (k, n), dtype=torch.int32, device="cuda")
+    scales = (torch.rand(groups, n, device="cuda") * 0.004 + 0.001).half()
+    zeros = torch.randint(0, 16, (groups, n), dtype=torch.uint8, device="cuda")
+    return int4_layout.pack(q), scales, zeros
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 100])
+@pytest.mark.parametrize("n,k,group,gated,bias", [(6144, 4096, 128, False, False), (4096, 14336, 128, False, False),
+                                                  (14336, 4096, 64, True, False), (1000, 904, 8 * 113, False, True),
+                                                  (328, 200, 32, True, False), (520, 320, 64, False, True)])
+def test_w4a16_kernels_match_dequantized_reference(rows, n, k, group, gated, bias):
+    """Groups of 128, 64 and 32 inputs, one group over all of K (904), K not a multiple of the
+    256-input block, N not a multiple of any strip."""
+    from shardserve.kernels.quant import triton_w4a16
+    torch.manual_seed(rows * 7 + k)
+    words, scales, zeros = _int4_weight(2 * n if gated else n, k, group)
+    g = int4_layout.kernel_group(group, k)
+    assert g is not None
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    full = reference.int4_weight(words, scales, zeros, k, group, torch.float32)
+    want = reference.matmul(x.float(), full, b.float() if b is not None else None, gated)
+    if rows <= 4:
+        _close(triton_w4a16.gemv_fma(x, words, scales, zeros, k, g, b, gated), want, rows, n)
+    if gated:   # more rows: the stacked matmul, then SiLU-and-mul (as MergedColumnParallelLinear does)
+        y = triton_w4a16.matmul_dot(x, words, scales, zeros, k, g)
+        _close(y, reference.matmul(x.float(), full), rows, 2 * n)
+        return
+    _close(triton_w4a16.matmul_dot(x, words, scales, zeros, k, g, b), want, rows, n)
+    w = triton_w4a16.dequantize(words, scales, zeros, k, g, torch.float32)
+    assert torch.allclose(w, full, rtol=1e-6, atol=1e-6)
+
+
+def test_int4_layout_round_trip_on_the_gpu():
+    q = torch.randint(0, 16, (1000, 24), dtype=torch.int32, device="cuda")
+    words = int4_layout.pack(q)
+    assert words.shape == (24, int4_layout.padded(1000) // 8)
+    assert torch.equal(int4_layout.unpack(words, 1000), q)
