@@ -72,19 +72,21 @@ class DraftProposer:
             new = sampled.get(req_id)
             # What the target computed this step, and the tokens it accepted (the last one is new).
             tokens = state.token_ids + new if new else state.token_ids[:state.num_computed_tokens + n]
+            # Within the request's blocks (the scheduler's lookahead slots; a profiling step has none).
+            tokens = tokens[:len(state.block_ids) * runner.block_size]
             start = min(self.computed.get(req_id, 0), len(tokens) - 1)
             states[req_id] = CachedRequestState(req_id, tokens, state.num_prompt_tokens, state.sampling_params,
                                                 state.block_ids, start)
             self.computed[req_id] = len(tokens)
         drafts: dict[str, list[int]] = {req_id: [] for req_id in sampled}
         picks = self._forward(states, {r: len(s.token_ids) - s.num_computed_tokens for r, s in states.items()})
-        live = [r for r in sampled if _may_speculate(states[r]) and len(states[r].token_ids) < max_len]
+        live = [r for r in sampled if r in picks and _may_speculate(states[r])]
         for step in range(self.k):
             for req_id in live:
                 drafts[req_id].append(picks[req_id])
             if step == self.k - 1:
                 break
-            live = [r for r in live if len(states[r].token_ids) + 1 < max_len]
+            live = [r for r in live if len(states[r].token_ids) + 1 < min(max_len, self._slots(states[r]))]
             if not live:
                 break
             decode = {}
@@ -95,6 +97,9 @@ class DraftProposer:
                 decode[req_id] = 1
             picks = self._forward({r: states[r] for r in live}, decode)
         return {r: d for r, d in drafts.items() if d}
+
+    def _slots(self, state: CachedRequestState) -> int:
+        return len(state.block_ids) * self.runner.block_size
 
     def _forward(self, states: dict[str, CachedRequestState], scheduled: dict[str, int]) -> dict[str, int]:
         """One draft pass over `scheduled` tokens per request; greedy picks of those whose pass
