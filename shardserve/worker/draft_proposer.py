@@ -19,6 +19,7 @@ from shardserve.config import SpeculativeConfig
 from shardserve.layers.attention import AttentionContext
 from shardserve.models.loader import load_model
 from shardserve.worker.input_batch import CachedRequestState, prepare_inputs
+from shardserve.worker.step_graphs import StepGraphs
 from shardserve.worker.step_io import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class DraftProposer:
                                 load_format=mc.load_format)
         self.computed: dict[str, int] = {}   # per request: leading positions whose draft KV is valid
         self.kv_pool: torch.Tensor | None = None
+        self.graphs: StepGraphs | None = None   # CUDA graphs of the draft's steps (set with the pool)
 
     # ---- KV ----------------------------------------------------------------------------------
     def allocate(self, pool_blocks: int) -> torch.Tensor:
@@ -47,7 +49,7 @@ class DraftProposer:
         return self.kv_pool
 
     def release(self) -> None:
-        self.kv_pool = None
+        self.kv_pool, self.graphs = None, None
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.empty(0)
 
@@ -107,8 +109,10 @@ class DraftProposer:
         runner = self.runner
         sched = SchedulerOutput(num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()))
         inputs = prepare_inputs(states, sched, runner.block_size, runner.device)
-        ctx = AttentionContext(runner.backend, runner.backend.build(inputs.attn, runner.device))
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx, None)
+        hidden = self.graphs.try_run(inputs) if self.graphs is not None else None
+        if hidden is None:
+            ctx = AttentionContext(runner.backend, runner.backend.build(inputs.attn, runner.device))
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx, None)
         if not inputs.sample_req_ids:
             return {}
         picks = self.model.compute_logits(hidden[inputs.sample_indices]).argmax(dim=-1).tolist()

@@ -249,6 +249,9 @@ class ModelRunner:
         if graphs:
             self.graphs = StepGraphs(self.model, self.backend, self.device, self.model_config,
                                      self.config.scheduler_config, self.block_size, num_blocks)
+            if self.drafter is not None:   # its k decode passes a step are where graphs pay most
+                self.drafter.graphs = StepGraphs(self.drafter.model, self.backend, self.device, self.model_config,
+                                                 self.config.scheduler_config, self.block_size, num_blocks)
         if capture_graphs and isinstance(self.backend, CudaAttentionBackend):   # the pool in service
             self._warm_up_mixed_step()
 
