@@ -169,10 +169,11 @@ def _generate(path, kv: str, dtype: str, prompts, params, **kwargs):
 # E4M3 keeps 3 mantissa bits: each cached key and value is within 2^-4 (6.25%) of its own value,
 # about 3.6% RMS. Attention averages many of them (errors partly cancel) and two layers carry the
 # result to the logits, so a log-prob moves by a few hundredths of a nat on average and a few tenths
-# at worst. Measured here (597 teacher-forced positions, bf16 and fp32, native and torch paths):
-# mean 0.025, max 0.13. The bounds leave about 2x room, and still fail a pool read at a wrong
-# scale: reading values 25% too large moved them by mean 0.20, max 1.1.
-MEAN_TOL, MAX_TOL = 0.05, 0.3
+# at worst. Measured (597 teacher-forced positions, bf16 and fp32, native and torch paths): mean
+# 0.025, max 0.13 on this shape; mean 0.035, max 0.20 with head_dim 32 (the GPU test's). The bounds
+# leave room for that and for bf16 math on a GPU, and the mean still fails a pool read at a wrong
+# scale: reading values 25% too large moved log-probs by mean 0.20 (max 1.1).
+MEAN_TOL, MAX_TOL = 0.06, 0.5
 
 
 def _assert_close(reference, fp8, prompts) -> None:

@@ -20,8 +20,11 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x (any float dtype) -> E4M3 of x / scale (the division in fp32), saturated."""
-    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV)
+    """x (any float dtype) -> E4M3 of x / scale (an IEEE fp32 division), saturated. The divisor is
+    a tensor on x's device: torch on CUDA multiplies by the reciprocal of a Python-number divisor,
+    which rounds differently, and bf16 inputs land on E4M3 rounding ties often enough to show it."""
+    divisor = torch.full((), scale, dtype=torch.float32, device=x.device)
+    return (x.float() / divisor).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV)
 
 
 def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
