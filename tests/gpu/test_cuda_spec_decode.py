@@ -26,12 +26,13 @@ def _run(path: str, spec: dict | None):
               max_model_len=512, speculative_config=spec)
     try:
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        stats = llm.engine.stats()   # of the greedy requests
         sampled = llm.generate(PROMPTS, SamplingParams(temperature=0.8, top_k=20, max_tokens=20, seed=3,
                                                        ignore_eos=True), use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 20 for o in sampled)
         runner = llm.engine.executor.worker.model_runner
         graphs = runner.graphs is not None and (runner.drafter is None or runner.drafter.graphs is not None)
-        return tokens, llm.engine.stats(), graphs
+        return tokens, stats, graphs
     finally:
         llm.engine.shutdown()
         del llm
