@@ -285,3 +285,26 @@ def test_unsupported_kv_cache_dtypes_are_refused(tmp_path):
     for name, says in (("fp8_e5m2", "E5M2 is not supported"), ("int8", "choose auto, fp8, fp8_e4m3")):
         with pytest.raises(ValueError, match=says):
             LLM(path, kv_cache_memory="8MiB", show_progress=False, kv_cache_dtype=name)
+
+
+def test_embedded_smollm2_keeps_its_perplexity_with_an_fp8_cache():
+    """Real weights (the embedded SmolLM2-135M): perplexity on a fixed English text with the fp8
+    cache (scales 1.0) within 2% of the default cache's (measured: 19.78 against 19.67, +0.55%).
+    Its greedy answer to the France question is not checked: in bf16 the first token is a near tie
+    ('The' -1.84 against 'L' -1.96 nats) that the fp8 cache flips."""
+    import math
+
+    from shardserve import LLM, SamplingParams
+    from tests.quantization.checkpoints import ENGLISH_TEXT
+
+    def perplexity(kv: str) -> float:
+        llm = LLM(show_progress=False, kv_cache_memory="64MiB", max_model_len=1024, kv_cache_dtype=kv)
+        try:
+            out = llm.generate([ENGLISH_TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        finally:
+            llm.engine.shutdown()
+        lps = [row[t].logprob for row, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+        return math.exp(-sum(lps) / len(lps))
+
+    full, fp8 = perplexity("auto"), perplexity("fp8")
+    assert abs(fp8 / full - 1) <= 0.02, (fp8, full)
