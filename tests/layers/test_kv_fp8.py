@@ -308,3 +308,26 @@ def test_embedded_smollm2_keeps_its_perplexity_with_an_fp8_cache():
 
     full, fp8 = perplexity("auto"), perplexity("fp8")
     assert abs(fp8 / full - 1) <= 0.02, (fp8, full)
+
+
+def test_cli_flag_reaches_the_engine_args():
+    import argparse
+
+    from shardserve.cli import add_engine_args, engine_args_from
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args(["--kv-cache-dtype", "fp8_e4m3"])).kv_cache_dtype == "fp8_e4m3"
+    assert engine_args_from(parser.parse_args([])).kv_cache_dtype == "auto"
+
+
+def test_gpus_without_fp8_are_refused_at_start_up(monkeypatch):
+    """The Triton kernels need E4M3 (compute capability 8.9+): an A100 is told so, before any pool."""
+    from types import SimpleNamespace
+
+    from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
+    from shardserve.worker.kv_sizing import check_fp8_kv_cache
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    runner = SimpleNamespace(kv_cache_dtype=FP8, backend=CudaAttentionBackend(), device=torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"A100-SXM4-80GB is 8\.0\. Use --kv-cache-dtype auto"):
+        check_fp8_kv_cache(runner)
