@@ -106,7 +106,7 @@ class EngineArgs:
         batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                                     max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
-                                    async_scheduling=self._async_scheduling(device))
+                                    async_scheduling=self._async_scheduling(device, speculative))
         kv_memory = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                             gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory=kv_memory,
@@ -115,18 +115,18 @@ class EngineArgs:
         return EngineConfig(model_config, cache, parallel, scheduler, device, speculative)
 
     def _speculative_config(self, hf_config: dict) -> SpeculativeConfig | None:
-        """Parsed and checked against the target. Verification steps need the previous step's
-        tokens on the host (drafts follow them), so speculation runs without async scheduling, and
-        without pipeline stages (several steps in flight)."""
+        """Parsed and checked against the target. Drafts follow a request's last token, so no
+        pipeline stages (several steps in flight); a draft model runs after each step on its tokens,
+        so no async scheduling with it (n-gram drafts hold back async steps only when they exist)."""
         if self.speculative_config is None:
             return None
         spec = SpeculativeConfig.from_user(self.speculative_config)
         if self.pipeline_parallel_size > 1 or self._experts_span_replicas:
             raise ValueError("speculative decoding does not run with pipeline parallelism or with experts "
                              "spanning data-parallel replicas; use tensor parallelism")
-        if self.async_scheduling:
-            raise ValueError("speculative decoding needs async_scheduling off (drafts follow the previous "
-                             "step's tokens)")
+        if spec.method == "draft_model" and self.async_scheduling:
+            raise ValueError("speculative decoding with a draft model needs async_scheduling off (the draft "
+                             "catches up on each step's tokens before the next step)")
         if spec.method == "draft_model":
             draft_hf = load_hf_config(resolve_model_path(spec.model))
             resolve_model_class(draft_hf)
@@ -142,8 +142,8 @@ class EngineArgs:
         no CUDA graphs, no second step in flight (engine/dp_engine.py)."""
         return self.enable_expert_parallel and self.data_parallel_size > 1
 
-    def _async_scheduling(self, device) -> bool:
-        if self.speculative_config is not None:   # checked in _speculative_config
+    def _async_scheduling(self, device, speculative: SpeculativeConfig | None) -> bool:
+        if speculative is not None and speculative.method == "draft_model":   # checked in _speculative_config
             return False
         if self._experts_span_replicas:
             if self.async_scheduling:

@@ -219,6 +219,8 @@ class LLMEngine:
         token more, which is dropped."""
         scheduler = self.scheduler
         while len(self.in_flight) < 2 and scheduler.has_unfinished_requests():
+            if self.in_flight and scheduler.wants_drafts:   # speculative decoding: n-gram drafts need the
+                return                                    # in-flight step's tokens before the next step
             sched = scheduler.schedule()
             if sched.is_empty and self.in_flight:   # every running request awaits its token
                 scheduler.finished_req_ids |= sched.finished_req_ids   # tell the workers with the next step

@@ -49,6 +49,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     spec_token_ids: list[int] = field(default_factory=list)   # drafts to verify at the next step
+    wants_drafts: bool = False   # found drafts while its next step was in flight (async scheduling)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     @property

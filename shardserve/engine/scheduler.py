@@ -235,7 +235,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = req.num_output_placeholders = 0
         req.num_synced_tokens = req.num_synced_blocks = 0
-        req.spec_token_ids = []
+        req.spec_token_ids, req.wants_drafts = [], False
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -287,16 +287,31 @@ class Scheduler:
     def _propose(self, req: Request, result: ModelRunnerOutput) -> None:
         """Drafts for the request's next step: the draft model's (they came with the result) or
         n-gram matches in its context. None for requests whose sampling the verifier cannot
-        reproduce per position (penalties and logprobs count what came before each token)."""
+        reproduce per position (penalties and logprobs count what came before each token).
+
+        With async scheduling (n-gram only) the request may have its next step in flight already:
+        drafts made now would follow a token that is not its last, so they are dropped, and the
+        request asks the engine to hold the step after (`wants_drafts`) so that its next proposal
+        sees every token."""
         sp = req.sampling_params
         if sp.uses_penalties or sp.logprobs is not None:
             return
         spec = self.spec
         if spec.method == "ngram":
-            req.spec_token_ids = propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                                               spec.num_speculative_tokens)
+            drafts = propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                   spec.num_speculative_tokens)
         else:
-            req.spec_token_ids = result.draft_token_ids.get(req.request_id, [])
+            drafts = result.draft_token_ids.get(req.request_id, [])
+        if req.num_output_placeholders:
+            req.wants_drafts = bool(drafts)
+        else:
+            req.spec_token_ids, req.wants_drafts = drafts, False
+
+    @property
+    def wants_drafts(self) -> bool:
+        """A running request found drafts while its next step was in flight: the engine should not
+        schedule another step ahead of that one's result (engine._submit_ahead)."""
+        return self.spec is not None and any(req.wants_drafts for req in self.running)
 
 
 def _computed_end(scheduler_output: SchedulerOutput, req_id: str) -> int:

@@ -67,7 +67,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def _exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     noise = torch.empty_like(probs).exponential_()
     for row, gen in generators.items():
         noise[row].exponential_(generator=gen)
@@ -101,36 +101,26 @@ class Sampler:
             return triton_argmax.argmax_rows(logits), None
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.num_logprobs is not None else None
-        greedy_tokens, probs = self.distribution(logits, md)
-        if probs is None:
-            sampled = greedy_tokens
-        else:
-            random_tokens = (probs / exponential_noise(probs, md.generators)).argmax(dim=-1)
-            sampled = torch.where(md.greedy, greedy_tokens, random_tokens)
-        logprob_rows = None
-        if raw_logprobs is not None:
-            logprob_rows = compute_logprobs(raw_logprobs, sampled, md.num_logprobs)
-        return sampled, logprob_rows
-
-    @staticmethod
-    def distribution(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What each row draws from: its argmax after min_tokens masking and penalties, and (unless
-        every row is greedy) the distribution after temperature, min_p, top_k and top_p. The
-        rejection sampler (spec_decode/) verifies drafts against the same distribution."""
-        logits = logits.float()
         if md.blocked_tokens is not None:
             logits[md.blocked_tokens] = float("-inf")
         if md.output_token_counts is not None:
             logits = apply_penalties(logits, md)
         greedy_tokens = logits.argmax(dim=-1)
         if md.all_greedy:
-            return greedy_tokens, None
-        temperature = torch.where(md.greedy, torch.ones_like(md.temperature), md.temperature)
-        logits = logits / temperature.unsqueeze(1)
-        if md.min_p is not None:
+            sampled = greedy_tokens
+        else:
+            temperature = torch.where(md.greedy, torch.ones_like(md.temperature), md.temperature)
+            logits = logits / temperature.unsqueeze(1)
+            if md.min_p is not None:
+                probs = logits.softmax(dim=-1)
+                threshold = md.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+                logits = logits.masked_fill(probs < threshold, float("-inf"))
+            if md.top_k is not None or md.top_p is not None:
+                logits = _apply_top_k_top_p(logits, md.top_k, md.top_p)
             probs = logits.softmax(dim=-1)
-            threshold = md.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        if md.top_k is not None or md.top_p is not None:
-            logits = _apply_top_k_top_p(logits, md.top_k, md.top_p)
-        return greedy_tokens, logits.softmax(dim=-1)
+            random_tokens = (probs / _exponential_noise(probs, md.generators)).argmax(dim=-1)
+            sampled = torch.where(md.greedy, greedy_tokens, random_tokens)
+        logprob_rows = None
+        if raw_logprobs is not None:
+            logprob_rows = compute_logprobs(raw_logprobs, sampled, md.num_logprobs)
+        return sampled, logprob_rows

@@ -1,6 +1,7 @@
 """Runs the model on one device: load, size and allocate the KV pool, prepare inputs, run, sample."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Callable
@@ -18,7 +19,7 @@ from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
 from shardserve.layers.moe import expert_load_report
 from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
 from shardserve.models.loader import load_model
-from shardserve.spec_decode.rejection_sampler import rejection_sample
+from shardserve.spec_decode.rejection_sampler import accept_drafts
 from shardserve.structured.bitmask import GrammarBitmask
 from shardserve.transfer import to_device
 from shardserve.utils import cdiv
@@ -310,7 +311,7 @@ class ModelRunner:
                                                                           device=self.device))
             return PendingOutput(out)
         if inputs.spec_drafts is not None:
-            return PendingOutput(self._verify_drafts(out, inputs, states, logits))
+            return PendingOutput(self._verify_drafts(out, inputs, states, logits, in_flight))
         md = build_sampling_metadata(states, inputs.outputs_before_sample, self.model_config.vocab_size,
                                      self.eos_token_ids, self.device, self._pending_tokens(inputs, states, in_flight))
         logits, grammar_rows = self.grammars.mask_logits(logits, states)
@@ -320,28 +321,30 @@ class ModelRunner:
         return self._pending_output(out, inputs.sample_req_ids, states, sampled, lp_rows)
 
     def _verify_drafts(self, out: ModelRunnerOutput, inputs: StepInputs, states: list[CachedRequestState],
-                       logits: torch.Tensor) -> ModelRunnerOutput:
+                       logits: torch.Tensor, in_flight: torch.Tensor | None) -> ModelRunnerOutput:
         """A step that carried drafts: each request's rows (one per draft, plus one) go through the
-        grammar mask and the rejection sampler; requests without drafts draw their one token there
-        too. Logprobs are only asked by requests without drafts (the scheduler proposes none for
-        them): each has one row."""
+        grammar mask and the sampler, then the drafts are accepted while they equal the rows' draws
+        (spec_decode/rejection_sampler.py); requests without drafts draw their one token there
+        too (with async scheduling their input may be the previous step's sample, in flight; and
+        a next step may already wait for the token they draw now, `_remember_samples`). Logprobs
+        are only asked by requests without drafts (the scheduler proposes none for them): each has
+        one row."""
         drafts = inputs.spec_drafts
         row_states = [state for state, request_drafts in zip(states, drafts) for _ in range(len(request_drafts) + 1)]
+        first_rows = dict(zip(inputs.sample_req_ids, itertools.accumulate((len(d) + 1 for d in drafts), initial=0)))
         md = build_sampling_metadata(row_states, inputs.outputs_before_sample, self.model_config.vocab_size,
-                                     self.eos_token_ids, self.device)
+                                     self.eos_token_ids, self.device,
+                                     self._pending_tokens(inputs, states, in_flight, first_rows))
         logits, _ = self.grammars.mask_logits(logits, row_states, drafts)
-        raw_logprobs = logits.float().log_softmax(dim=-1) if md.num_logprobs is not None else None
-        tokens = rejection_sample(logits, md, [len(d) for d in drafts], [t for d in drafts for t in d])
+        sampled, lp_rows = self.sampler(logits, md)   # every row drawn as a step without drafts would
+        tokens = accept_drafts(sampled.tolist(), [len(d) for d in drafts], [t for d in drafts for t in d])
         self.grammars.record_lists(inputs.sample_req_ids, tokens)
-        row = 0
-        for req_id, state, request_tokens, request_drafts in zip(inputs.sample_req_ids, states, tokens, drafts):
+        self._remember_samples(inputs.sample_req_ids, torch.tensor([t[-1] for t in tokens], device=self.device))
+        for req_id, state, request_tokens in zip(inputs.sample_req_ids, states, tokens):
             out.sampled_token_ids[req_id] = request_tokens
-            k = state.sampling_params.logprobs
-            if raw_logprobs is not None and k is not None:
-                chosen = torch.tensor(request_tokens[-1:], device=logits.device)
-                ids, lps, ranks = compute_logprobs(raw_logprobs[row:row + 1], chosen, md.num_logprobs)
-                out.logprobs[req_id] = _rows_to_lists(ids[0], lps[0], ranks[0], k)
-            row += len(request_drafts) + 1
+            k, row = state.sampling_params.logprobs, first_rows[req_id]
+            if k is not None and lp_rows is not None:   # a request without drafts: one row
+                out.logprobs[req_id] = _rows_to_lists(lp_rows[0][row], lp_rows[1][row], lp_rows[2][row], k)
         return out
 
     def _propose_drafts(self, sched: SchedulerOutput, pending: PendingOutput) -> PendingOutput:
@@ -386,11 +389,13 @@ class ModelRunner:
         inputs.input_ids.index_copy_(0, flat, tokens)
         return tokens
 
-    def _pending_tokens(self, inputs: StepInputs, states: list[CachedRequestState], in_flight: torch.Tensor | None):
-        """(sample rows, token ids) of outputs still in flight, for penalties to count."""
+    def _pending_tokens(self, inputs: StepInputs, states: list[CachedRequestState], in_flight: torch.Tensor | None,
+                        row_of: dict[str, int] | None = None):
+        """(sample rows, token ids) of outputs still in flight, for penalties to count. row_of: each
+        request's (first) sample row, where it is not its index among the sampled requests."""
         if in_flight is None or not any(s.sampling_params.uses_penalties for s in states):
             return None
-        row_of = {r: i for i, r in enumerate(inputs.sample_req_ids)}
+        row_of = row_of or {r: i for i, r in enumerate(inputs.sample_req_ids)}
         return to_device([row_of[r] for _, r in inputs.placeholders], torch.long, self.device), in_flight
 
     def _pending_output(self, out: ModelRunnerOutput, req_ids: list[str], states: list[CachedRequestState],

@@ -1,12 +1,13 @@
-"""The rejection sampler keeps the target's distribution: each output token, drafts accepted or not,
-is distributed as the target says (checked on many draws, every cell within 5 standard errors), for
-drafts the target likes and drafts it dislikes, with top-k applied; greedy rows take the argmax."""
+"""Verification keeps the target's distribution: each output token, drafts accepted or not, is
+distributed as the target says (checked on many draws, every cell within 5 standard errors), for
+drafts the target likes and drafts it dislikes, with top-k applied; a draft is accepted with
+probability p(draft); greedy rows take the argmax; seeded rows draw what they draw without drafts."""
 from __future__ import annotations
 
 import torch
 
-from shardserve.layers.sampler import SamplingMetadata
-from shardserve.spec_decode.rejection_sampler import rejection_sample
+from shardserve.layers.sampler import Sampler, SamplingMetadata
+from shardserve.spec_decode.rejection_sampler import accept_drafts
 from shardserve.worker.sampling_inputs import request_generator
 
 V = 6
@@ -23,10 +24,16 @@ def _metadata(rows: int, greedy: bool = False, top_k: int | None = None) -> Samp
                             top_k=None if top_k is None else torch.full((rows,), top_k, dtype=torch.long))
 
 
+def verify(logits: torch.Tensor, md: SamplingMetadata, num_drafts: list[int], drafts: list[int]) -> list[list[int]]:
+    """What the model runner does: draw every row with the sampler, then accept drafts."""
+    rows, _ = Sampler()(logits, md)
+    return accept_drafts(rows.tolist(), num_drafts, drafts)
+
+
 def _run(drafts: list[int], n: int, top_k: int | None = None) -> list[list[int]]:
     torch.manual_seed(1234)
     logits = P.log().repeat(n, 1)
-    return rejection_sample(logits, _metadata(len(logits), top_k=top_k), [len(drafts)] * n, drafts * n)
+    return verify(logits, _metadata(len(logits), top_k=top_k), [len(drafts)] * n, drafts * n)
 
 
 def _assert_distributed_as(tokens: list[int], p: torch.Tensor) -> None:
@@ -68,17 +75,19 @@ def test_top_k_restricts_both_the_test_and_the_residual():
 def test_greedy_rows_accept_while_the_draft_is_the_argmax():
     logits = P.log().repeat(3, 1)
     md = _metadata(len(logits), greedy=True)
-    out = rejection_sample(logits, md, [2, 2, 2], [0, 2, 0, 3, 1, 2])
+    out = verify(logits, md, [2, 2, 2], [0, 2, 0, 3, 1, 2])
     assert out == [[0, 2, 5], [0, 2], [0]]
 
 
-def test_requests_without_drafts_draw_one_token_and_seeded_rows_repeat():
-    logits = torch.cat([P[:1].log(), P.log()])
-    md = _metadata(4)
-
-    def draw() -> list[list[int]]:
-        md.generators = {row: request_generator(7, row, torch.device("cpu")) for row in range(4)}
-        return rejection_sample(logits, md, [0, 2], [5, 0])
-    first = draw()
-    assert len(first[0]) == 1 and 1 <= len(first[1]) <= 3
-    assert all(draw() == first for _ in range(5))
+def test_seeded_rows_draw_what_they_draw_without_drafts():
+    """A seeded request's row at output position p draws from (seed, p) whether it verifies a draft
+    or not: its tokens do not depend on the drafts."""
+    def draw(rows: list[int], num_drafts: list[int], drafts: list[int]) -> list[list[int]]:
+        md = _metadata(len(rows))   # row i is output position rows[i], whose distribution is P[rows[i]]
+        md.generators = {i: request_generator(7, pos, torch.device("cpu")) for i, pos in enumerate(rows)}
+        return verify(P[rows].log(), md, num_drafts, drafts)
+    plain = [draw([p], [0], [])[0][0] for p in range(3)]   # one token a step at positions 0, 1, 2
+    for drafts in ([plain[0], plain[1]], [5, 5], [plain[0], 5]):
+        tokens = draw([0, 1, 2], [2], drafts)[0]
+        assert tokens == plain[:len(tokens)]
+        assert len(tokens) == 1 + (drafts[0] == plain[0]) + (drafts[:2] == plain[:2])

@@ -57,16 +57,20 @@ def mixed_params(stop_token: int | None = None) -> list[SamplingParams]:
 
 
 @pytest.mark.parametrize("kind", ["ngram", "draft", "self"])
-def test_greedy_tokens_match_no_speculation_with_chunked_prefill(models, kind):
+def test_tokens_match_no_speculation_with_chunked_prefill(models, kind):
+    """Greedy requests, and seeded sampled ones (a row at output position p draws from (seed, p)
+    whether it verifies a draft or not)."""
     base = make_llm(models, "none", max_num_batched_tokens=32)
     stop = run(base, mixed_params())[2][0][6]   # a token the min_tokens request meets after its minimum
-    reference = run(base, mixed_params(stop))
+    params = mixed_params(stop) + [SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=24,
+                                                  ignore_eos=True)]
+    prompts = PROMPTS + PROMPTS[:1]
+    reference = run(base, params, prompts)
     llm = make_llm(models, kind, max_num_batched_tokens=32)
-    assert not llm.engine.async_scheduling
-    assert run(llm, mixed_params(stop)) == reference
+    assert run(llm, params, prompts) == reference
     stats = llm.engine.stats()
     assert stats.spec_decoding.num_drafts > 0 and stats.kv_cache_usage == 0
-    if kind == "ngram":   # (an unrelated random draft model's proposals are all rejected)
+    if kind != "draft":   # (an unrelated random draft model's proposals are all rejected)
         assert 0 < stats.spec_decoding.num_accepted_tokens < stats.spec_decoding.num_draft_tokens
     assert len(reference[4][0]) == 7 and reference[2][2] == "stop"   # length limit and stop token hit
 
@@ -184,9 +188,38 @@ def test_tensor_parallel_workers_draft_alike(models):
     assert results[1] == results[0] and results[2] == results[0]
 
 
+def async_params() -> list[SamplingParams]:
+    """Every kind of request, sampled ones too: async and sync scheduling must draw the same tokens
+    (async holds a step back to propose, so drafts come at other steps than in sync)."""
+    return mixed_params() + [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True, n=2),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.5,
+                       ignore_eos=True)]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ngram_drafts_under_async_scheduling_match_sync(models, tp):
+    """With async scheduling a step is scheduled before the previous one's tokens are back; a
+    request whose context matches holds the next step back so its drafts follow its last token.
+    Steps mixing verification and scheduled-ahead decodes (whose input is the previous sample, on
+    the device; penalties counting it) must give what synchronous steps give, sampled tokens too."""
+    prompts = PROMPTS + [PROMPTS[1], PROMPTS[3]]
+    results = []
+    for async_scheduling in (False, True):
+        llm = make_llm(models, "ngram", async_scheduling=async_scheduling, tensor_parallel_size=tp,
+                       max_num_batched_tokens=48)
+        try:
+            results.append(run(llm, async_params(), prompts))
+            spec = llm.engine.stats().spec_decoding
+            assert spec.num_accepted_tokens > 0 and llm.engine.async_scheduling == async_scheduling
+        finally:
+            llm.engine.shutdown()
+    assert results[1] == results[0]
+
+
 def test_refused_configurations_say_why(models):
     with pytest.raises(ValueError, match="async_scheduling off"):
-        make_llm(models, "ngram", async_scheduling=True)
+        make_llm(models, "draft", async_scheduling=True)
     with pytest.raises(ValueError, match="pipeline parallelism"):
         make_llm(models, "ngram", pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="not valid JSON"):
