@@ -11,6 +11,7 @@ a proposal: stale draft KV (e.g. after a prefix-cache hit on blocks a draft neve
 acceptance, never correctness."""
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +29,9 @@ if TYPE_CHECKING:
 
 class DraftProposer:
     def __init__(self, runner: ModelRunner, spec: SpeculativeConfig) -> None:
-        self.runner, self.k = runner, spec.num_speculative_tokens
+        # A weak reference: the runner holds us, and a cycle would keep both (and the GPU memory
+        # they hold) alive until the garbage collector runs.
+        self._runner, self.k = weakref.ref(runner), spec.num_speculative_tokens
         mc = runner.model_config
         self.model = load_model(spec.model, spec.draft_hf_config, mc.dtype, runner.device,
                                 show_progress=runner.show_progress, compute_dtype=mc.compute_dtype,
@@ -36,6 +39,10 @@ class DraftProposer:
         self.computed: dict[str, int] = {}   # per request: leading positions whose draft KV is valid
         self.kv_pool: torch.Tensor | None = None
         self.graphs: StepGraphs | None = None   # CUDA graphs of the draft's steps (set with the pool)
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self._runner()
 
     # ---- KV ----------------------------------------------------------------------------------
     def allocate(self, pool_blocks: int) -> torch.Tensor:

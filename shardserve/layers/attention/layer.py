@@ -29,21 +29,14 @@ class Attention(nn.Module):
         # vLLM's per-layer KV-cache scales, which FP8 checkpoints may carry (the model maps their
         # names here, quantization/kv_scales.py): optional buffers the loader fills when present,
         # mirrored into spec's floats, which the backends read for an fp8 pool. 1.0 otherwise.
+        self.scales_loaded: set[str] = set()
         for name in ("k_scale", "v_scale"):
             scale = torch.full((), getattr(spec, name), dtype=torch.float32)
-            scale.weight_loader = functools.partial(self._load_scale, name)
+            # Not a bound method: the buffer would then hold the layer (a cycle that keeps the model
+            # and its KV pool alive until the garbage collector runs).
+            scale.weight_loader = functools.partial(_load_scale, name, spec, self.scales_loaded)
             scale.full_precision = True   # never rounded to the model's dtype
             self.register_buffer(name, scale, persistent=False)
-        self.scales_loaded: set[str] = set()
-
-    def _load_scale(self, name: str, buffer: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        """A per-tensor scale ([] or [1]; the largest, if a checkpoint gives several)."""
-        value = float(loaded.float().max())
-        if not value > 0.0 or value == float("inf"):
-            raise ValueError(f"KV-cache {name} {value} is not a positive finite number")
-        buffer.fill_(value)
-        setattr(self.spec, name, value)
-        self.scales_loaded.add(name)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                 rotary: tuple[RotaryEmbedding, torch.Tensor] | None = None) -> torch.Tensor:
@@ -56,3 +49,14 @@ class Attention(nn.Module):
             return ctx.backend.forward(self.spec, q, k, v, self.kv_cache, ctx.metadata, (positions, emb.cos, emb.sin))
         q, k = emb(positions, q, k)
         return ctx.backend.forward(self.spec, q, k, v, self.kv_cache, ctx.metadata)
+
+
+def _load_scale(name: str, spec: AttentionSpec, loaded_names: set[str], buffer: torch.Tensor, loaded: torch.Tensor,
+                shard_id=None) -> None:
+    """A per-tensor KV-cache scale ([] or [1]; the largest, if a checkpoint gives several)."""
+    value = float(loaded.float().max())
+    if not value > 0.0 or value == float("inf"):
+        raise ValueError(f"KV-cache {name} {value} is not a positive finite number")
+    buffer.fill_(value)
+    setattr(spec, name, value)
+    loaded_names.add(name)
