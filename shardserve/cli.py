@@ -292,7 +292,9 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shardserve import __version__
     parser = argparse.ArgumentParser(prog="shardserve", description="Serve large language models across accelerators.")
+    parser.add_argument("--version", action="version", version=f"shardserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default model: the embedded SmolLM2)")
     add_server_args(serve)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from shardserve.executor.base import Executor
+from shardserve.utils import require_extra
+
+RAY_NEEDS = "--distributed-executor-backend ray needs"
 
 
 def make_executor(config, eos_token_ids: frozenset[int], show_progress: bool, replica: int = 0) -> Executor:
@@ -16,6 +19,7 @@ def make_executor(config, eos_token_ids: frozenset[int], show_progress: bool, re
         from shardserve.executor.multiproc import MultiprocExecutor
         return MultiprocExecutor(config, eos_token_ids, show_progress, replica=replica)
     if backend == "ray":
+        require_extra(RAY_NEEDS, "ray", "ray")   # one line before any worker starts, not an ImportError
         from shardserve.executor.ray import RayExecutor
         return RayExecutor(config, eos_token_ids, show_progress, replica=replica)
     raise ValueError(f"executor backend {backend!r} is not available")

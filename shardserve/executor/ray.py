@@ -12,6 +12,7 @@ from typing import Any
 
 from shardserve.config import EngineConfig
 from shardserve.executor.base import Executor, WorkerDiedError
+from shardserve.utils import require_extra
 
 
 class _RayWorker:
@@ -47,17 +48,19 @@ class _RayWorker:
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
                  show_progress: bool = True, replica: int = 0) -> None:
-        try:
-            import ray
-        except ImportError as e:
-            raise ImportError("distributed_executor_backend='ray' needs Ray: pip install ray") from e
+        require_extra("distributed_executor_backend='ray' needs", "ray", "ray")
+        import ray
         self._ray = ray
         self._in_flight: deque[list] = deque()
         parallel_config = config.parallel_config
         self.world_size = parallel_config.world_size
         self.output_rank = (parallel_config.pipeline_parallel_size - 1) * parallel_config.tensor_parallel_size
         if not ray.is_initialized():
-            ray.init(address="auto", log_to_driver=False)
+            try:
+                ray.init(address="auto", log_to_driver=False)
+            except ConnectionError as e:   # no cluster: one line, not Ray's traceback
+                raise ValueError("--distributed-executor-backend ray joins a running Ray cluster and found none: "
+                                 "start one (ray start --head) or set RAY_ADDRESS") from e
         gpu = config.device.type == "cuda"
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         self.pg, self.actors = None, []

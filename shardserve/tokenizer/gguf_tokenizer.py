@@ -9,6 +9,7 @@ import os
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from shardserve.models.gguf_loader import field_value
+from shardserve.utils import require_extra
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -44,6 +45,7 @@ def tokenizer_from_gguf(reader, path: str) -> tuple[Tokenizer, dict]:
                           if (i := field_value(reader, key)) is not None],
     }
     if kind != "gpt2":
+        require_extra(f"a GGUF with a {kind!r} vocabulary needs", "sentencepiece", "transformers")
         from transformers import AutoTokenizer  # slow path for sentencepiece-style vocabularies
         hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
         return hf.backend_tokenizer, info

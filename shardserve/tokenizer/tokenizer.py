@@ -12,6 +12,7 @@ from typing import Any
 from tokenizers import Tokenizer as _RustTokenizer
 
 from shardserve.tokenizer.chat_template import render_chat_template
+from shardserve.utils import require_extra
 
 
 def _token_str(value: Any) -> str | None:
@@ -61,7 +62,9 @@ class Tokenizer:
         tokenizer_file = os.path.join(path, "tokenizer.json")
         if os.path.isfile(tokenizer_file):
             backend = _RustTokenizer.from_file(tokenizer_file)
-        else:
+        else:   # converted by transformers (a sentencepiece tokenizer.model needs sentencepiece too)
+            spm = ("sentencepiece", "google.protobuf") if os.path.isfile(os.path.join(path, "tokenizer.model")) else ()
+            require_extra("a checkpoint without tokenizer.json needs", "sentencepiece", "transformers", *spm)
             from transformers import AutoTokenizer
             backend = AutoTokenizer.from_pretrained(path).backend_tokenizer
         template = config.get("chat_template")
