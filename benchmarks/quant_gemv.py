@@ -7,23 +7,24 @@ tensor-core loops) and INT4 W4A16 (the FMA GEMV, the tensor-core kernel), with t
 bandwidth. `--sweep` also tries the kernels' tile settings. Prefill (64-8192 rows): the tensor-core
 W4A16 kernel against dequantize-then-cuBLAS, FP8 `_scaled_mm` and bf16 cuBLAS.
 
-    python3 benchmarks/quant_gemv.py [--sweep] [--json out.json]
+    python3 benchmarks/quant_gemv.py [--sweep [--write-configs]] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 import torch.nn.functional as F
 
 from shardserve.kernels.gemv import triton_gemv
-from shardserve.kernels.quant import int4_layout, triton_fp8_gemv, triton_w4a16
+from shardserve.kernels.quant import int4_layout, triton_fp8_gemv, triton_w4a16, tuned
 from shardserve.quantization.fp8 import quantize_rows, quantize_tokens
 
 SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (14336, 4096, True),
           "down": (4096, 14336, False)}   # (N, K, gated): the gated weight is [2N, K]
-GROUP = 128
+GROUP, RUN = 128, 128
 
 
 def graph_time(fn, weights: list, reps: int = 20) -> float:
@@ -51,7 +52,7 @@ def graph_time(fn, weights: list, reps: int = 20) -> float:
 
 
 def copies(nbytes: int) -> int:
-    return max(2, -(-256 * 2 ** 20 // nbytes))   # 256 MiB of weights per graph: far past the L2
+    return max(2, -(-160 * 2 ** 20 // nbytes))   # 160 MiB of weights per graph: past the 50 MB L2
 
 
 def make_weights(n: int, k: int, gated: bool):
@@ -60,7 +61,7 @@ def make_weights(n: int, k: int, gated: bool):
     fp8, scale = quantize_rows(bf)
     q = torch.randint(0, 16, (k, rows), dtype=torch.int32, device="cuda")
     groups = -(-k // GROUP)
-    words = int4_layout.pack(q)
+    words = int4_layout.pack(q, RUN)
     s = (torch.rand(groups, rows, device="cuda") * 0.004 + 0.001).half()
     z = torch.randint(0, 16, (groups, rows), dtype=torch.uint8, device="cuda")
     return {"bf16": bf, "fp8": (fp8, scale), "int4": (words, s, z)}
@@ -76,60 +77,65 @@ def nbytes(w) -> int:
     return sum(t.numel() * t.element_size() for t in (w if isinstance(w, tuple) else (w,)))
 
 
+FP8_FMA = [(8, 512, 4), (16, 512, 4), (16, 1024, 4), (32, 512, 8)]
+FP8_DOT = [(32, 256, 4, 4), (32, 512, 4, 4), (64, 256, 4, 4), (64, 512, 8, 3)]
+INT4_FMA = [(4, 1), (8, 1), (8, 2), (16, 2), (32, 4), (32, 8)]
+INT4_DOT = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 8, 2)]
+
+
 def decode_variants(rows: int, n: int, k: int, gated: bool, sweep: bool):
-    """name -> (format, fn(x, weight))"""
+    """name -> (format, fn(x, weight), config key or None, tiles)"""
     def silu_mul(y):
         return F.silu(y[:, :n]) * y[:, n:]
 
-    v = {"bf16 cuBLAS": ("bf16", lambda x, w: silu_mul(F.linear(x, w)) if gated else F.linear(x, w)),
-         "bf16 triton": ("bf16", lambda x, w: triton_gemv.gemv(x, w, gated=gated))}
+    v = {"bf16 cuBLAS": ("bf16", lambda x, w: silu_mul(F.linear(x, w)) if gated else F.linear(x, w), None, None),
+         "bf16 triton": ("bf16", lambda x, w: triton_gemv.gemv(x, w, gated=gated), None, None)}
 
     def scaled_mm(x, w):
         xq, xs = quantize_tokens(x)
         y = torch._scaled_mm(xq, w[0].t(), scale_a=xs, scale_b=w[1].view(1, -1), out_dtype=x.dtype)
         return silu_mul(y) if gated else y
 
-    v["fp8 _scaled_mm"] = ("fp8", scaled_mm)
-    v["fp8 gemv default"] = ("fp8", lambda x, w: triton_fp8_gemv.gemv(x, w[0], w[1], gated=gated))
-    fp8_tiles = []
+    fp8_key = tuned.key("fp8", n, k, gated, rows)
+    v["fp8 _scaled_mm"] = ("fp8", scaled_mm, fp8_key, ["scaled_mm"])
+    v["fp8 gemv default"] = ("fp8", lambda x, w: triton_fp8_gemv.gemv(x, w[0], w[1], gated=gated), None, None)
+    fp8_tiles = [("dot", 32, 512, 4, 4)]
     if sweep:
-        if rows <= 4:
-            fp8_tiles += [(True, bn, bk, wp, st) for bn, bk, wp, st in
-                          [(16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 8, 3), (16, 512, 4, 3),
-                           (8, 512, 4, 3), (16, 128, 4, 1), (16, 128, 2, 3)]]
-        fp8_tiles += [(False, bn, bk, wp, st) for bn, bk, wp, st in
-                      [(32, 256, 4, 4), (32, 512, 4, 4), (64, 256, 4, 4), (64, 512, 8, 3), (32, 512, 4, 3),
-                       (16, 512, 4, 4)]]
+        fp8_tiles += [("fma", bn, bk, wp, 1) for bn, bk, wp in FP8_FMA] if rows <= 4 else []
+        fp8_tiles += [("dot16", *t) for t in FP8_DOT]
     for t in fp8_tiles:
-        v[f"fp8 gemv {'fma' if t[0] else 'dot'} {t[1:]}"] = (
-            "fp8", lambda x, w, t=t: triton_fp8_gemv.gemv(x, w[0], w[1], gated=gated, tiles=t))
+        v[f"fp8 gemv {t}"] = ("fp8", lambda x, w, t=t: triton_fp8_gemv.gemv(x, w[0], w[1], gated=gated, tiles=t),
+                              fp8_key, list(t))
 
-    if rows <= triton_w4a16.FMA_ROWS or sweep:
-        v["int4 fma default"] = ("int4", lambda x, w: triton_w4a16.gemv_fma(x, *w, k, GROUP, gated=gated))
-    if not gated or rows > triton_w4a16.FMA_ROWS:
-        v["int4 dot default"] = ("int4", lambda x, w: silu_mul(triton_w4a16.matmul_dot(x, *w, k, GROUP)) if gated
-                                 else triton_w4a16.matmul_dot(x, *w, k, GROUP))
-    if sweep:
-        if rows <= 4:
-            for bn, wp, st in [(16, 4, 1), (16, 4, 3), (32, 4, 3), (32, 8, 3), (64, 8, 3), (16, 2, 3), (8, 2, 3),
-                               (8, 1, 3), (16, 4, 4)]:
-                v[f"int4 fma {(bn, wp, st)}"] = ("int4", lambda x, w, c=(bn, wp, st): triton_w4a16.gemv_fma(
-                    x, *w, k, GROUP, gated=gated, block_n=c[0], num_warps=c[1], num_stages=c[2]))
-        if not gated:
-            for t in [(16, 16, 4, 2), (16, 32, 4, 3), (16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 8, 3),
-                      (16, 16, 4, 4)]:
-                v[f"int4 dot {t}"] = ("int4", lambda x, w, t=t: triton_w4a16.matmul_dot(x, *w, k, GROUP, tiles=t))
+    args = (k, GROUP, RUN)
+    if rows <= triton_w4a16.FMA_ROWS:
+        v["int4 fma default"] = ("int4", lambda x, w: triton_w4a16.gemv_fma(x, *w, *args, gated=gated), None, None)
+        for t in INT4_FMA if sweep else []:
+            v[f"int4 fma {t}"] = ("int4", lambda x, w, t=t: triton_w4a16.gemv_fma(x, *w, *args, gated=gated, tiles=t),
+                                  tuned.key("int4_fma", n, k, gated, rows), list(t))
+    if rows >= 4:
+        dot_key = tuned.key("int4_dot", 2 * n if gated else n, k, False, rows)
+
+        def dot(x, w, t=None):
+            y = triton_w4a16.matmul_dot(x, *w, *args, tiles=t)
+            return silu_mul(y) if gated else y
+
+        v["int4 dot default"] = ("int4", dot, None, None)
+        for t in INT4_DOT if sweep else []:
+            v[f"int4 dot {t}"] = ("int4", lambda x, w, t=t: dot(x, w, t), dot_key, list(t))
+        v["int4 dequantize+cuBLAS"] = ("int4", lambda x, w: (silu_mul if gated else (lambda y: y))(
+            F.linear(x, triton_w4a16.dequantize(*w, *args, torch.bfloat16))), None, None)
     return v
 
 
-def run_decode(sweep: bool, rows_list: list[int]) -> list[dict]:
+def run_decode(sweep: bool, rows_list: list[int], on_shape=None) -> list[dict]:
     results = []
     for name, (n, k, gated) in SHAPES.items():
         base = make_weights(n, k, gated)
         pools = {fmt: replicate(w, copies(nbytes(w))) for fmt, w in base.items()}
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            for label, (fmt, fn) in decode_variants(rows, n, k, gated, sweep).items():
+            for label, (fmt, fn, key, tiles) in decode_variants(rows, n, k, gated, sweep).items():
                 try:
                     t = graph_time(lambda w, fn=fn: fn(x, w), pools[fmt])
                 except Exception as e:   # a tile setting the compiler refuses: noted, not fatal
@@ -137,10 +143,22 @@ def run_decode(sweep: bool, rows_list: list[int]) -> list[dict]:
                     continue
                 gbs = nbytes(base[fmt]) / t / 1e9
                 results.append({"shape": name, "rows": rows, "variant": label, "format": fmt, "us": t * 1e6,
-                                "weight_gb_s": gbs})
+                                "weight_gb_s": gbs, "key": key, "tiles": tiles})
+                print(f"  {name} rows {rows} {label}: {t * 1e6:.1f} us {gbs:.0f} GB/s", flush=True)
+        if on_shape:   # what is measured so far is kept even if a time limit cuts the run
+            on_shape(results)
         del pools, base
         torch.cuda.empty_cache()
     return results
+
+
+def best_configs(decode: list[dict]) -> dict[str, list]:
+    """The fastest tiles per config key (fp8: `scaled_mm` where it beat every GEMV setting)."""
+    best: dict[str, dict] = {}
+    for r in decode:
+        if r["key"] and (r["key"] not in best or r["us"] < best[r["key"]]["us"]):
+            best[r["key"]] = r
+    return {key: r["tiles"] for key, r in sorted(best.items())}
 
 
 def run_prefill(rows_list: list[int]) -> list[dict]:
@@ -157,11 +175,9 @@ def run_prefill(rows_list: list[int]) -> list[dict]:
 
             variants = {"bf16 cuBLAS": ("bf16", lambda w: F.linear(x, w)), "fp8 _scaled_mm": ("fp8", scaled_mm),
                         "int4 dequantize+cuBLAS": ("int4", lambda w: F.linear(
-                            x, triton_w4a16.dequantize(*w, k, GROUP, torch.bfloat16)))}
-            for t in [None, (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 256, 8, 3),
-                      (64, 256, 8, 3)]:
-                variants[f"int4 dot {t or 'default'}"] = ("int4", lambda w, t=t: triton_w4a16.matmul_dot(
-                    x, *w, k, GROUP, tiles=t))
+                            x, triton_w4a16.dequantize(*w, k, GROUP, RUN, torch.bfloat16)))}
+            variants["int4 dot (16, 64, 4, 2)"] = ("int4", lambda w: triton_w4a16.matmul_dot(
+                x, *w, k, GROUP, RUN, tiles=(16, 64, 4, 2)))
             for label, (fmt, fn) in variants.items():
                 try:
                     t = graph_time(fn, [base[fmt]] * 2, reps=5)
@@ -181,13 +197,24 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--prefill-rows", default="64,256,1024,4096")
     p.add_argument("--json", default=None)
+    p.add_argument("--write-configs", action="store_true",
+                   help="write the fastest tiles into shardserve/kernels/quant/configs/ for this GPU")
     ns = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
-    decode = run_decode(ns.sweep, [int(r) for r in ns.rows.split(",")])
+    def save(decode: list[dict], prefill: list[dict] = ()) -> None:
+        if ns.json:
+            with open(ns.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "decode": decode, "prefill": list(prefill)}, f,
+                          indent=1)
+        if ns.write_configs:
+            os.makedirs(tuned.CONFIG_DIR, exist_ok=True)
+            path = os.path.join(tuned.CONFIG_DIR, tuned.file_name(torch.cuda.get_device_name()))
+            with open(path, "w") as f:
+                json.dump(best_configs(decode), f, indent=1)
+
+    decode = run_decode(ns.sweep, [int(r) for r in ns.rows.split(",")], save)
     prefill = run_prefill([int(r) for r in ns.prefill_rows.split(",")]) if ns.prefill_rows else []
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "decode": decode, "prefill": prefill}, f, indent=1)
+    save(decode, prefill)
     for (shape, rows) in dict.fromkeys((r["shape"], r["rows"]) for r in decode):
         rs = [r for r in decode if r["shape"] == shape and r["rows"] == rows]
         best = {}

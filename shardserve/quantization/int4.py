@@ -25,13 +25,14 @@ allows works. Scales are held in fp32 (exact for fp16 or bf16 checkpoints).
 Running: on the CPU the weights are dequantized once, after loading, into an ordinary weight of
 the layer's dtype, so every native CPU kernel and the weight packing run unchanged: the accuracy of
 INT4, not its memory saving. On CUDA the weights stay 4-bit (the memory saving), repacked once into
-the Triton W4A16 kernels' layout (kernels/quant/int4_layout.py: one 128-byte load per row brings 256
-inputs; fp16 scales and uint8 zeros per group; a `desc_act` checkpoint's inputs sorted by group,
+the Triton W4A16 kernels' layout (kernels/quant/int4_layout.py: one 512-byte load per row brings
+1024 inputs at group 128; fp16 scales and uint8 zeros per group; a `desc_act` checkpoint's inputs
+sorted by group,
 the activations gathered into that order at each call). `apply` then runs, by rows: 1-4 the FMA
 GEMV (kernels/quant/triton_w4a16.py, the gate_up pair with its SiLU-and-mul in one kernel), up to
 DOT_MAX_ROWS the tensor-core W4A16 kernel, more a dequantize-into-bf16 kernel then cuBLAS. Groups the
-kernels cannot tile (not a multiple of 32 inputs, or a row-parallel shard whose inputs cut groups or
-pick them out of order) keep the checkpoint's packing and are dequantized with torch ops at every
+kernels cannot tile (other than 32, 64 or a multiple of 128 inputs, or a row-parallel shard whose
+inputs cut groups or pick them out of order) keep the checkpoint's packing and are dequantized with torch ops at every
 call (graph-safe, slow).
 
 Refused at start-up, naming the key: bits other than 4; GPTQ checkpoint_format other than gptq and
@@ -47,12 +48,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.kernels.quant import int4_layout, reference, triton_w4a16
+from shardserve.kernels.quant import int4_layout, reference, triton_w4a16, tuned
 from shardserve.layers.linear import LinearBase, LinearMethod, RowParallelLinear, linear
 
 PACK = 8                                  # 4-bit values per int32 word
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # nibble i of an AWQ word holds output 8c + AWQ_ORDER[i]
-DOT_MAX_ROWS = 1024                       # more rows: dequantize into bf16, then cuBLAS
+DOT_MAX_ROWS = 16                         # more rows: dequantize into bf16, then cuBLAS
 
 
 def unpack_int4(packed: torch.Tensor, dim: int, interleaved: bool = False) -> torch.Tensor:
@@ -110,7 +111,7 @@ def _same_order_for_every_part(g_idx: nn.Parameter) -> None:
     load = g_idx.weight_loader
 
     def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if getattr(param, "int4_loaded", False) and not torch.equal(param.data, loaded.to(param.dtype)):
+        if getattr(param, "int4_loaded", False) and not torch.equal(param.data, loaded.to(param.data)):
             raise ValueError(f"GPTQ g_idx of part {shard_id!r} differs from the other fused parts' (desc_act with "
                              "different input orders per part is not supported)")
         load(param, loaded, shard_id)
@@ -241,17 +242,17 @@ class Int4LinearMethod(LinearMethod):
             layer.int4_scales = nn.Parameter(scales, requires_grad=False)
             layer.register_buffer("int4_group_index", index, persistent=False)
             return
-        perm, first, groups, self.kernel_group = order
+        perm, first, groups, (self.kernel_group, self.kernel_run) = order
         q = self._unpack(qweight)
-        layer.qweight = nn.Parameter(int4_layout.pack(q if perm is None else q.index_select(0, perm)),
+        layer.qweight = nn.Parameter(int4_layout.pack(q if perm is None else q.index_select(0, perm), self.kernel_run),
                                      requires_grad=False)
         layer.int4_scales = nn.Parameter(int4_layout.compact_scales(scales[first:first + groups]), requires_grad=False)
         layer.int4_zeros = nn.Parameter(zeros[first:first + groups].to(torch.uint8), requires_grad=False)
         layer.register_buffer("int4_perm", perm, persistent=False)
 
-    def _kernel_order(self, index: torch.Tensor) -> tuple[torch.Tensor | None, int, int, int] | None:
-        """(input order or None, first group, groups, the kernels' group size) when the kernels can
-        take this layer: in that order, input k's group is first + k // group_size."""
+    def _kernel_order(self, index: torch.Tensor) -> tuple[torch.Tensor | None, int, int, tuple[int, int]] | None:
+        """(input order or None, first group, groups, the kernels' group size and run) when the
+        kernels can take this layer: in that order, input k's group is first + k // group_size."""
         perm = None
         if self.config.desc_act:   # inputs sorted by group make each group a run again
             perm = torch.argsort(index, stable=True)
@@ -289,11 +290,11 @@ class Int4LinearMethod(LinearMethod):
                            x.dtype)
             return F.linear(x, w, bias)
         x2 = self._kernel_input(layer, x)
-        args = (layer.qweight, layer.int4_scales, layer.int4_zeros, layer.input_size, self.kernel_group)
+        args = (layer.qweight, layer.int4_scales, layer.int4_zeros, layer.input_size, self.kernel_group,
+                self.kernel_run)
         rows = x2.shape[0]
-        if not x2.is_cuda or x2.dtype not in (torch.bfloat16, torch.float16) or rows == 0:
-            w = reference.int4_weight(layer.qweight, layer.int4_scales, layer.int4_zeros, layer.input_size,
-                                      self.kernel_group, x.dtype)
+        if not x2.is_cuda or x2.dtype not in (torch.bfloat16, torch.float16) or rows == 0 or not tuned.ENABLED:
+            w = reference.int4_weight(*args, dtype=x.dtype)
             out = F.linear(x2, w, bias)
         elif rows <= triton_w4a16.FMA_ROWS:
             out = triton_w4a16.gemv_fma(x2, *args, bias=bias)
@@ -304,8 +305,8 @@ class Int4LinearMethod(LinearMethod):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
-        if (self.kernel_group is None or not x.is_cuda or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16)
-                or not 0 < x.shape[0] <= triton_w4a16.FMA_ROWS):
+        if (self.kernel_group is None or not tuned.ENABLED or not x.is_cuda or x.dim() != 2
+                or x.dtype not in (torch.bfloat16, torch.float16) or not 0 < x.shape[0] <= triton_w4a16.FMA_ROWS):
             return None
         return triton_w4a16.gemv_fma(self._kernel_input(layer, x), layer.qweight, layer.int4_scales, layer.int4_zeros,
-                                     layer.input_size, self.kernel_group, gated=True)
+                                     layer.input_size, self.kernel_group, self.kernel_run, gated=True)

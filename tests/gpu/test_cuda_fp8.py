@@ -1,6 +1,7 @@
-"""FP8 on a GPU (compute capability 8.9+): the scaled FP8 matmul against dequantize-then-matmul,
-inside a CUDA graph too, and a model quantized at load against HF on its rounded weights. (The
-real SmolLM2 checks run on the CPU: the device machines cannot read its GGUF.)"""
+"""FP8 on a GPU (compute capability 8.9+): the FP8 GEMV (1-16 rows, bf16 activations) and the scaled
+FP8 matmul (more rows, FP8 activations) against dequantize-then-matmul, inside a CUDA graph too,
+and a model quantized at load against HF on its rounded weights. (The real SmolLM2 checks run on
+the CPU: the device machines cannot read its GGUF.)"""
 from __future__ import annotations
 
 import gc
@@ -39,8 +40,11 @@ def test_fp8_linear_matches_dequantized_reference(m):
     process_weights_after_loading(layer)
     x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
     q, scale = quantize_rows(full)
-    xq, xs = quantize_tokens(x)
-    expected = (xq.float() * xs) @ (q.float() * scale[:, None]).t() + layer.bias.float()
+    if m <= 16:   # the FP8 GEMV: activations as they are (W8A16)
+        expected = x.float() @ (q.float() * scale[:, None]).t() + layer.bias.float()
+    else:         # _scaled_mm: per-token FP8 activations (W8A8)
+        xq, xs = quantize_tokens(x)
+        expected = (xq.float() * xs) @ (q.float() * scale[:, None]).t() + layer.bias.float()
     out = layer(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, atol=2e-2 * expected.abs().max().item(), rtol=2e-2)

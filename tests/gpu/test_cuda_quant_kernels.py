@@ -45,19 +45,18 @@ def test_fp8_gemv_matches_dequantized_reference(rows, n, k, gated, bias):
     assert triton_fp8_gemv.handles(x, w)
     want = reference.matmul(x.float(), reference.fp8_weight(w, scale, torch.float32),
                             b.float() if b is not None else None, gated)
-    for fma in (True, False):   # both inner loops, whichever the row count picks by default
-        tiles = (True, 16, 128, 4, 3) if fma else (False, 32, 256, 4, 4)
-        _close(triton_fp8_gemv.gemv(x, w, scale, b, gated, tiles=tiles), want, rows, n)
+    for tiles in (("fma", 16, 512, 4, 1), ("fma", 8, 128, 2, 1), ("dot", 32, 256, 4, 4), ("dot16", 64, 512, 4, 3)):
+        _close(triton_fp8_gemv.gemv(x, w, scale, b, gated, tiles=tiles), want, rows, n)   # every inner loop
     _close(triton_fp8_gemv.gemv(x, w, scale, b, gated), want, rows, n)
     assert not triton_fp8_gemv.handles(torch.randn(17, k, device="cuda", dtype=torch.bfloat16), w)
 
 
-def _int4_weight(n: int, k: int, group: int) -> tuple[torch.Tensor, ...]:
+def _int4_weight(n: int, k: int, group: int, run: int) -> tuple[torch.Tensor, ...]:
     groups = -(-k // group)
     q = torch.randint(0, 16, (k, n), dtype=torch.int32, device="cuda")
     scales = (torch.rand(groups, n, device="cuda") * 0.004 + 0.001).half()
     zeros = torch.randint(0, 16, (groups, n), dtype=torch.uint8, device="cuda")
-    return int4_layout.pack(q), scales, zeros
+    return int4_layout.pack(q, run), scales, zeros
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 100])
@@ -65,30 +64,33 @@ def _int4_weight(n: int, k: int, group: int) -> tuple[torch.Tensor, ...]:
                                                   (14336, 4096, 64, True, False), (1000, 904, 8 * 113, False, True),
                                                   (328, 200, 32, True, False), (520, 320, 64, False, True)])
 def test_w4a16_kernels_match_dequantized_reference(rows, n, k, group, gated, bias):
-    """Groups of 128, 64 and 32 inputs, one group over all of K (904), K not a multiple of the
-    256-input block, N not a multiple of any strip."""
+    """Groups of 128, 64 and 32 inputs, one group over all of K (904), K not a multiple of any
+    block of runs, N not a multiple of any strip."""
     from shardserve.kernels.quant import triton_w4a16
     torch.manual_seed(rows * 7 + k)
-    words, scales, zeros = _int4_weight(2 * n if gated else n, k, group)
-    g = int4_layout.kernel_group(group, k)
-    assert g is not None
+    g, run = int4_layout.kernel_group(group, k)
+    words, scales, zeros = _int4_weight(2 * n if gated else n, k, group, run)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    full = reference.int4_weight(words, scales, zeros, k, group, torch.float32)
+    full = reference.int4_weight(words, scales, zeros, k, group, run, torch.float32)
     want = reference.matmul(x.float(), full, b.float() if b is not None else None, gated)
-    if rows <= 4:
-        _close(triton_w4a16.gemv_fma(x, words, scales, zeros, k, g, b, gated), want, rows, n)
+    args = (words, scales, zeros, k, g, run)
+    if rows <= triton_w4a16.FMA_ROWS:
+        for tiles in (None, (8, 2), (32, 8)):
+            _close(triton_w4a16.gemv_fma(x, *args, b, gated, tiles=tiles), want, rows, n)
     if gated:   # more rows: the stacked matmul, then SiLU-and-mul (as MergedColumnParallelLinear does)
-        y = triton_w4a16.matmul_dot(x, words, scales, zeros, k, g)
+        y = triton_w4a16.matmul_dot(x, *args)
         _close(y, reference.matmul(x.float(), full), rows, 2 * n)
         return
-    _close(triton_w4a16.matmul_dot(x, words, scales, zeros, k, g, b), want, rows, n)
-    w = triton_w4a16.dequantize(words, scales, zeros, k, g, torch.float32)
+    for tiles in (None, (16, 64, 4, 3), (16, 128, 8, 2)):   # 16 rows a tile (the x runs fill shared memory)
+        _close(triton_w4a16.matmul_dot(x, *args, b, tiles=tiles), want, rows, n)
+    w = triton_w4a16.dequantize(*args, torch.float32)
     assert torch.allclose(w, full, rtol=1e-6, atol=1e-6)
 
 
 def test_int4_layout_round_trip_on_the_gpu():
     q = torch.randint(0, 16, (1000, 24), dtype=torch.int32, device="cuda")
-    words = int4_layout.pack(q)
-    assert words.shape == (24, int4_layout.padded(1000) // 8)
-    assert torch.equal(int4_layout.unpack(words, 1000), q)
+    for run in (32, 64, 128):
+        words = int4_layout.pack(q, run)
+        assert words.shape == (24, int4_layout.padded(1000, run) // 8)
+        assert torch.equal(int4_layout.unpack(words, 1000, run), q)

@@ -13,10 +13,10 @@ def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (weight.float() * scale.float()[:, None]).to(dtype)
 
 
-def int4_weight(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int, group: int,
+def int4_weight(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int, group: int, run: int,
                 dtype: torch.dtype) -> torch.Tensor:
     """Kernel-layout INT4 (int4_layout.pack) -> the weight [N, K] in `dtype`: (q - z) * s per group."""
-    q = int4_layout.unpack(words, k)                                        # [K, N]
+    q = int4_layout.unpack(words, k, run)                                   # [K, N]
     g = torch.arange(k, device=words.device) // group
     w = (q - zeros.index_select(0, g).int()).float() * scales.index_select(0, g).float()
     return w.to(dtype).t()
