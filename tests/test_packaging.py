@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from types import SimpleNamespace
 
 import pytest
 
@@ -201,3 +202,18 @@ def test_cli_ray_backend_without_ray_prints_one_line(shim):
     assert done.stderr.strip().splitlines()[-1] == (
         "error: --distributed-executor-backend ray needs ray: pip install 'shardserve[ray]'")
     assert "Traceback" not in done.stderr and "Loading" not in done.stderr   # before any weights load
+
+
+def test_ray_backend_without_a_cluster_is_one_line(monkeypatch):
+    import ray
+
+    from shardserve.executor.ray import RayExecutor
+
+    def no_cluster(**kwargs):
+        raise ConnectionError("Could not find any running Ray instance.")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    layout = SimpleNamespace(world_size=1, pipeline_parallel_size=1, tensor_parallel_size=1)
+    with pytest.raises(ValueError, match=r"^--distributed-executor-backend ray joins a running Ray cluster and found "
+                       r"none: start one \(ray start --head\) or set RAY_ADDRESS$"):
+        RayExecutor(SimpleNamespace(parallel_config=layout))
