@@ -60,15 +60,19 @@ def test_fp8_linear_matches_dequantized_reference(m):
 @pytest.mark.skipif(not _fp8_capable(), reason="GPU-only: FP8 matmuls need compute capability 8.9+")
 def test_fp8_model_on_gpu_tracks_hf_on_the_rounded_weights(tmp_path):
     """A tiny Llama with `--quantization fp8` in bf16 on the GPU (weights and activations in FP8,
-    CUDA graphs on) against HF in fp32 on the FP8-rounded weights: log-probs close (the activations'
-    per-token FP8 rounding is the difference), the layers really hold E4M3."""
+    CUDA graphs on) strays from the unquantized model as far as HF in fp32 does with the same FP8
+    rounding (per-channel weights, per-token activations), and no further; the layers really hold
+    E4M3. Two FP8 runs cannot be compared with each other value by value: bf16 and fp32 inputs round
+    to different E4M3 codes near code boundaries (measured on an H100: our deviation 0.176 nats on
+    average, HF's 0.175, each other's 0.145; bf16 alone 0.017)."""
     from shardserve import LLM
     from tests.models.test_parity import full_logprob_params, hf_logprobs, logprob_matrix, random_prompt
     from tests.quantization.checkpoints import hf_with_weights, is_quantized_linear
     from tests.tiny_models import load_hf_model, make_tiny_checkpoint
     path = make_tiny_checkpoint(str(tmp_path / "llama"), "llama", hidden_size=256, intermediate_size=512)
+    plain = load_hf_model(path)
     rounded = {}
-    for name, w in load_hf_model(path).state_dict().items():
+    for name, w in plain.state_dict().items():
         if is_quantized_linear(name):
             q, scale = quantize_rows(w)
             rounded[name] = q.float() * scale[:, None]
@@ -82,8 +86,11 @@ def test_fp8_model_on_gpu_tracks_hf_on_the_rounded_weights(tmp_path):
     try:
         prompt = random_prompt(1, 40)
         out = llm.generate([prompt], full_logprob_params(max_tokens=1), use_tqdm=False)[0]
-        diff = (logprob_matrix(out.prompt_logprobs[1:]) - hf_logprobs(hf, prompt)[:len(prompt) - 1]).abs().max()
-        assert diff < 0.15, f"FP8 log-probs are {diff:.3f} away from HF on the rounded weights"
+        exact = hf_logprobs(plain, prompt)[:len(prompt) - 1]
+        ours = (logprob_matrix(out.prompt_logprobs[1:]) - exact).abs().mean()
+        reference = (hf_logprobs(hf, prompt)[:len(prompt) - 1] - exact).abs().mean()
+        assert ours < 1.25 * reference + 0.02, f"FP8 strays {ours:.3f} nats from the exact model, HF's {reference:.3f}"
+        assert ours > 0.25 * reference, f"{ours:.3f} nats: the weights or activations did not go through FP8"
         runner = llm.engine.executor.worker.model_runner
         assert layer_dtype(runner) == torch.float8_e4m3fn and runner.wants_graphs()
     finally:
