@@ -1,8 +1,8 @@
 """`shardserve serve`: build the engine, wrap it for asyncio, serve the app with uvicorn.
 
-SIGTERM (and Ctrl-C) go to uvicorn's graceful shutdown: the listening socket closes, in-flight
-requests get up to --shutdown-timeout seconds to finish, then the engine and its workers stop and
-the process exits 0.
+SIGTERM (and Ctrl-C) drain the server (server/drain.py): new requests and /health get 503, in-flight
+requests get up to --shutdown-timeout seconds to finish, then uvicorn closes the socket, the engine
+and its workers stop and the process exits 0.
 """
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
     import uvicorn
 
     from shardserve.server.api import build_app
+    from shardserve.server.drain import DrainGate, DrainingServer
     template = read_chat_template(chat_template)
     engine = create_engine(engine_args)
     async_engine = AsyncLLMEngine(engine)
@@ -69,15 +70,16 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
                                   model_config.max_model_len, max_log_len, max_queue_len, template,
                                   generation_defaults(generation_config, model_dir),
                                   tool_call_parser=tool_call_parser)
-        app = build_app(async_engine, settings, api_key)
+        gate = DrainGate(build_app(async_engine, settings, api_key))
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", settings.served_model_name, host, port)
-        config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
-                                timeout_graceful_shutdown=shutdown_timeout, access_log=False)
+        # The drain waits for in-flight requests; uvicorn's own grace then only closes idle connections.
+        config = uvicorn.Config(gate, host=host, port=port, log_level=uvicorn_log_level,
+                                timeout_graceful_shutdown=0.5, access_log=False)
         # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found
         # installed. A no-op one underneath lets a drained shutdown end normally, with exit code 0.
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            uvicorn.Server(config).run()
+            DrainingServer(config, gate, shutdown_timeout).run()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
