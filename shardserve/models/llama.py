@@ -29,7 +29,7 @@ from shardserve.quantization.kv_scales import kv_scale_targets
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: LlamaSpec, layer: int) -> None:
+    def __init__(self, spec: LlamaSpec, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.head_dim = spec.head_dim
         self.qkv_proj = QKVParallelLinear(spec.hidden_size, self.head_dim, spec.num_attention_heads,
@@ -46,8 +46,7 @@ class LlamaAttention(nn.Module):
             kv_shards = tp // qkv.kv_replicas
             self.k_norm = ShardedRMSNorm(spec.num_key_value_heads * self.head_dim, qkv.tp_rank // qkv.kv_replicas,
                                          kv_shards, spec.rms_norm_eps, qkv.kv_replicas)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, spec.max_position_embeddings, spec.rope_theta,
-                                          spec.rope_scaling, spec.rope_freq_factors)
+        self.rotary_emb = rotary   # one for all layers (its cos/sin tables: 4 MiB a layer at 8K positions)
         self.attn = Attention(AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
                                             self.head_dim ** -0.5, spec.sliding_windows[layer]))
 
@@ -71,10 +70,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: LlamaSpec, layer: int) -> None:
+    def __init__(self, spec: LlamaSpec, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = LlamaAttention(spec, layer)
+        self.self_attn = LlamaAttention(spec, layer, rotary)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         moe = spec.moe
         if moe is not None and moe.sparse_layers[layer]:
@@ -112,7 +111,9 @@ class LlamaModel(nn.Module):
         self.is_first, self.is_last = pipeline.is_first, pipeline.is_last
         self.start, self.end = get_pp_layer_range(spec.num_hidden_layers)
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size) if self.is_first else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i) if self.start <= i < self.end else nn.Identity()
+        rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling,
+                                 spec.rope_freq_factors)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, rotary) if self.start <= i < self.end else nn.Identity()
                                     for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if self.is_last else None
         if not self.is_last and self.end > self.start:   # the next stage gets finished sums

@@ -10,8 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# Bytes per weight. int4 adds one fp16 scale per group of 128 weights (GPTQ/AWQ's usual group).
-WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 2 / 128}
+# Bytes per weight. int4 adds, per group of 128 weights (GPTQ/AWQ's usual group), the fp16 scale
+# and uint8 zero point the CUDA kernels hold (kernels/quant/int4_layout.py).
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 3 / 128}
 KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
                   "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}

@@ -56,8 +56,8 @@ def test_quantized_weights_keep_embeddings_16_bit():
     linear = 80 * (855_654_400 - 2 * 8192)
     rest = 80 * 2 * 8192 + 2 * 128256 * 8192 + 8192
     assert m.weight_bytes("fp8", 1, range(80), True, True) == pytest.approx(linear * 1 + rest * 2)
-    assert m.weight_bytes("int4", 1, range(80), True, True) == pytest.approx(linear * (0.5 + 2 / 128) + rest * 2)
-    assert round(m.weight_bytes("int4", 1, range(80), True, True) / 1e9, 1) == 39.5
+    assert m.weight_bytes("int4", 1, range(80), True, True) == pytest.approx(linear * (0.5 + 3 / 128) + rest * 2)
+    assert round(m.weight_bytes("int4", 1, range(80), True, True) / 1e9, 1) == 40.0
 
 
 def test_moe_total_and_active_qwen3_30b_a3b():
