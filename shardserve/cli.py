@@ -68,9 +68,14 @@ def add_parallel_args(parser: argparse.ArgumentParser, engine: bool = True) -> N
                        help="uni for one device, mp (default for more) or ray")
         g.add_argument("--pp-layer-partition", default=None,
                        help="layers per pipeline stage, comma-separated, e.g. 17,15 (default: even)")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes in a multi-node run (default: 1)")
-    g.add_argument("--node-rank", type=int, default=0, help="this node's index; 0 runs the engine (default: 0)")
-    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (default: %(default)s)")
+    # Inside a LeaderWorkerSet the group's env gives the defaults (docs/deploy.md); flags still win.
+    env = os.environ
+    g.add_argument("--nnodes", type=int, default=int(env.get("LWS_GROUP_SIZE", 1)),
+                   help="nodes in a multi-node run (default: $LWS_GROUP_SIZE, else 1)")
+    g.add_argument("--node-rank", type=int, default=int(env.get("LWS_WORKER_INDEX", 0)),
+                   help="this node's index; 0 runs the engine (default: $LWS_WORKER_INDEX, else 0)")
+    g.add_argument("--master-addr", default=env.get("LWS_LEADER_ADDRESS", "127.0.0.1"),
+                   help="node 0's address (default: $LWS_LEADER_ADDRESS, else 127.0.0.1)")
     g.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0; its workers "
                    "listen on port + 1 (default: none; required with --nnodes > 1)")
 

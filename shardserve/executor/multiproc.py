@@ -66,7 +66,9 @@ class MultiprocExecutor(Executor):
             address, authkey = ("127.0.0.1", 0), secrets.token_bytes(16)
         elif parallel_config.nnodes > 1:   # remote ranks dial in to the engine at master_port + 1
             init_method = f"tcp://{parallel_config.master_addr}:{parallel_config.master_port}"
-            address, authkey = (parallel_config.master_addr, parallel_config.master_port + 1), cluster_key()
+            # Every interface: this node's own ranks dial 127.0.0.1, the others master_addr (in a pod,
+            # the leader's DNS name: its pod IP, not loopback).
+            address, authkey = ("", parallel_config.master_port + 1), cluster_key()
         else:   # the engine hosts the ranks' rendezvous store for as long as they run
             self._store, init_method = host_store(self.world_size, startup_timeout_s)
             address, authkey = ("127.0.0.1", 0), secrets.token_bytes(16)
@@ -111,8 +113,9 @@ class MultiprocExecutor(Executor):
                         self._fail(rank)
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(connected))
+                    host = parallel_config.master_addr if parallel_config.nnodes > 1 else listener.address[0]
                     raise TimeoutError(
-                        f"worker ranks {missing} did not connect to the engine at {listener.address[0]}:"
+                        f"worker ranks {missing} did not connect to the engine at {host}:"
                         f"{listener.address[1]} within {timeout_s:.0f} s" + (
                             f"; start the other nodes with `shardserve worker --nnodes {parallel_config.nnodes} "
                             f"--node-rank N --master-addr {parallel_config.master_addr} "
