@@ -150,6 +150,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from shardserve.llm import _setup_logging
     from shardserve.server.run import run_server
     _setup_logging()
+    configure_tracing(ns.otlp_traces_endpoint)   # before loading the model: a missing extra fails fast
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
             raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
@@ -167,6 +168,16 @@ def auto_tool_parser(enable: bool, parser: str | None) -> str | None:
     if enable and parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
     return parser if enable else None
+
+
+OTLP_HELP = ("send a trace span per request to this OTLP/HTTP collector, e.g. http://localhost:4318 "
+             "(needs shardserve[otel]; default: no tracing)")
+
+
+def configure_tracing(endpoint: str | None, service_name: str = "shardserve") -> None:
+    if endpoint:
+        from shardserve.server.tracing import configure
+        configure(endpoint, service_name)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -192,6 +203,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "\"required\" and named tool choices work without it)")
     g.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
                    help="how the model writes tool calls, for tool_choice \"auto\" (default: none)")
+    g.add_argument("--otlp-traces-endpoint", default=None, help=OTLP_HELP)
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish "
                    "after SIGTERM (default: %(default)s)")
 
@@ -227,6 +239,7 @@ def cmd_router(ns: argparse.Namespace) -> int:
     from shardserve.llm import _setup_logging
     from shardserve.router.run import run_router
     _setup_logging()
+    configure_tracing(ns.otlp_traces_endpoint, "shardserve-router")
     return run_router(ns.config, ns.host, ns.port, ns.api_key or os.environ.get("SHARDSERVE_ROUTER_API_KEY") or None)
 
 
@@ -322,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--port", type=int, default=9000, help="default: %(default)s")
     router.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
                         "(default: $SHARDSERVE_ROUTER_API_KEY, else open)")
+    router.add_argument("--otlp-traces-endpoint", default=None, help=OTLP_HELP)
     router.set_defaults(func=cmd_router)
     plan = sub.add_parser("plan", help="what fits where: layouts, memory, KV cache and predicted decode speed")
     add_plan_args(plan)

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 
 from shardserve.router.backends import BackendError, BackendPool
 from shardserve.router.config import FUSION_MODEL, FusionSettings, RouterConfig
@@ -20,6 +20,7 @@ from shardserve.router.fusion import DEPTH_HEADER, FusionError, FusionRunner, Fu
 from shardserve.router.signals import SignalEvaluator
 from shardserve.server.api import RequestIdAndAuth
 from shardserve.server.protocol import APIError, error_body
+from shardserve.server.tracing import forwarded_context
 
 logger = logging.getLogger("shardserve.router")
 
@@ -34,6 +35,7 @@ class Route:
 
 class RouterMetrics:
     def __init__(self) -> None:
+        disable_created_metrics()   # as the server: no *_created series
         self.registry = reg = CollectorRegistry()
         self.requests = Counter("router_requests", "Routed requests.", ["decision", "algorithm"], registry=reg)
         self.backend_latency = Histogram("router_backend_latency_seconds", "Backend call latency.", ["backend"],
@@ -43,6 +45,8 @@ class RouterMetrics:
                                       ["backend"], registry=reg)
         self.fusion_latency = Histogram("router_fusion_latency_seconds", "Whole fusion requests.", registry=reg,
                                         buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.fusion_requests = Counter("router_fusion_requests", "Fusion requests by outcome (ok, failed).",
+                                       ["outcome"], registry=reg)
         self._children: dict[tuple, Any] = {}
 
     def child(self, metric, *labels: str):
@@ -167,7 +171,8 @@ class RoutedPosts:
             return await self.app(scope, receive, send)
         depth = next((v for k, v in scope["headers"] if k.lower() == DEPTH_HEADER.encode()), b"0")
         try:
-            response = await handler(self.router, await _json_object(receive), depth)
+            with forwarded_context(scope["headers"], "router_request", {"http.route": scope["path"]}) as trace:
+                response = await handler(self.router, await _json_object(receive), depth, trace)
         except APIError as e:
             response = JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status, headers=e.headers)
         except Exception:   # never a dropped connection: an OpenAI-style 500, the traceback in the log
@@ -176,7 +181,7 @@ class RoutedPosts:
         await response(scope, receive, send)
 
 
-async def _chat(router: Router, body: dict[str, Any], depth_header: bytes):
+async def _chat(router: Router, body: dict[str, Any], depth_header: bytes, trace: dict[str, str]):
     if not isinstance(body.get("messages"), list) or not body["messages"] \
             or not all(isinstance(m, dict) for m in body["messages"]):
         raise APIError(400, "messages: a non-empty list of message objects is required", "messages")
@@ -190,14 +195,14 @@ async def _chat(router: Router, body: dict[str, Any], depth_header: bytes):
     headers = {"x-vsr-selected-model": selected, "x-vsr-selected-decision": route.decision or "none",
                "x-vsr-selected-algorithm": route.algorithm}
     if route.algorithm == "static":
-        return await _static(router, route, body, headers)
+        return await _static(router, route, body, headers, trace=trace)
     if depth >= 1:
         raise APIError(400, f"this request is already inside a fusion panel ({DEPTH_HEADER}: {depth}); a panel "
                             "member cannot start another panel")
-    return await _fusion(router, route, body, headers, depth)
+    return await _fusion(router, route, body, headers, depth, trace)
 
 
-async def _completions(router: Router, body: dict[str, Any], depth_header: bytes):
+async def _completions(router: Router, body: dict[str, Any], depth_header: bytes, trace: dict[str, str]):
     """Legacy completions: a backend id passes through; vllm-sr/auto takes static decisions
     (signals see the prompt as a user message) or the default. Panels answer chats only."""
     prompt = body.get("prompt")
@@ -210,7 +215,7 @@ async def _completions(router: Router, body: dict[str, Any], depth_header: bytes
     router.metrics.child(router.metrics.requests, route.decision or "none", route.algorithm).inc()
     headers = {"x-vsr-selected-model": route.backend, "x-vsr-selected-decision": route.decision or "none",
                "x-vsr-selected-algorithm": route.algorithm}
-    return await _static(router, route, body, headers, path="/completions")
+    return await _static(router, route, body, headers, path="/completions", trace=trace)
 
 
 async def _json_object(receive) -> dict[str, Any]:
@@ -254,15 +259,15 @@ def _sse(payload: Any) -> str:
 
 
 async def _static(router: Router, route: Route, body: dict[str, Any], headers: dict[str, str],
-                  path: str = "/chat/completions"):
+                  path: str = "/chat/completions", trace: dict[str, str] | None = None):
     forward = {k: v for k, v in body.items() if k != "plugins"}
     try:
         if not body.get("stream"):   # relayed as bytes: no re-parsing on the hot path
-            r = await router.pool.chat_raw(route.backend, forward, path=path)
+            r = await router.pool.chat_raw(route.backend, forward, trace, path=path)
             if not r.content.lstrip()[:1] == b"{":   # a cheap sanity check, not a full parse
                 raise BackendError(route.backend, f"invalid response (not JSON): {r.content[:100]!r}")
             return _RawReply(r.status_code, r.content, r.content_type, headers)
-        events = await router.pool.chat_stream(route.backend, forward, path=path)
+        events = await router.pool.chat_stream(route.backend, forward, trace, path=path)
     except BackendError as e:
         raise _backend_error(e) from e
 
@@ -276,9 +281,10 @@ async def _static(router: Router, route: Route, body: dict[str, Any], headers: d
     return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
 
 
-async def _fusion(router: Router, route: Route, body: dict[str, Any], headers: dict[str, str], depth: int):
+async def _fusion(router: Router, route: Route, body: dict[str, Any], headers: dict[str, str], depth: int,
+                  trace: dict[str, str]):
     settings, runner = route.fusion, router.fusion
-    inner = {DEPTH_HEADER: str(depth + 1)}
+    inner = {**trace, DEPTH_HEADER: str(depth + 1)}   # trace context goes to every backend call
     trace = FusionTrace(route.decision, settings.judge_model)
     usage: dict[str, int] = {}
     start = time.perf_counter()
@@ -294,14 +300,17 @@ async def _fusion(router: Router, route: Route, body: dict[str, Any], headers: d
             data = await router.pool.chat(settings.judge_model, final, inner)
             add_usage(usage, data.get("usage"))
             router.metrics.fusion_latency.observe(time.perf_counter() - start)
+            router.metrics.fusion_requests.labels("ok").inc()
             return JSONResponse({**data, **meta, "object": "chat.completion", "usage": usage,
                                  "fusion_trace": trace_dict}, headers=headers)
         want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events = await router.pool.chat_stream(settings.judge_model,
                                                {**final, "stream_options": {"include_usage": True}}, inner)
     except FusionError as e:
+        router.metrics.fusion_requests.labels("failed").inc()
         raise APIError(502, f"fusion failed: {e}") from e
     except BackendError as e:
+        router.metrics.fusion_requests.labels("failed").inc()
         raise APIError(502, f"fusion judge {e.backend} failed: {e.message}") from e
 
     async def synthesis() -> AsyncIterator[str]:
@@ -317,7 +326,10 @@ async def _fusion(router: Router, route: Route, body: dict[str, Any], headers: d
                     event["fusion_trace"], first = trace_dict, False
                 yield _sse(event)
         except BackendError as e:
+            router.metrics.fusion_requests.labels("failed").inc()
             yield _sse(error_body(502, f"fusion judge failed while streaming: {e}"))
+        else:
+            router.metrics.fusion_requests.labels("ok").inc()
         if want_usage:
             yield _sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage})
         router.metrics.fusion_latency.observe(time.perf_counter() - start)

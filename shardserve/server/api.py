@@ -100,7 +100,8 @@ class RequestIdAndAuth:
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="shardserve", version=__version__)
-    metrics = ServerMetrics(engine.stats, settings.served_model_name)
+    metrics = ServerMetrics(engine.stats, settings.served_model_name, engine.config.cache_config)
+    metrics.observe_steps(engine)
     completions = CompletionServing(engine, settings, metrics)
     chats = ChatServing(engine, settings, metrics)
     app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics

@@ -120,7 +120,7 @@ class Serving:
                 suffix = "" if len(prompts) == 1 else f"-{i}"
                 rid = raw.state.request_id + suffix
                 record = RequestRecord(self.metrics, raw.state.client_request_id + suffix, prompt.get("prompt"),
-                                       self.settings.max_log_len)
+                                       self.settings.max_log_len, params, raw.headers)
                 streams.append(await self._start(rid, prompt, params, record))
         except BaseException:
             for s in streams:
