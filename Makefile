@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install serve run chat test test-gpu bench-cpu clean
+.PHONY: install prometheus serve run chat test test-gpu bench-cpu clean
 
 install: $(STAMP)
 
@@ -30,7 +30,15 @@ chat: install  ## interactive chat with the embedded model
 # math, and plain torch (no native kernels) with fp32 and with half-precision math; the GGUF block
 # kernels' scalar and AVX2 paths (AVX-512 runs in the suite itself where the CPU has it).
 CPU_PATH_TESTS := tests/models tests/layers tests/engine tests/server tests/test_cli.py
-test: install
+# A real Prometheus for tests/server/test_prometheus.py: Debian's package, installed when apt-get can
+# (as root); where it cannot, that test is skipped and says why.
+prometheus:
+	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; }; }; } || \
+	  echo "prometheus could not be installed (needs root and apt-get): tests/server/test_prometheus.py will be skipped"
+
+test: install prometheus
 	$(VENV)/bin/ruff check shardserve tests benchmarks
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -m "not gpu" tests
