@@ -101,6 +101,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None   # OpenAI's: added to the token's logit, in [-100, 100]
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -151,6 +152,12 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.logit_bias):
+                raise bad("logit_bias", "must map non-negative token ids to biases")
+            if any(not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+                raise bad("logit_bias", "values must be numbers in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

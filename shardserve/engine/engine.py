@@ -20,7 +20,7 @@ from shardserve.engine.request import Request, RequestStatus
 from shardserve.engine.scheduler import Scheduler
 from shardserve.executor.factory import make_executor
 from shardserve.outputs import RequestOutput
-from shardserve.sampling_params import SamplingParams
+from shardserve.sampling_params import InvalidParameter, SamplingParams
 from shardserve.spec_decode.stats import SpecDecodingStats
 from shardserve.tokenizer.tokenizer import Tokenizer
 from shardserve.utils import cdiv
@@ -158,6 +158,10 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
+        bad = sorted(t for t in params.logit_bias or {} if t >= vocab)
+        if bad:
+            raise InvalidParameter(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                                   "logit_bias")
         eos = self.eos_token_ids
         children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
         samples, engine_ids, requests = [], [], []

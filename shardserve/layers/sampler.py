@@ -1,7 +1,7 @@
 """Batched sampling with vLLM's semantics.
 
 Order of operations per row: raw logprobs (returned to users, as vLLM v1 does by default), then
-min_tokens masking, repetition / presence / frequency penalties, greedy argmax or temperature,
+logit_bias, min_tokens masking, repetition / presence / frequency penalties, greedy argmax or temperature,
 min_p, top_k, top_p, and finally a draw. Draws use the exponential race (argmax of p / E with
 E ~ Exp(1)), which needs no sort; a seeded row draws its noise from its own generator, seeded from
 (seed, output position), so its tokens do not depend on what else is in the batch.
@@ -35,6 +35,7 @@ class SamplingMetadata:
     prompt_token_mask: torch.Tensor | None = None     # [B, V] bool: token occurs in the prompt
     # min_tokens: (rows, token ids) pairs to mask, as device tensors (no host sync), or None
     blocked_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, token ids, biases)
     num_logprobs: int | None = None           # max over rows; -1 = whole vocabulary
 
 
@@ -91,7 +92,7 @@ def compute_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> Lo
 def _plain_greedy(logits: torch.Tensor, md: SamplingMetadata) -> bool:
     """Every row takes its argmax of the raw logits, and nothing else is asked for: on CUDA that is
     one Triton kernel pair (kernels/argmax/triton_argmax.py) instead of a cast and torch's one-block argmax."""
-    return (md.all_greedy and md.num_logprobs is None and md.blocked_tokens is None
+    return (md.all_greedy and md.num_logprobs is None and md.blocked_tokens is None and md.logit_bias is None
             and md.output_token_counts is None and logits.dim() == 2 and triton_ops.handles(logits))
 
 
@@ -101,6 +102,9 @@ class Sampler:
             return triton_argmax.argmax_rows(logits), None
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.num_logprobs is not None else None
+        if md.logit_bias is not None:
+            rows, ids, biases = md.logit_bias
+            logits = logits.index_put((rows, ids), biases, accumulate=True)
         if md.blocked_tokens is not None:
             logits[md.blocked_tokens] = float("-inf")
         if md.output_token_counts is not None:

@@ -87,6 +87,7 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[str, float] | None = None   # token id (as a JSON key) -> bias in [-100, 100]
     # vLLM's older names for the same (guided decoding)
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
@@ -117,7 +118,16 @@ class _SamplingFields(_Request):
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              structured_outputs=self.structured_spec(), **given)
+                              structured_outputs=self.structured_spec(), logit_bias=self.token_biases(), **given)
+
+    def token_biases(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise InvalidParameter(f"logit_bias keys must be token ids, got {sorted(self.logit_bias)[:5]}",
+                                   "logit_bias") from None
 
 
 class CompletionRequest(_SamplingFields):

@@ -85,7 +85,10 @@ class Serving:
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.check_tokenizer()
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        try:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        except ValueError as e:   # text the tokenizer cannot take (a lone surrogate): the client's error
+            raise APIError(400, str(e)) from e
 
     # ---- running ---------------------------------------------------------------------------
     async def _start(self, request_id: str, prompt: dict[str, Any], params: SamplingParams,

@@ -81,7 +81,13 @@ class Tokenizer:
 
     # ---- use -------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:   # the Rust tokenizer refuses str that is not valid Unicode
+            if any("\ud800" <= ch <= "\udfff" for ch in text):
+                raise ValueError("the text holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid "
+                                 "Unicode: encode characters outside the BMP as surrogate pairs") from None
+            raise
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)

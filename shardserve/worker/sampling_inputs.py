@@ -53,6 +53,10 @@ def build_sampling_metadata(states: list[CachedRequestState], outputs_before: li
             blocked_ids += blocked
     if blocked_ids:
         md.blocked_tokens = (column(blocked_rows, torch.long), column(blocked_ids, torch.long))
+    biased = [(row, t, b) for row, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    if biased:
+        rows, ids, biases = zip(*biased)
+        md.logit_bias = (column(rows, torch.long), column(ids, torch.long), column(biases))
     if any(p.uses_penalties for p in params):
         counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
         prompt_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)

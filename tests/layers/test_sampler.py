@@ -142,3 +142,20 @@ def test_seeded_rows_ignore_their_batch():
     torch.manual_seed(123)
     assert draw(torch.cat([torch.randn(3, 50), logits, torch.randn(2, 50)]), 3) == alone
     assert {draw(logits.clone(), 0) for _ in range(3)} == {alone}
+
+
+def test_logit_bias_moves_sampling_but_not_the_returned_logprobs():
+    vocab = 8
+    states = [CachedRequestState(str(i), [1, 2], 2, p, [1], 1) for i, p in enumerate([
+        SamplingParams(temperature=0, logit_bias={5: 100.0}, logprobs=1),
+        SamplingParams(temperature=0, logit_bias={0: -100.0, 3: 2.5}),
+        SamplingParams(temperature=0)])]
+    md = build_sampling_metadata(states, [0, 0, 0], vocab, frozenset(), torch.device("cpu"))
+    logits = torch.zeros(3, vocab)
+    logits[:, 0] = 1.0   # every row prefers token 0
+    sampled, lp_rows = Sampler()(logits.clone(), md)
+    assert sampled.tolist() == [5, 3, 0]
+    ids, lps, _ = lp_rows
+    assert ids[0, 0].item() == 5 and lps[0, 0].item() == pytest.approx(torch.log_softmax(logits[0], 0)[5].item())
+    with pytest.raises(ValueError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias={1: 150.0})

@@ -243,3 +243,31 @@ def test_chat_template_kwargs_reach_the_template(client):
     plain = prompt_tokens()
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
+
+
+def test_lone_surrogate_is_a_400_and_the_server_keeps_serving(server):
+    text = "hi \ud800 there"   # json.dumps writes it as the escape \ud800, as a client would send it
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+                       ("/v1/completions", {"prompt": text})):
+        status, data, _ = post(server.url + path, {"model": MODEL, "max_tokens": 4, **body})
+        assert status == 400, data
+        assert "surrogate" in data["error"]["message"]
+    status, data, _ = post(server.url + "/v1/completions", {"model": MODEL, "prompt": "hi \U0001F600", "max_tokens": 2})
+    assert status == 200, data
+
+
+def test_logit_bias_steers_and_bad_ids_are_refused(server):
+    client = server.client()
+    token = 35   # any id: +100 makes it every greedy pick, -100 keeps it out
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0,
+                                  logit_bias={str(token): 100})
+    status, expected, _ = post(server.url + "/detokenize", {"model": MODEL, "tokens": [token] * 5})
+    assert status == 200 and r.choices[0].text == expected["prompt"]
+    banned = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0,
+                                       logit_bias={str(t): -100 for t in range(0, 49152, 2)})
+    assert banned.choices[0].text   # still answers, from odd ids only
+    for bias, why in (({"49152": 5}, "outside the vocabulary"), ({"7": 101}, "[-100, 100]"),
+                      ({"seven": 1}, "token ids")):
+        status, data, _ = post(server.url + "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                                                 "logit_bias": bias})
+        assert status == 400 and why in data["error"]["message"] and data["error"]["param"] == "logit_bias", data
