@@ -167,6 +167,12 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @property
+    def takes_drafts(self) -> bool:
+        """Speculative decoding verifies drafts for this request: not with penalties or logprobs,
+        which count what came before each position in ways a verification step does not reproduce."""
+        return not self.uses_penalties and self.logprobs is None
+
     def for_child(self, index: int) -> "SamplingParams":
         """Parameters for the index-th of n samples: n=1, and a distinct seed if one was given."""
         seed = None if self.seed is None else self.seed + index

@@ -283,18 +283,16 @@ class Scheduler:
                                          prompt_logprobs=prompt_logprobs, computed_end=computed_end))
         return updates
 
-
     def _propose(self, req: Request, result: ModelRunnerOutput) -> None:
         """Drafts for the request's next step: the draft model's (they came with the result) or
-        n-gram matches in its context. None for requests whose sampling the verifier cannot
-        reproduce per position (penalties and logprobs count what came before each token).
+        n-gram matches in its context; none where its sampling does not take drafts
+        (`SamplingParams.takes_drafts`).
 
         With async scheduling (n-gram only) the request may have its next step in flight already:
         drafts made now would follow a token that is not its last, so they are dropped, and the
         request asks the engine to hold the step after (`wants_drafts`) so that its next proposal
         sees every token."""
-        sp = req.sampling_params
-        if sp.uses_penalties or sp.logprobs is not None:
+        if not req.sampling_params.takes_drafts:
             return
         spec = self.spec
         if spec.method == "ngram":

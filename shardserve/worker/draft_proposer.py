@@ -89,7 +89,7 @@ class DraftProposer:
             self.computed[req_id] = len(tokens)
         drafts: dict[str, list[int]] = {req_id: [] for req_id in sampled}
         picks = self._forward(states, {r: len(s.token_ids) - s.num_computed_tokens for r, s in states.items()})
-        live = [r for r in sampled if r in picks and _may_speculate(states[r])]
+        live = [r for r in sampled if r in picks and states[r].sampling_params.takes_drafts]
         for step in range(self.k):
             for req_id in live:
                 drafts[req_id].append(picks[req_id])
@@ -125,9 +125,3 @@ class DraftProposer:
         picks = self.model.compute_logits(hidden[inputs.sample_indices]).argmax(dim=-1).tolist()
         return dict(zip(inputs.sample_req_ids, picks))
 
-
-def _may_speculate(state: CachedRequestState) -> bool:
-    """The scheduler verifies drafts only for requests whose sampling does not depend on the
-    tokens before each position in ways the verifier does not reproduce (engine/scheduler.py)."""
-    sp = state.sampling_params
-    return not sp.uses_penalties and sp.logprobs is None
