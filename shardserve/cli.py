@@ -278,6 +278,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, metavar="DOCTOR_JSON",
                    help="measured bandwidths and latencies from `shardserve doctor --json` (default: built-in table)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (default: tables)")
+    p.add_argument("--emit", nargs=2, metavar=("k8s", "DIR"), default=None,
+                   help="also write Kubernetes manifests for the recommended layout into DIR (docs/deploy.md)")
+    p.add_argument("--emit-model", default=None, help="the --model the pods serve (default: MODEL)")
+    p.add_argument("--emit-image", default="shardserve:cuda", help="default: %(default)s")
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
@@ -291,6 +295,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                              concurrency=ns.concurrency, gpu_memory_utilization=ns.gpu_memory_utilization,
                              profile=ns.profile)
     print(json.dumps(plan, indent=1) if ns.json else format_plan(plan))
+    if ns.emit:
+        from shardserve.planner.k8s import emit
+        emit(plan, ns.emit, ns.emit_model or ns.model, ns.emit_image)
     return 0
 
 
