@@ -165,8 +165,8 @@ class GrammarBitmask:
 def _fill_threads() -> int:
     """Threads xgrammar fills a step's bitmask rows with: 1 unless SHARDSERVE_GRAMMAR_THREADS says
     more. Its precomputed masks make a row cost microseconds (32 rows of a JSON schema over a 49K
-    vocabulary: 0.015 ms on one thread), while handing rows to a pool cost 0.1-3 ms a step: on one
-    H200, 8 threads made the time per output token 48% longer at batch 32. Grammars whose rows need
+    vocabulary: 0.015 ms on one thread of a 2-core machine, 0.13-3.4 ms through a pool of 2-8
+    threads there; on a 16-core GPU host 1 and 8 threads measured alike). Grammars whose rows need
     many runtime checks (large EBNF, long regexes) may gain from more."""
     value = os.environ.get("SHARDSERVE_GRAMMAR_THREADS", "1")
     try:
