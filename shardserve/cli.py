@@ -159,6 +159,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                       api_key=ns.api_key or os.environ.get("SHARDSERVE_API_KEY") or None,
                       chat_template=ns.chat_template, generation_config=ns.generation_config,
                       max_log_len=ns.max_log_len, max_queue_len=ns.max_queue_len,
+                      max_request_body_bytes=ns.max_request_body_bytes or None,
                       shutdown_timeout=ns.shutdown_timeout,
                       tool_call_parser=auto_tool_parser(ns.enable_auto_tool_choice, ns.tool_call_parser))
 
@@ -194,8 +195,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, help="chat template file or inline Jinja (default: the model's)")
     g.add_argument("--generation-config", default="auto", help="'auto': sampling defaults from the model's "
                    "generation_config.json; 'vllm': none; or a folder holding one (default: %(default)s)")
-    g.add_argument("--max-log-len", type=int, default=None, help="log at most this many prompt characters per "
-                   "request (default: all)")
+    g.add_argument("--max-log-len", type=int, default=None, help="put at most this many prompt characters in "
+                   "each request's log line (default: none; prompts are not logged unless asked)")
+    g.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024, help="refuse larger request "
+                   "bodies with 413 (vLLM has no such limit; 0: none) (default: %(default)s)")
     g.add_argument("--max-queue-len", type=int, default=None, help="reject requests with 429 while this many are "
                    "waiting (default: queue without limit)")
     g.add_argument("--enable-auto-tool-choice", action="store_true", help="allow tool_choice \"auto\": the "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 
 from shardserve.router.backends import BackendError, BackendPool
@@ -19,7 +19,8 @@ from shardserve.router.config import FUSION_MODEL, FusionSettings, RouterConfig
 from shardserve.router.fusion import DEPTH_HEADER, FusionError, FusionRunner, FusionTrace, add_usage
 from shardserve.router.signals import SignalEvaluator
 from shardserve.server.api import RequestIdAndAuth
-from shardserve.server.protocol import APIError, error_body
+from shardserve.server.openapi import document_bodies
+from shardserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from shardserve.server.tracing import forwarded_context
 
 logger = logging.getLogger("shardserve.router")
@@ -148,10 +149,12 @@ def build_router_app(config: RouterConfig, api_key: str | None = None, evaluator
         return {"status": "ok", "backends": {b.id: {e.base_url: router.pool.healthy.get(e.base_url, True)
                                                     for e in b.endpoints} for b in config.backends.values()}}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(generate_latest(router.metrics.registry), media_type="text/plain; version=0.0.4")
 
+    document_bodies(app, {"/v1/chat/completions": (ChatCompletionRequest, "Route chat completion", True),
+                          "/v1/completions": (CompletionRequest, "Route completion", True)})
     return RequestIdAndAuth(RoutedPosts(app, router), api_key=api_key)
 
 
@@ -167,8 +170,12 @@ class RoutedPosts:
 
     async def __call__(self, scope, receive, send):
         handler = self.handlers.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if handler is None or scope["method"] != "POST":
+        if handler is None:
             return await self.app(scope, receive, send)
+        if scope["method"] != "POST":
+            response = JSONResponse(error_body(405, f"{scope['method']} is not allowed on {scope['path']}; use POST"),
+                                    status_code=405, headers={"Allow": "POST"})
+            return await response(scope, receive, send)
         depth = next((v for k, v in scope["headers"] if k.lower() == DEPTH_HEADER.encode()), b"0")
         try:
             with forwarded_context(scope["headers"], "router_request", {"http.route": scope["path"]}) as trace:

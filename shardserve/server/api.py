@@ -3,20 +3,21 @@ middleware; every error in OpenAI's shape."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
-import secrets
 import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve import __version__
 from shardserve.engine.async_engine import AsyncLLMEngine
 from shardserve.server.metrics import ServerMetrics
+from shardserve.server.openapi import document_bodies
 from shardserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -33,6 +34,7 @@ from shardserve.worker.profiler import profiler_dir
 logger = logging.getLogger("shardserve")
 
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024   # --max-request-body-bytes (vLLM has no such limit)
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -68,12 +70,28 @@ async def _json_body(request: Request, model: type) -> Any:
         raise RequestValidationError(errors) from e
 
 
+async def _read_limited(receive, limit: int) -> tuple[list[dict], bool]:
+    """The request's body messages, read up to `limit` bytes; (messages, too_large)."""
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages, False
+        size += len(message.get("body", b""))
+        if size > limit:
+            return messages, True
+        if not message.get("more_body", False):
+            return messages, False
+
+
 class RequestIdAndAuth:
     """Pure ASGI (streams and disconnects pass through untouched): echoes X-Request-Id (the client's
-    or a new one), gives each request a fresh engine id, and checks the API key on protected paths."""
+    or a new one), gives each request a fresh engine id, checks the API key on protected paths (in
+    constant time), and refuses a body over `max_body_bytes` with 413 before anything parses it."""
 
-    def __init__(self, app, api_key: str | None) -> None:
-        self.app, self.api_key = app, api_key
+    def __init__(self, app, api_key: str | None, max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -92,20 +110,35 @@ class RequestIdAndAuth:
 
         if self.api_key is not None and scope["path"].startswith(_PROTECTED):
             given = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(given, f"Bearer {self.api_key}".encode()):
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 response = _error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
                 return await response(scope, receive, send_with_id)
+        limit = self.max_body_bytes
+        if limit is not None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            too_large = _error(413, f"the request body is larger than {limit} bytes (--max-request-body-bytes)")
+            length = headers.get(b"content-length", b"")
+            if length.isdigit() and int(length) > limit:
+                return await too_large(scope, receive, send_with_id)
+            # No (or a lying) Content-Length: count what arrives; the app then replays the buffered body.
+            messages, over = await _read_limited(receive, limit)
+            if over:
+                return await too_large(scope, receive, send_with_id)
+            upstream = receive
+
+            async def receive():
+                return messages.pop(0) if messages else await upstream()
         await self.app(scope, receive, send_with_id)
 
 
-def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | None = None,
+              max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="shardserve", version=__version__)
     metrics = ServerMetrics(engine.stats, settings.served_model_name, engine.config.cache_config)
     metrics.observe_steps(engine)
     completions = CompletionServing(engine, settings, metrics)
     chats = ChatServing(engine, settings, metrics)
     app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics
-    app.add_middleware(RequestIdAndAuth, api_key=api_key)
+    app.add_middleware(RequestIdAndAuth, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -118,7 +151,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail))
+        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))   # 405: Allow
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
@@ -172,19 +205,25 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
     async def version():
         return {"version": __version__}
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response)
     async def ping():
         return Response(status_code=200 if engine.is_alive() else 503)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response)
     async def health():
         if engine.is_alive():
             return Response(status_code=200)
         return _error(503, f"the engine is not running: {engine.error}")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    document_bodies(app, {
+        "/v1/completions": (CompletionRequest, "Create completion", True),
+        "/v1/chat/completions": (ChatCompletionRequest, "Create chat completion", True),
+        "/tokenize": (TokenizeRequest, "Tokenize", False),
+        "/detokenize": (DetokenizeRequest, "Detokenize", False)})
 
     if profiler_dir() is not None:   # as vLLM: the routes exist only when a trace directory is set
         @app.post("/start_profile")

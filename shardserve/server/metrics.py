@@ -212,7 +212,8 @@ class RequestRecord:
              "gen_ai.latency.time_in_model_prefill": None if queue is None or ttft is None else ttft - queue,
              "gen_ai.latency.time_in_model_decode": None if ttft is None else e2e - ttft,
              **_param_attributes(self.params)})
-        prompt = self.prompt if self.max_log_len is None or self.prompt is None else self.prompt[:self.max_log_len]
+        # The prompt only when asked (--max-log-len N: its first N characters); never by default.
+        prompt = self.prompt[:self.max_log_len] if self.max_log_len and self.prompt is not None else None
         line = {"event": "request_finished", "request_id": self.request_id, "model": m.model_name,
                 "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "ttft_s": _round(ttft), "tpot_s": _round(tpot), "e2e_s": _round(e2e), "queue_s": _round(queue),

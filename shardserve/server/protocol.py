@@ -6,7 +6,7 @@ work unchanged. Unknown fields are ignored, as OpenAI and vLLM do.
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Literal
+from typing import Annotated, Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -18,6 +18,10 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
 
 
 MAX_N = 128   # samples per request: each is an engine request, so n is a lever for abuse
+MAX_PROMPTS = 128        # prompts in one /v1/completions request: each is an engine request too
+MAX_STOP = 64            # stop strings (and stop_token_ids) per request: each is checked at every step
+MAX_STOP_CHARS = 1024    # characters in one stop string
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class APIError(Exception):
@@ -77,8 +81,8 @@ class _SamplingFields(_Request):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = Field(None, ge=-2**63, le=2**64 - 1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP)] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -131,7 +135,8 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (str | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | list[int]
+             | Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)])
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

@@ -54,6 +54,7 @@ def generation_defaults(setting: str, model_dir: str) -> dict[str, Any]:
 def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000, served_model_name: str | None = None,
                api_key: str | None = None, chat_template: str | None = None, generation_config: str = "auto",
                max_log_len: int | None = None, max_queue_len: int | None = None,
+               max_request_body_bytes: int | None = 32 * 1024 * 1024,
                shutdown_timeout: float = 30.0, uvicorn_log_level: str = "info",
                tool_call_parser: str | None = None) -> int:
     import uvicorn
@@ -70,7 +71,7 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
                                   model_config.max_model_len, max_log_len, max_queue_len, template,
                                   generation_defaults(generation_config, model_dir),
                                   tool_call_parser=tool_call_parser)
-        gate = DrainGate(build_app(async_engine, settings, api_key))
+        gate = DrainGate(build_app(async_engine, settings, api_key, max_request_body_bytes))
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", settings.served_model_name, host, port)
         # The drain waits for in-flight requests; uvicorn's own grace then only closes idle connections.
         config = uvicorn.Config(gate, host=host, port=port, log_level=uvicorn_log_level,

@@ -37,6 +37,7 @@ def sse(payload: dict[str, Any] | str) -> str:
 class Serving:
     def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
+        self._max_prompt_chars: int | None = None
 
     @property
     def tokenizer(self):
@@ -83,8 +84,21 @@ class Serving:
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
+    def max_prompt_chars(self) -> int:
+        """No prompt longer than this can fit: max_model_len times the longest token's text (an upper
+        bound on the characters one token covers). Longer ones are refused before tokenizing."""
+        if self._max_prompt_chars is None:
+            vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+            self._max_prompt_chars = self.settings.max_model_len * max(map(len, vocab), default=1)
+        return self._max_prompt_chars
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.check_tokenizer()
+        if len(text) > self.max_prompt_chars():
+            raise APIError(400, f"This model's maximum context length is {self.settings.max_model_len} tokens. "
+                                f"However, your prompt has {len(text)} characters, more than any prompt of "
+                                f"{self.settings.max_model_len} tokens can hold ({self.max_prompt_chars()}).",
+                           "prompt")
         try:
             return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
         except ValueError as e:   # text the tokenizer cannot take (a lone surrogate): the client's error
