@@ -29,7 +29,10 @@ chat: install  ## interactive chat with the embedded model
 # tests on every other CPU path, forced by its switch (docs/engine.md, "CPU paths"): native half-precision
 # math, and plain torch (no native kernels) with fp32 and with half-precision math; the GGUF block
 # kernels' scalar and AVX2 paths (AVX-512 runs in the suite itself where the CPU has it).
-CPU_PATH_TESTS := tests/models tests/layers tests/engine tests/server tests/test_cli.py
+# Of the server's tests, those whose answers come from the model's numbers (the rest exercise HTTP,
+# metrics and lifecycle, which no CPU path changes, and run once in the full pass).
+CPU_PATH_TESTS := tests/models tests/layers tests/engine tests/spec_decode tests/test_cli.py \
+	tests/server/test_openai_api.py tests/server/test_structured_outputs.py tests/server/test_tool_calling.py
 # A real Prometheus for tests/server/test_prometheus.py: Debian's package, installed when apt-get can
 # (as root); where it cannot, that test is skipped and says why.
 prometheus:
