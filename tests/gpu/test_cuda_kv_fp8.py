@@ -9,6 +9,7 @@ import torch
 
 from shardserve.kernels.attention import kv_fp8
 from shardserve.layers.attention import AttentionSpec, CommonAttentionMetadata, TorchAttentionBackend
+from tests.gpu.test_cuda_kernels import _scattered_decodes
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -28,17 +29,6 @@ def _fp8_pool(kv_heads: int, pool: int, bs: int, dim: int) -> torch.Tensor:
     cache = torch.randn(2, kv_heads, pool, bs, dim, device=DEV).to(FP8)
     cache[:, :, 0] = 0
     return cache
-
-
-def _scattered_decodes(lens: list[int], bs: int, pool: int) -> CommonAttentionMetadata:
-    perm = torch.randperm(pool - 1) + 1
-    tables, used = torch.zeros(len(lens), 131, dtype=torch.int32), 0
-    for i, n in enumerate(lens):
-        nb = -(-(n + 1) // bs)
-        tables[i, :nb] = perm[used:used + nb]
-        used += nb
-    slots = torch.tensor([int(tables[i, n // bs]) * bs + n % bs for i, n in enumerate(lens)], device=DEV)
-    return CommonAttentionMetadata(len(lens), [1] * len(lens), lens, tables.to(DEV), slots, bs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -86,7 +76,7 @@ def test_triton_decode_reads_fp8_as_the_torch_backend(dtype, head_dim, heads, kv
     bs, pool = 16, 200
     spec = AttentionSpec(heads, kv_heads, head_dim, head_dim ** -0.5, window, k_scale=0.5, v_scale=1.7)
     lens = [1, 17, 100, 333, 64, 2000]
-    common = _scattered_decodes(lens, bs, pool)
+    common = _scattered_decodes(lens, bs, pool, DEV)
     cache = _fp8_pool(kv_heads, pool, bs, head_dim)
     q, k, v = (torch.randn(len(lens), h, head_dim, device=DEV).to(dtype) for h in (heads, kv_heads, kv_heads))
     outs, caches = [], []
@@ -142,7 +132,7 @@ def test_decode_with_rotary_inside_stores_fp8_as_the_separate_kernels(splits, mo
     heads, kv_heads, head_dim, bs, pool = 32, 8, 128, 16, 200
     spec = AttentionSpec(heads, kv_heads, head_dim, head_dim ** -0.5, None, k_scale=0.6, v_scale=1.3)
     lens = [0, 15, 16, 100, 333, 2000]
-    common = _scattered_decodes(lens, bs, pool)
+    common = _scattered_decodes(lens, bs, pool, DEV)
     cache = _fp8_pool(kv_heads, pool, bs, head_dim)
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, device=DEV).to(torch.bfloat16)
     rope = RotaryEmbedding(head_dim, 4096, 500000.0).to(DEV)
