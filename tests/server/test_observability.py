@@ -13,11 +13,9 @@ import sys
 import pytest
 import yaml
 
+from tests.server.otlp_receiver import OtlpReceiver  # needs the otel extra, which the test extra includes
 from tests.server.server_process import ServerProcess, get, post
 from tests.tiny_models import make_tiny_checkpoint
-
-pytest.importorskip("opentelemetry.sdk", reason="tracing tests need the otel extra: pip install '.[otel]'")
-from tests.server.otlp_receiver import OtlpReceiver  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "shardserve-dashboard.json"
