@@ -15,9 +15,14 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from shardserve.config import SpeculativeConfig
+from shardserve.distributed.parallel_state import get_tp_group
+from shardserve.kernels.cpu import cpu_ops
 from shardserve.layers.attention import AttentionContext
+from shardserve.layers.attention.cpu_native import CpuNativeAttentionBackend
+from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
 from shardserve.models.loader import load_model
 from shardserve.worker.input_batch import CachedRequestState, prepare_inputs
 from shardserve.worker.step_graphs import StepGraphs
@@ -36,6 +41,9 @@ class DraftProposer:
         self.model = load_model(spec.model, spec.draft_hf_config, mc.dtype, runner.device,
                                 show_progress=runner.show_progress, compute_dtype=mc.compute_dtype,
                                 load_format=mc.load_format)
+        self._check_attention()
+        if runner.device.type == "cpu" and mc.compute_dtype == torch.float32 and cpu_ops.available():
+            cpu_ops.pack_weights(self.model, torch.bfloat16 if mc.dtype == torch.bfloat16 else torch.float32)
         self.computed: dict[str, int] = {}   # per request: leading positions whose draft KV is valid
         self.kv_pool: torch.Tensor | None = None
         self.graphs: StepGraphs | None = None   # CUDA graphs of the draft's steps (set with the pool)
@@ -43,6 +51,18 @@ class DraftProposer:
     @property
     def runner(self) -> ModelRunner:
         return self._runner()
+
+    def _check_attention(self) -> None:
+        """The draft's attention runs on the target's backend and pool dtype."""
+        runner, spec = self.runner, self.model.attention_layers()[0].spec
+        backend = runner.backend
+        cpu_refuses = (isinstance(backend, CpuNativeAttentionBackend)
+                       and not CpuNativeAttentionBackend.supports(spec, runner.kv_cache_dtype))
+        cuda_refuses = (isinstance(backend, CudaAttentionBackend)
+                        and not CudaAttentionBackend.supports(spec, runner.block_size))
+        if cpu_refuses or cuda_refuses:
+            raise ValueError(f"the draft model's attention (head_dim {spec.head_dim}, {spec.num_kv_heads} KV heads) "
+                             f"does not run on the target's {type(backend).__name__}")
 
     # ---- KV ----------------------------------------------------------------------------------
     def allocate(self, pool_blocks: int) -> torch.Tensor:
@@ -68,6 +88,22 @@ class DraftProposer:
             self.computed.pop(req_id, None)
         for new in sched.scheduled_new_reqs:
             self.computed[new.req_id] = new.num_computed_tokens
+
+    def after_step(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+        """On every TP rank after the target's step: the driver's sampled tokens are shared (the
+        other ranks have none), then all draft alike. `sampled`: the driver's tokens per request."""
+        tp = get_tp_group()
+        if tp.world_size > 1:
+            req_ids = sorted(sched.num_scheduled_tokens)
+            table = torch.zeros(len(req_ids), self.k + 2, dtype=torch.long)   # a count, then up to k + 1 tokens
+            for row, req_id in enumerate(req_ids):
+                tokens = sampled.get(req_id, [])
+                table[row, 0] = len(tokens)
+                table[row, 1:1 + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            table = table.to(self.runner.device)
+            dist.broadcast(table, src=tp.ranks[0], group=tp.group)
+            sampled = {req_id: row[1:1 + row[0]] for req_id, row in zip(req_ids, table.tolist()) if row[0]}
+        return self.propose(sched, sampled)
 
     @torch.inference_mode()
     def propose(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> dict[str, list[int]]:

@@ -12,6 +12,7 @@ import torch
 
 from shardserve.kernels.attention.kv_fp8 import FP8_KV
 from shardserve.utils import cdiv
+from shardserve.worker.startup_steps import profile_step
 
 if TYPE_CHECKING:
     from shardserve.worker.model_runner import ModelRunner
@@ -71,7 +72,7 @@ def profile_cuda_kv_budget(runner: "ModelRunner") -> int:
     tokens, max_len = scheduler_config.max_num_batched_tokens, scheduler_config.max_model_len
     blocks_per_request = cdiv(min(tokens, max_len), runner.block_size)
     runner.initialize_kv_cache(blocks_per_request * max(1, cdiv(tokens, max_len)) + 1, capture_graphs=False)
-    runner.dummy_run(tokens, max_len, scheduler_config.max_num_seqs)
+    profile_step(runner, tokens, max_len, scheduler_config.max_num_seqs)
     torch.cuda.synchronize(runner.device)
     runner.release_kv_cache()
     torch.cuda.empty_cache()

@@ -17,16 +17,16 @@ from shardserve.layers.attention import AttentionContext, TorchAttentionBackend
 from shardserve.layers.attention.cpu_native import CpuNativeAttentionBackend
 from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
 from shardserve.layers.moe import expert_load_report
-from shardserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
+from shardserve.layers.sampler import Sampler, compute_logprobs
 from shardserve.models.loader import load_model
 from shardserve.spec_decode.rejection_sampler import accept_drafts
 from shardserve.structured.bitmask import GrammarBitmask
 from shardserve.transfer import to_device
-from shardserve.utils import cdiv
 from shardserve.worker import kv_sizing
 from shardserve.worker.draft_proposer import DraftProposer
 from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
 from shardserve.worker.sampling_inputs import build_sampling_metadata
+from shardserve.worker.startup_steps import warm_up_mixed_step
 from shardserve.worker.step_graphs import StepGraphs
 from shardserve.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
@@ -100,11 +100,7 @@ class ModelRunner:
         kv_sizing.check_fp8_kv_cache(self)
         spec = self.config.speculative_config
         if spec is not None and spec.method == "draft_model":
-            self.drafter = DraftProposer(self, spec)
-            self._check_draft_attention()
-            if self.device.type == "cpu" and self.model_config.compute_dtype == torch.float32 and cpu_ops.available():
-                cpu_ops.pack_weights(self.drafter.model, torch.bfloat16 if model_config.dtype == torch.bfloat16
-                                     else torch.float32)
+            self.drafter = DraftProposer(self, spec)   # checks it runs on our backend, packs it for the CPU
         if self.show_progress:   # vLLM's line, with the weights as this rank holds them
             held = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
             logger.info("Model loading took %.4f GiB memory and %.6f seconds", sum(held.values()) / (1 << 30),
@@ -131,18 +127,6 @@ class ModelRunner:
         if CpuNativeAttentionBackend.supports(self.model.attention_layers()[0].spec, kv_dtype):
             self.backend, self.kv_cache_dtype = CpuNativeAttentionBackend(), kv_dtype
 
-    def _check_draft_attention(self) -> None:
-        """The draft's attention runs on the target's backend and pool dtype."""
-        spec = self.drafter.model.attention_layers()[0].spec
-        backend = self.backend
-        cpu_refuses = (isinstance(backend, CpuNativeAttentionBackend)
-                       and not CpuNativeAttentionBackend.supports(spec, self.kv_cache_dtype))
-        cuda_refuses = isinstance(backend, CudaAttentionBackend) and not CudaAttentionBackend.supports(spec,
-                                                                                                      self.block_size)
-        if cpu_refuses or cuda_refuses:
-            raise ValueError(f"the draft model's attention (head_dim {spec.head_dim}, {spec.num_kv_heads} KV heads) "
-                             f"does not run on the target's {type(backend).__name__}")
-
     def kv_bytes_per_block(self) -> int:
         """The target's KV per block, plus the draft model's (it shares the block tables)."""
         models = [self.model] + ([self.drafter.model] if self.drafter is not None else [])
@@ -150,69 +134,6 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         return kv_sizing.determine_num_blocks(self)
-
-    def dummy_run(self, num_tokens: int, max_model_len: int, max_num_seqs: int) -> None:
-        from shardserve.sampling_params import SamplingParams
-        from shardserve.worker.step_io import NewRequestData, SchedulerOutput
-        sched = SchedulerOutput()
-        remaining, block = num_tokens, 1
-        while remaining > 0:
-            n = min(remaining, max_model_len)
-            num_blocks = cdiv(n, self.block_size)
-            req_id = f"_profile_{len(sched.scheduled_new_reqs)}"
-            sched.scheduled_new_reqs.append(NewRequestData(
-                req_id=req_id, token_ids=[0] * n, num_prompt_tokens=n, sampling_params=SamplingParams(max_tokens=1),
-                block_ids=list(range(block, block + num_blocks)), num_computed_tokens=0))
-            sched.num_scheduled_tokens[req_id] = n
-            block += num_blocks
-            remaining -= n
-        sched.total_num_scheduled_tokens = num_tokens
-        self.execute_model(sched)
-        # The sampler's largest batch, with every option that allocates: sort for top-k/top-p,
-        # penalty tensors and logprobs.
-        n, vocab = max_num_seqs, self.model_config.vocab_size
-        logits = torch.randn(n, vocab, device=self.device)
-        column = torch.ones(n, device=self.device)
-        md = SamplingMetadata(temperature=column, greedy=torch.zeros(n, dtype=torch.bool, device=self.device),
-                              all_greedy=False, top_p=column * 0.9, top_k=column.long() * 50, min_p=column * 0.01,
-                              presence_penalty=column, frequency_penalty=column, repetition_penalty=column * 1.1,
-                              output_token_counts=torch.zeros(n, vocab, device=self.device),
-                              prompt_token_mask=torch.zeros(n, vocab, dtype=torch.bool, device=self.device),
-                              num_logprobs=(self.model_config.max_logprobs if self.model_config.max_logprobs >= 0
-                                            else vocab))
-        self.sampler(logits, md)
-        del logits, md
-        sched = SchedulerOutput(finished_req_ids=set(sched.num_scheduled_tokens))
-        update_states(self.states, sched)
-
-    def _warm_up_mixed_step(self) -> None:
-        """Two small greedy steps on the pool in service, the second a decode beside a prefill chunk,
-        so that Triton compiles, at start-up, the kernel variants only such steps use (decode
-        attention without the fused rotary, greedy sampling's argmax, and any kernel run eagerly: a
-        pool past 2^31 elements makes its strides 64-bit, another variant than the profiling pool's).
-        Compiled at the first such step in service, they stalled it for seconds (8B offline
-        throughput on a fresh machine: MFU 30% instead of 35%). Blocks 1-3 are written (no request
-        holds any block yet), then zeroed again."""
-        from shardserve.sampling_params import SamplingParams
-        from shardserve.worker.step_io import CachedRequestData, NewRequestData, SchedulerOutput
-        block_size = self.block_size
-        if self.config.scheduler_config.max_model_len < block_size + 2 or self.kv_caches[0].shape[-3] < 4:
-            return
-        params = SamplingParams(temperature=0, max_tokens=2)   # greedy: the argmax kernels too
-        prompt = NewRequestData(req_id="_warm_0", token_ids=[0] * (block_size + 1), num_prompt_tokens=block_size + 1,
-                                sampling_params=params, block_ids=[1, 2], num_computed_tokens=0)
-        first = SchedulerOutput(scheduled_new_reqs=[prompt], num_scheduled_tokens={"_warm_0": block_size + 1},
-                                total_num_scheduled_tokens=block_size + 1)
-        self.execute_model(first)
-        second = NewRequestData(req_id="_warm_1", token_ids=[0, 0], num_prompt_tokens=2, sampling_params=params,
-                                block_ids=[3], num_computed_tokens=0)
-        decode = CachedRequestData(req_id="_warm_0", new_token_ids=[0], new_block_ids=[],
-                                   num_computed_tokens=block_size + 1)
-        mixed = SchedulerOutput(scheduled_new_reqs=[second], scheduled_cached_reqs=[decode],
-                                num_scheduled_tokens={"_warm_0": 1, "_warm_1": 2}, total_num_scheduled_tokens=3)
-        self.execute_model(mixed)
-        update_states(self.states, SchedulerOutput(finished_req_ids={"_warm_0", "_warm_1"}))
-        self._zero_blocks([1, 2, 3])   # the pool as it was allocated
 
     def wants_graphs(self) -> bool:
         parallel = self.config.parallel_config
@@ -254,7 +175,7 @@ class ModelRunner:
                 self.drafter.graphs = StepGraphs(self.drafter.model, self.backend, self.device, self.model_config,
                                                  self.config.scheduler_config, self.block_size, num_blocks)
         if capture_graphs and isinstance(self.backend, CudaAttentionBackend):   # the pool in service
-            self._warm_up_mixed_step()
+            warm_up_mixed_step(self)
 
     # ---- one step --------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -294,8 +215,12 @@ class ModelRunner:
             return PendingOutput(out)
         self._prompt_logprobs(inputs, hidden, out)
         pending = self._sample(inputs, hidden, out, in_flight)
-        if self.drafter is not None:
-            pending = self._propose_drafts(sched, pending)
+        if self.drafter is not None:   # the draft model's turn: it needs this step's tokens now
+            out = pending.get()
+            drafts = self.drafter.after_step(sched, out.sampled_token_ids)
+            if get_tp_group().rank == 0:
+                out.draft_token_ids = drafts
+            pending = PendingOutput(out)
         return pending
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput,
@@ -346,29 +271,6 @@ class ModelRunner:
             if k is not None and lp_rows is not None:   # a request without drafts: one row
                 out.logprobs[req_id] = _rows_to_lists(lp_rows[0][row], lp_rows[1][row], lp_rows[2][row], k)
         return out
-
-    def _propose_drafts(self, sched: SchedulerOutput, pending: PendingOutput) -> PendingOutput:
-        """The draft model's turn after the target's step: every TP rank needs the tokens the
-        driver sampled (it broadcasts them), then drafts alike; the driver reports the drafts."""
-        out = pending.get()
-        tp = get_tp_group()
-        sampled = out.sampled_token_ids
-        if tp.world_size > 1:
-            req_ids = sorted(sched.num_scheduled_tokens)
-            width = self.drafter.k + 2   # a count, then up to k + 1 tokens
-            table = torch.zeros(len(req_ids), width, dtype=torch.long)
-            for row, req_id in enumerate(req_ids):
-                tokens = sampled.get(req_id, [])
-                table[row, 0] = len(tokens)
-                table[row, 1:1 + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            table = table.to(self.device)
-            dist.broadcast(table, src=tp.ranks[0], group=tp.group)
-            rows = table.tolist()
-            sampled = {req_id: row[1:1 + row[0]] for req_id, row in zip(req_ids, rows) if row[0]}
-        drafts = self.drafter.propose(sched, sampled)
-        if tp.rank == 0:
-            out.draft_token_ids = drafts
-        return PendingOutput(out)
 
     def _remember_samples(self, req_ids: list[str], sampled: torch.Tensor) -> None:
         tp = get_tp_group()

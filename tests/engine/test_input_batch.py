@@ -8,6 +8,7 @@ import torch
 
 from shardserve import LLM, SamplingParams
 from shardserve.worker.input_batch import prepare_inputs, update_states
+from shardserve.worker.startup_steps import warm_up_mixed_step
 from shardserve.worker.step_io import CachedRequestData, NewRequestData, SchedulerOutput
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -57,7 +58,7 @@ def test_warm_up_steps_leave_nothing_behind(tmp_path):
                 steps = []
                 real_step = runner.execute_model
                 runner.execute_model = lambda sched: steps.append(sched.total_num_scheduled_tokens) or real_step(sched)
-                runner._warm_up_mixed_step()
+                warm_up_mixed_step(runner)
                 del runner.execute_model
                 assert steps == [17, 3]   # it ran: a 17-token prefill, then a decode beside a 2-token one
                 assert runner.states == {}

@@ -138,7 +138,7 @@ def test_cuda_graph_prefill_gives_the_eager_tokens(tmp_path, monkeypatch):
             before = len(replays)
             llm = LLM(path, dtype="float32", device="cuda", gpu_memory_utilization=0.3, max_num_seqs=8,
                       max_num_batched_tokens=chunk, enable_prefix_caching=True, show_progress=False)
-            del replays[before:]   # the start-up warm-up steps (model_runner._warm_up_mixed_step)
+            del replays[before:]   # the start-up warm-up steps (startup_steps.warm_up_mixed_step)
             runner = llm.engine.executor.worker.model_runner
             assert (runner.graphs.prefill is not None) == graphs
             runs[graphs, chunk] = [o for batch, p in batches for o in llm.generate(batch, p, use_tqdm=False)]
@@ -180,7 +180,7 @@ def test_piecewise_graphs_give_the_eager_tokens(tmp_path, monkeypatch):
         before = len(replays)
         llm = LLM(path, dtype="float32", device="cuda", gpu_memory_utilization=0.3, max_num_seqs=8,
                   max_num_batched_tokens=96, show_progress=False)
-        del replays[before:]   # the start-up warm-up steps (model_runner._warm_up_mixed_step)
+        del replays[before:]   # the start-up warm-up steps (startup_steps.warm_up_mixed_step)
         assert (llm.engine.executor.worker.model_runner.graphs.piecewise is not None) == (on == "1")
         runs[on] = llm.generate(prompts, params, use_tqdm=False)
         llm.engine.shutdown()
