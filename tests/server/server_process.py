@@ -109,3 +109,16 @@ def post(url: str, body: Any = None, **kw) -> tuple[int, Any, dict[str, str]]:
         return status, json.loads(data), headers
     except json.JSONDecodeError:
         return status, data, headers
+
+
+def server_fixture(*args: str):
+    """A module-scoped pytest fixture: one `shardserve serve` with these flags for the module's
+    tests, stopped after them."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory):
+        srv = ServerProcess(list(args), str(tmp_path_factory.mktemp("server") / "server.log"))
+        yield srv
+        srv.stop()
+    return server

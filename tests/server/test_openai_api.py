@@ -11,23 +11,13 @@ import time
 import openai
 import pytest
 
-from tests.server.server_process import ServerProcess, get, post
+from tests.server.server_process import get, post, server_fixture
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(["--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--max-num-seqs", "40"],
-                        str(tmp_path_factory.mktemp("server") / "server.log"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
+server = server_fixture("--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--max-num-seqs", "40")
 
 
 def count_tokens(server, text: str) -> int:

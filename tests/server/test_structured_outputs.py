@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.server_process import ServerProcess, post
+from tests.server.server_process import post, server_fixture
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -19,17 +19,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer with the city name only."}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(["--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--max-num-seqs", "8"],
-                        str(tmp_path_factory.mktemp("server") / "server.log"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
+server = server_fixture("--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--max-num-seqs", "8")
 
 
 def test_response_format_json_schema_and_json_object(client):

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from shardserve.server.tools import call_schema, plan_tools, required_schema
-from tests.server.server_process import ServerProcess
+from tests.server.server_process import ServerProcess, server_fixture
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
@@ -28,17 +28,7 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(["--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--max-num-seqs", "8"],
-                        str(tmp_path_factory.mktemp("server") / "server.log"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
+server = server_fixture("--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--max-num-seqs", "8")
 
 
 def check_call(call, names=("get_weather",)) -> None:
