@@ -26,7 +26,7 @@ from shardserve.server.protocol import (
     TokenizeRequest,
     error_body,
 )
-from shardserve.server.serving import ServerSettings
+from shardserve.server.serving import Admissions, ServerSettings
 from shardserve.server.serving_chat import ChatServing
 from shardserve.server.serving_completion import CompletionServing
 from shardserve.worker.profiler import profiler_dir
@@ -135,8 +135,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
     app = FastAPI(title="shardserve", version=__version__)
     metrics = ServerMetrics(engine.stats, settings.served_model_name, engine.config.cache_config)
     metrics.observe_steps(engine)
-    completions = CompletionServing(engine, settings, metrics)
-    chats = ChatServing(engine, settings, metrics)
+    admissions = Admissions()   # one queue count for both routes
+    completions = CompletionServing(engine, settings, metrics, admissions)
+    chats = ChatServing(engine, settings, metrics, admissions)
     app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics
     app.add_middleware(RequestIdAndAuth, api_key=api_key, max_body_bytes=max_body_bytes)
 
@@ -166,11 +167,17 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
 
     @app.post("/v1/completions")
     async def create_completion(request: Request):
-        return respond(await completions.create(await _json_body(request, CompletionRequest), request))
+        try:
+            return respond(await completions.create(await _json_body(request, CompletionRequest), request))
+        finally:   # a request refused or failed before reaching the engine leaves the queue count
+            completions.release(request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request):
-        return respond(await chats.create(await _json_body(request, ChatCompletionRequest), request))
+        try:
+            return respond(await chats.create(await _json_body(request, ChatCompletionRequest), request))
+        finally:
+            chats.release(request)
 
     @app.get("/v1/models")
     async def list_models():

@@ -34,9 +34,20 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+class Admissions:
+    """Requests past the queue check but not yet in the engine (tokenizing in a thread, or their add
+    pending). The engine's waiting count cannot see them, so a burst arriving at once would all pass
+    `--max-queue-len`; they count towards it until added to the engine or turned away."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class Serving:
-    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings, metrics: ServerMetrics,
+                 admissions: Admissions | None = None) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
+        self.admissions = admissions or Admissions()   # shared by the chat and completion servings
         self._max_prompt_chars: int | None = None
 
     @property
@@ -49,13 +60,25 @@ class Serving:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.settings.served_model_name}`.", "model")
 
-    def check_ready(self) -> None:
+    def check_ready(self, raw: Request) -> None:
+        """Refuse when the engine is dead or the queue is full, else admit the request: it counts as
+        waiting until `release(raw)` (after its engine requests are added, or on any error)."""
         if not self.engine.is_alive():
             raise APIError(503, f"the engine is not running: {self.engine.error}")
         limit = self.settings.max_queue_len
-        if limit is not None and self.engine.stats().num_waiting >= limit:
+        if limit is not None and self.engine.stats().num_waiting + self.admissions.count >= limit:
             raise APIError(429, f"the server is overloaded: {limit} requests are already waiting "
                                 "(--max-queue-len); retry later", headers={"Retry-After": "1"})
+        # No await between the check and the count: no other request can slip in between.
+        self.admissions.count += 1
+        raw.state.admitted = True
+
+    def release(self, raw: Request) -> None:
+        """Idempotent: start_all releases once the engine holds the requests; the route again on
+        every way out (errors, cancellation when the client goes)."""
+        if getattr(raw.state, "admitted", False):
+            raw.state.admitted = False
+            self.admissions.count -= 1
 
     def check_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -143,6 +166,8 @@ class Serving:
             for s in streams:
                 await s.aclose()
             raise
+        finally:   # added (now in the engine's waiting count) or failed: no longer admitted
+            self.release(raw)
         return streams
 
     @staticmethod

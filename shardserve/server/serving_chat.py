@@ -93,7 +93,7 @@ class ChatServing(Serving):
             req._tool_spec = plan.structured_spec()
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        self.check_ready()
+        self.check_ready(raw)
         text, ids = await self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                       req.chat_template, req.chat_template_kwargs, plan.template_tools)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

@@ -61,7 +61,7 @@ class CompletionServing(Serving):
             raise APIError(400, "suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of other than n is not supported", "best_of")
-        self.check_ready()
+        self.check_ready(raw)
         prompts = []
         for p in _prompts_of(req):
             ids = await self.encode(p) if isinstance(p, str) else list(p)
