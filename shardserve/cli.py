@@ -37,6 +37,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
     parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                         help="largest logprobs a request may ask for; -1: no limit (default: %(default)s)")
+    parser.add_argument("--cpu-offload-gb", type=float, default=d.cpu_offload_gb,
+                        help="CUDA: GiB of each GPU's weights kept in pinned CPU memory and streamed in for every "
+                        "step (whole decoder layers; CUDA graphs off), so a model larger than the GPU serves "
+                        "(default: %(default)s)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (default: off)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -90,6 +94,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       seed=ns.seed, max_logprobs=ns.max_logprobs, load_format=ns.load_format,
                       quantization=ns.quantization,
                       enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
+                      cpu_offload_gb=ns.cpu_offload_gb,
                       speculative_config=ns.speculative_config,
                       tensor_parallel_size=ns.tensor_parallel_size,
                       pipeline_parallel_size=ns.pipeline_parallel_size, data_parallel_size=ns.data_parallel_size,

@@ -94,6 +94,7 @@ class ModelConfig:
     piecewise_graphs: bool = True
     max_logprobs: int = 20                             # largest logprobs / prompt_logprobs; -1: no limit
     quantization: str | None = None                    # --quantization (quantization/config.py); None: as stored
+    cpu_offload_gb: float = 0.0                        # CUDA: GiB of weights per GPU kept in CPU memory
 
     @property
     def compute_dtype(self) -> torch.dtype:

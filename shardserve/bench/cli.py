@@ -135,6 +135,9 @@ def add_bench_offline_args(p: argparse.ArgumentParser, latency: bool) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="default: %(default)s")
     p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs for decode steps (default: off)")
+    p.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                   help="CUDA: GiB of weights per GPU streamed from pinned CPU memory; latency then also "
+                   "reports the host-to-device copy bound (default: %(default)s)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=not latency,
                    help="latency sends the same prompts every iteration, so caching would turn every prefill after "
                         "the first into a cache hit (default: %(default)s)")

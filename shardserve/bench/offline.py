@@ -75,6 +75,7 @@ def make_llm(ns, path: str, random_weights: bool):
               enable_expert_parallel=getattr(ns, "enable_expert_parallel", False),
               quantization=None if quantization in INT4_RANDOM else quantization,   # INT4: in the config
               enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
+              cpu_offload_gb=getattr(ns, "cpu_offload_gb", 0.0),
               enable_prefix_caching=ns.enable_prefix_caching)
     if ns.kv_cache_memory:
         kw["kv_cache_memory"] = ns.kv_cache_memory
@@ -89,6 +90,13 @@ def measure_bandwidth(device: torch.device) -> float:
     x = torch.empty(int(n), dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     return 2 * x.numel() / _seconds(lambda: y.copy_(x), device, 3, 10)
+
+
+def measure_host_to_device(device: torch.device) -> float:
+    """Bytes per second of a 1 GiB copy from pinned CPU memory to the GPU (the PCIe link)."""
+    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    x = torch.empty_like(host, device=device)
+    return host.numel() / _seconds(lambda: x.copy_(host, non_blocking=True), device, 2, 5)
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
@@ -175,6 +183,7 @@ def run_latency(ns) -> dict[str, Any]:
     traces: list[str] = []
     try:
         lim = _limits(llm, config)
+        offloaded = max(llm.engine.executor.collective_rpc("cpu_offload_bytes"))
         prompts = random_prompts(ns.batch_size, ns.input_len, 0.0, config["vocab_size"], ns.seed)
 
         def once(max_tokens: int) -> float:
@@ -211,6 +220,10 @@ def run_latency(ns) -> dict[str, Any]:
               "mfu": flops / lim["tp"] / float(np.median(e2e)) / lim["peak_flops"],
               "peak_tflops": lim["peak_flops"] / 1e12, "dtype": lim["dtype"], "device": str(lim["device"]),
               **({"profile_traces": traces} if ns.profile else {})}
+    if offloaded:   # every step copies the offloaded layers in: it cannot beat that copy
+        h2d = measure_host_to_device(lim["device"])
+        result.update(offloaded_gb_per_rank=offloaded / 1e9, host_to_device_gb_s=h2d / 1e9,
+                      offload_bound_step_ms=1000 * offloaded / h2d)
     print(f"Avg latency: {result['avg_latency_s']:.4f} seconds")
     for p in (10, 25, 50, 75, 90, 99):
         print(f"{p}% percentile latency: {result[f'p{p}_latency_s']:.4f} seconds")
@@ -222,6 +235,10 @@ def run_latency(ns) -> dict[str, Any]:
               f"measured): {result['step_vs_roofline']:.2f}x the roofline")
     print(f"Model FLOPs utilisation: {100 * result['mfu']:.2f}% of {result['peak_tflops']:.1f} TFLOP/s "
           f"({lim['dtype']} matmul measured in this run)")
+    if offloaded:
+        print(f"CPU offload: {offloaded / 1e9:.2f} GB per rank streamed each step; at {h2d / 1e9:.1f} GB/s "
+              f"host-to-device (measured) no step can take less than {result['offload_bound_step_ms']:.2f} ms "
+              f"(the decode step is {result['decode_step_ms'] / result['offload_bound_step_ms']:.2f}x that bound)")
     for trace in traces:
         print(f"profile trace: {trace}")
     return result

@@ -69,6 +69,7 @@ class EngineArgs:
     load_format: str = "auto"
     quantization: str | None = None
     enforce_eager: bool = False
+    cpu_offload_gb: float = 0.0   # CUDA: GiB of each GPU's weights in pinned CPU memory (layers/cpu_offload.py)
     max_logprobs: int = 20
     async_scheduling: bool | None = None   # None: on for CUDA without pipeline stages
     speculative_config: dict | str | None = None   # vLLM's keys (config.SpeculativeConfig), or its JSON
@@ -82,6 +83,7 @@ class EngineArgs:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype(hf_config), device)
         check_device(resolve_quantization(self.quantization, hf_config), device, dtype)
+        self._check_cpu_offload(device)
         max_model_len = self._max_model_len(hf_config)
         name = self.served_model_name or (DEFAULT_MODEL_NAME if self.model is None
                                           else os.path.basename(os.path.normpath(self.model)))
@@ -91,7 +93,9 @@ class EngineArgs:
                                    compute_dtype_override=_compute_dtype(dtype, device),
                                    load_format=self.load_format, max_logprobs=self.max_logprobs,
                                    quantization=self.quantization,
-                                   enforce_eager=self.enforce_eager or self._experts_span_replicas,
+                                   cpu_offload_gb=self.cpu_offload_gb,
+                                   enforce_eager=(self.enforce_eager or self._experts_span_replicas
+                                                  or self.cpu_offload_gb > 0),
                                    prefill_graphs=_graphs_switch("PREFILL"),
                                    piecewise_graphs=_graphs_switch("PIECEWISE"))
         parallel = ParallelConfig(
@@ -113,6 +117,16 @@ class EngineArgs:
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
                             prefix_caching_hash_algo=self.prefix_caching_hash_algo, cache_dtype=self.kv_cache_dtype)
         return EngineConfig(model_config, cache, parallel, scheduler, device, speculative)
+
+    def _check_cpu_offload(self, device: torch.device) -> None:
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb}: give the GiB of weights to keep in CPU "
+                             "memory, 0 or more")
+        if self.cpu_offload_gb > 0 and device.type != "cuda":
+            raise ValueError(f"--cpu-offload-gb streams weights from CPU memory to a GPU; this run is on the "
+                             f"{device.type}, where every weight is in CPU memory already: drop the flag")
+        if self.cpu_offload_gb > 0:   # the streaming hooks are Python: steps run eagerly
+            logger.info("CPU offload of %.2f GiB of weights per GPU: CUDA graphs off", self.cpu_offload_gb)
 
     def _speculative_config(self, hf_config: dict) -> SpeculativeConfig | None:
         """Parsed and checked against the target. Drafts follow a request's last token, so no

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -104,9 +104,11 @@ def linear_methods(factory: Callable[["LinearBase"], LinearMethod | None] | None
         _METHOD_FACTORY = old
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
+def process_weights_after_loading(model: nn.Module, skip: Iterable[nn.Module] = ()) -> None:
+    """skip: modules already processed (offloaded layers, layers/cpu_offload.py), with their children."""
+    done = {id(m) for module in skip for m in module.modules()}
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.quant_method is not None:
+        if isinstance(module, LinearBase) and module.quant_method is not None and id(module) not in done:
             module.quant_method.process_after_loading(module)
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from shardserve.distributed.parallel_state import get_pp_group, get_pp_layer_range
 from shardserve.layers.attention import Attention, AttentionContext, AttentionSpec
+from shardserve.layers.cpu_offload import maybe_offload
 from shardserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from shardserve.layers.mlp import GatedMLP
 from shardserve.layers.moe import SparseMoeBlock
@@ -113,7 +114,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size) if self.is_first else None
         rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling,
                                  spec.rope_freq_factors)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, rotary) if self.start <= i < self.end else nn.Identity()
+        self.layers = nn.ModuleList(maybe_offload(LlamaDecoderLayer(spec, i, rotary)) if self.start <= i < self.end
+                                    else nn.Identity()
                                     for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if self.is_last else None
         if not self.is_last and self.end > self.start:   # the next stage gets finished sums

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from shardserve.layers.cpu_offload import cpu_offload, finish_loading
 from shardserve.layers.linear import default_weight_loader, linear_methods, process_weights_after_loading
 from shardserve.models import gguf_loader
 from shardserve.models.registry import resolve_model_class
@@ -147,21 +148,22 @@ def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.dev
     return model.eval()
 
 
-def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+def init_dummy_weights(model: nn.Module, device: torch.device, seed: int = 0, std: float = 0.02) -> None:
     """Random weights with real shapes (vLLM's load_format="dummy"): matrices ~ N(0, std), norm
-    scales 1, biases 0. For benchmarks of models whose checkpoints are not at hand."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    scales 1, biases 0. For benchmarks of models whose checkpoints are not at hand. Drawn on
+    `device` in one order, so parameters offloaded to the CPU get the values they would have there."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if getattr(p, "full_precision", False):   # a quantization scale
                 p.fill_(1.0)
             elif not p.is_floating_point():           # packed integer weights: random bits
                 info = torch.iinfo(p.dtype)
-                p.copy_(torch.randint(info.min, info.max, p.shape, dtype=p.dtype, device=p.device, generator=gen))
-            elif p.dim() > 1 and p.dtype in _ROUNDED:
+                p.copy_(torch.randint(info.min, info.max, p.shape, dtype=p.dtype, device=device, generator=gen))
+            elif p.dim() > 1 and p.dtype in _ROUNDED and p.device == device:
                 p.normal_(0.0, std, generator=gen)
-            elif p.dim() > 1:                         # FP8: drawn in fp32, then rounded
-                p.copy_(torch.empty(p.shape, device=p.device).normal_(0.0, std, generator=gen).to(p.dtype))
+            elif p.dim() > 1:                         # FP8 (drawn in fp32, then rounded) or offloaded
+                p.copy_(torch.empty(p.shape, device=device).normal_(0.0, std, generator=gen).to(p.dtype))
             else:
                 p.fill_(1.0 if "norm" in name else 0.0)
 
@@ -232,14 +234,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
 
 def load_model(path: str, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device,
                show_progress: bool = True, compute_dtype: torch.dtype | None = None,
-               load_format: str = "auto", quantization: str | None = None) -> nn.Module:
+               load_format: str = "auto", quantization: str | None = None,
+               cpu_offload_bytes: int = 0) -> nn.Module:
     """Load weights rounded to `dtype`. With a wider `compute_dtype` (bf16 on CPUs without bf16
     matrix units), parameters hold the bf16-rounded values in that wider type. Quantized layers
-    convert their weights once everything is loaded (quantization/)."""
-    model = build_model(hf_config, compute_dtype or dtype, device, quantization)
+    convert their weights once everything is loaded (quantization/). cpu_offload_bytes: weights of
+    whole decoder layers kept in pinned CPU memory and streamed in (layers/cpu_offload.py); the
+    streaming is `model.cpu_offload`."""
+    with cpu_offload(cpu_offload_bytes) as offload:
+        model = build_model(hf_config, compute_dtype or dtype, device, quantization)
     if load_format == "dummy":
-        init_dummy_weights(model)
-        process_weights_after_loading(model)
+        init_dummy_weights(model, device)
+        _finish(model, offload, device)
         return model
     # Tensors stay on the CPU until each parameter's weight_loader has cut out this rank's shard,
     # so no device ever holds a full matrix it does not own.
@@ -249,5 +255,11 @@ def load_model(path: str, hf_config: dict[str, Any], dtype: torch.dtype, device:
                disable=not show_progress, leave=False)
     with torch.no_grad():
         load_weights(model, bar, round_to=dtype)
-        process_weights_after_loading(model)
+        _finish(model, offload, device)
     return model
+
+
+def _finish(model: nn.Module, offload, device: torch.device) -> None:
+    """Quantization's after-loading step: offloaded layers one at a time on the device, then the rest."""
+    model.cpu_offload = finish_loading(offload, device, process_weights_after_loading)
+    process_weights_after_loading(model, skip=offload.layers)

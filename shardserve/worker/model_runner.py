@@ -91,7 +91,8 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(model_config.model, model_config.hf_config, model_config.dtype, self.device,
                                 show_progress=self.show_progress, compute_dtype=model_config.compute_dtype,
-                                load_format=model_config.load_format, quantization=model_config.quantization)
+                                load_format=model_config.load_format, quantization=model_config.quantization,
+                                cpu_offload_bytes=int(model_config.cpu_offload_gb * (1 << 30)))
         if self.device.type == "cpu":
             self._use_native_cpu_kernels()
         elif self.device.type == "cuda" and CudaAttentionBackend.supports(self.model.attention_layers()[0].spec,

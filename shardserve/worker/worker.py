@@ -64,6 +64,11 @@ class Worker:
                                                          else tuple(p.shape))
                 for n, p in self.model_runner.model.named_parameters()}
 
+    def cpu_offload_bytes(self) -> int:
+        """Bytes of this rank's weights streamed from pinned CPU memory (--cpu-offload-gb)."""
+        offload = getattr(self.model_runner.model, "cpu_offload", None)
+        return offload.offloaded_bytes if offload is not None else 0
+
     def profile_decode_graph(self, batch_size: int, context: int = 256) -> dict:
         """The decode graph for batch_size replayed alone: its time and kernels (worker/graph_profile.py)."""
         from shardserve.worker.graph_profile import profile_decode_graph

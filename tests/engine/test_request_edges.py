@@ -118,3 +118,21 @@ def test_prefill_and_piecewise_graph_switches_resolve_once_in_the_config(tmp_pat
             monkeypatch.setenv(env, value)
     mc = EngineArgs(model=path, tensor_parallel_size=tp, device="cpu").create_engine_config().model_config
     assert mc.prefill_graphs is want and mc.piecewise_graphs is want
+
+
+@pytest.mark.parametrize("gb,message", [(2.0, "streams weights from CPU memory to a GPU"), (-1.0, "0 or more")])
+def test_cpu_offload_is_refused_where_it_cannot_mean_anything(tmp_path, gb, message):
+    """--cpu-offload-gb moves weights between CPU and GPU memory: a CPU run (where every weight is in
+    CPU memory) and a negative size are clear errors. Its streaming is tested on a GPU
+    (tests/gpu/test_cuda_cpu_offload.py)."""
+    from shardserve.engine.args import EngineArgs
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama")
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=path, device="cpu", cpu_offload_gb=gb).create_engine_config()
+    assert EngineArgs(model=path, device="cpu").create_engine_config().model_config.cpu_offload_gb == 0
+
+
+def test_cpu_offload_flag_reaches_the_engine_config():
+    from shardserve.cli import build_parser, engine_args_from
+    ns = build_parser().parse_args(["serve", "--cpu-offload-gb", "1.5"])
+    assert engine_args_from(ns).cpu_offload_gb == 1.5
