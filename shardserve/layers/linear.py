@@ -90,7 +90,7 @@ class LinearMethod(ABC):
         return None
 
 
-_METHOD_FACTORY: Callable[["LinearBase"], LinearMethod | None] | None = None
+_METHOD_FACTORY: Callable[[nn.Module], object | None] | None = None   # layers/moe.py asks it too
 
 
 @contextmanager
@@ -104,11 +104,17 @@ def linear_methods(factory: Callable[["LinearBase"], LinearMethod | None] | None
         _METHOD_FACTORY = old
 
 
+def quant_method_for(layer: nn.Module) -> object | None:
+    """What the current factory gives `layer`: a LinearMethod, a MoEMethod for a MoE layer's experts
+    (layers/moe.py), or None (unquantized, or built outside `linear_methods`)."""
+    return _METHOD_FACTORY(layer) if _METHOD_FACTORY is not None else None
+
+
 def process_weights_after_loading(model: nn.Module, skip: Iterable[nn.Module] = ()) -> None:
     """skip: modules already processed (offloaded layers, layers/cpu_offload.py), with their children."""
     done = {id(m) for module in skip for m in module.modules()}
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.quant_method is not None and id(module) not in done:
+        if getattr(module, "quant_method", None) is not None and id(module) not in done:
             module.quant_method.process_after_loading(module)
 
 

@@ -18,10 +18,19 @@ Either way every rank's output is a partial sum over the TP group, reduced like 
 (all-reduced, or handed to the next norm with `partial_sum=True`). The checkpoint's per-expert
 tensors reach the stacked weights through `FusedMoE.weight_loader` with shard ids
 (expert, "gate" | "up" | "down"); an expert of None means the tensor stacks all experts.
+
+Quantized experts: built inside `linear_methods(factory)`, FusedMoE asks the factory for a
+`MoEMethod` (quantization/fp8_moe.py), which registers the stacked weights in its format plus their
+scales, converts them after loading and runs the experts. A scale parameter marked `expert_scale`
+holds one value per output row of each expert ([experts, 2 * inter] for w13, [experts, hidden] for
+w2): the same loader fills it from a per-tensor scale (one value, spread over the rows it covers)
+or a per-channel one (one per row), slicing gate/up rows over TP like the weight's rows; w2's rows
+(hidden) are never split, so its scales are whole on every rank.
 """
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 
 import torch
 from torch import nn
@@ -34,7 +43,7 @@ from shardserve.distributed.parallel_state import (
     get_tp_group,
 )
 from shardserve.kernels.moe import reference, torch_moe
-from shardserve.layers.linear import ReplicatedLinear, default_weight_loader
+from shardserve.layers.linear import ReplicatedLinear, default_weight_loader, quant_method_for
 
 
 def _expert_load_on() -> bool:
@@ -49,13 +58,33 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 
 
 def experts_matmul(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> torch.Tensor:
-    """The grouped expert matmuls: Triton's fused kernel on CUDA, torch grouped by expert elsewhere."""
+                   topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                   w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped expert matmuls: Triton's fused kernel on CUDA, torch grouped by expert elsewhere.
+    w13_scale / w2_scale: per-row scales of FP8 experts (None: the weights are plain floats)."""
     if hidden.is_cuda:
         from shardserve.kernels.moe import triton_moe
-        if triton_moe.handles(hidden, w13):
-            return triton_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
-    return torch_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+        if triton_moe.handles(hidden, w13, w13_scale):
+            return triton_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                                        w2_scale=w2_scale)
+    return torch_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+
+
+class MoEMethod(ABC):
+    """How the experts of one weight format are stored, loaded and run; the quantization room
+    implements one per format it supports for experts. Unquantized experts have none."""
+
+    @abstractmethod
+    def create_weights(self, layer: "FusedMoE") -> None:
+        """Register `w13_weight`, `w2_weight` and any scales (layer.register_expert_param)."""
+
+    def process_after_loading(self, layer: "FusedMoE") -> None:
+        """Convert the loaded parameters to the form `apply` runs on (once, after loading)."""
+
+    @abstractmethod
+    def apply(self, layer: "FusedMoE", hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the picked experts' outputs (ids already local, -1 elsewhere)."""
 
 
 class FusedMoE(nn.Module):
@@ -63,9 +92,10 @@ class FusedMoE(nn.Module):
     packed_expert_weights = ("w13_weight", "w2_weight")
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool) -> None:
+                 renormalize: bool, prefix: str = "mlp.experts") -> None:
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.prefix, self.hidden_size = prefix, hidden_size   # prefix: the layer's name, for errors
         ep, tp = get_ep_group(), get_tp_group()
         if ep.world_size > 1:   # whole experts per rank
             self.num_local_experts = _divide(num_experts, ep.world_size, "num_experts (expert parallel size)")
@@ -76,9 +106,12 @@ class FusedMoE(nn.Module):
             self.inter_shards, self.inter_rank = tp.world_size, tp.rank
         inter = _divide(intermediate_size, self.inter_shards, "moe_intermediate_size (tensor parallel size)")
         self.intermediate_size = inter
-        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * inter, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, inter), requires_grad=False)
-        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        self.quant_method: MoEMethod | None = quant_method_for(self)
+        if self.quant_method is None:
+            self.register_expert_param("w13_weight", torch.empty(self.num_local_experts, 2 * inter, hidden_size))
+            self.register_expert_param("w2_weight", torch.empty(self.num_local_experts, hidden_size, inter))
+        else:
+            self.quant_method.create_weights(self)
         # Global expert id -> local index, -1 where another rank holds it (None: every expert is here).
         expert_map = None
         if ep.world_size > 1:
@@ -91,6 +124,14 @@ class FusedMoE(nn.Module):
         load = torch.zeros(num_experts, dtype=torch.int64) if _expert_load_on() else None
         self.register_buffer("load", load, persistent=False)
 
+    def register_expert_param(self, name: str, data: torch.Tensor, expert_scale: bool = False) -> nn.Parameter:
+        """A stacked per-expert parameter filled through weight_loader. expert_scale: one value per
+        output row of each expert (the module docstring), kept in fp32 by the loader."""
+        param = nn.Parameter(data, requires_grad=False)
+        param.weight_loader, param.expert_scale, param.full_precision = self.weight_loader, expert_scale, expert_scale
+        self.register_parameter(name, param)
+        return param
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int | None, str]) -> None:
         expert, kind = shard_id
         if expert is None:   # all experts stacked in one tensor
@@ -99,8 +140,25 @@ class FusedMoE(nn.Module):
         elif self.expert_start <= expert < self.expert_start + self.num_local_experts:
             self._load_expert(param, loaded, expert - self.expert_start, kind)
 
+    def _full_rows(self, kind: str) -> int:
+        """Output rows of one expert's checkpoint tensor of this kind (before any TP split)."""
+        full_inter = self.intermediate_size * self.inter_shards
+        return {"gate_up": 2 * full_inter, "gate": full_inter, "up": full_inter}.get(kind, self.hidden_size)
+
     def _load_expert(self, param: nn.Parameter, loaded: torch.Tensor, local: int, kind: str) -> None:
         inter, rank = self.intermediate_size, self.inter_rank
+        if getattr(param, "expert_scale", False):
+            # Per-tensor ([], [1]) or per-channel ([rows], [rows, 1]) scales: one value per output row.
+            loaded = loaded.reshape(-1)
+            rows = self._full_rows(kind)
+            if loaded.numel() == 1:
+                loaded = loaded.expand(rows)
+            elif loaded.numel() != rows:
+                raise ValueError(f"{self.prefix}: an expert's {kind} scale has {loaded.numel()} values; expected 1 "
+                                 f"(per tensor) or {rows} (per output channel); block-wise scales are not supported")
+            if kind == "down":   # w2's rows are the hidden size, never split
+                default_weight_loader(param.data[local], loaded)
+                return
         if kind == "gate_up":   # HF's fused [2 * intermediate, hidden], gate first
             half = loaded.shape[0] // 2
             self._load_expert(param, loaded[:half], local, "gate")
@@ -121,6 +179,8 @@ class FusedMoE(nn.Module):
             self.load.scatter_add_(0, ids, torch.ones_like(ids))
         if self.expert_map is not None:
             topk_ids = self.expert_map[topk_ids.long()]
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         return experts_matmul(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
 
@@ -128,10 +188,11 @@ class SparseMoeBlock(nn.Module):
     """Router + experts, in place of a dense MLP (`gate`, `experts` as HF names them)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 renormalize: bool) -> None:
+                 renormalize: bool, prefix: str = "mlp") -> None:
         super().__init__()
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
-        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize,
+                                prefix=f"{prefix}.experts")
         self.tp_size = get_tensor_model_parallel_world_size()
         self.spans_replicas = get_dp_group().world_size > 1
 

@@ -79,7 +79,7 @@ class LlamaDecoderLayer(nn.Module):
         moe = spec.moe
         if moe is not None and moe.sparse_layers[layer]:
             self.mlp = SparseMoeBlock(spec.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
-                                      moe.renormalize)
+                                      moe.renormalize, prefix=f"model.layers.{layer}.mlp")
         else:
             self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         # With TP, o_proj and the MLP hand partial sums to the norm after each, which all-reduces

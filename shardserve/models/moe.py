@@ -7,7 +7,9 @@ what is left here is how their checkpoints name the experts' tensors:
 - all experts stacked in one tensor: transformers 5's `mlp.experts.gate_up_proj` / `down_proj`, and
   the GGUF loader's `mlp.experts.gate_proj` / `up_proj` / `down_proj`.
 `expert_shard` turns such a name into the stacked parameter and the (expert, kind) shard id
-FusedMoE.weight_loader takes (models/loader.py's load_weights asks it before packing names).
+FusedMoE.weight_loader takes (models/loader.py's load_weights asks it before packing names). FP8
+checkpoints add per expert `...gate_proj.weight_scale` and `...gate_proj.input_scale` beside the
+weight: they go to `w13_weight_scale` / `w13_input_scale` (w2_ for down) with the same shard id.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import re
 
 from shardserve.models.llama import LlamaForCausalLM
 
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale|input_scale)$")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 _STACKED_KINDS = {"gate_up_proj": "gate_up", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
@@ -28,7 +30,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         match = _PER_EXPERT.match(name)
         if match and match.group(3) in self.expert_weight_kinds:
             kind = self.expert_weight_kinds[match.group(3)]
-            return f"{match.group(1)}.{'w2' if kind == 'down' else 'w13'}_weight", (int(match.group(2)), kind)
+            param = f"{'w2' if kind == 'down' else 'w13'}_{match.group(4)}"
+            return f"{match.group(1)}.{param}", (int(match.group(2)), kind)
         match = _STACKED.match(name)
         if match:
             kind = _STACKED_KINDS[match.group(2)]

@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from shardserve.layers.linear import LinearBase, LinearMethod
+from shardserve.layers.moe import FusedMoE, MoEMethod
 from shardserve.quantization.fp8 import Fp8Config
+from shardserve.quantization.fp8_moe import Fp8MoEMethod
 from shardserve.quantization.gguf import GgufConfig
 from shardserve.quantization.int4 import AwqConfig, GptqConfig
 
@@ -49,5 +52,28 @@ def check_device(config: QuantConfig | None, device: torch.device, dtype: torch.
             raise ValueError(f"FP8 on CUDA computes in bfloat16 or float16, not {dtype}: pass --dtype bfloat16")
 
 
-def linear_method_factory(config: QuantConfig | None) -> Callable[[LinearBase], LinearMethod | None] | None:
-    return None if config is None else config.linear_method
+def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
+    """The experts' method for a format: FP8 has one; GGUF experts arrive dequantized (models/
+    gguf_loader.py) and run unquantized; a format whose expert tensors nothing here reads is refused
+    while the model is built, before any weight loads."""
+    if config.name == "fp8":
+        return Fp8MoEMethod(config.from_checkpoint)
+    if config.name == "gguf":
+        return None
+    raise ValueError(f"{config.name.upper()} (INT4) weights for the experts of a mixture-of-experts layer "
+                     f"({layer.prefix}) are not supported; mixture-of-experts models load from full-precision, "
+                     "FP8 (quant_method: fp8 or --quantization fp8) or GGUF checkpoints")
+
+
+def linear_method_factory(config: QuantConfig | None) -> Callable[[nn.Module], LinearMethod | MoEMethod | None] | None:
+    """Each layer's method: linear layers from their format's config, a MoE layer's experts from
+    `moe_method`."""
+    if config is None:
+        return None
+
+    def method(layer: nn.Module) -> LinearMethod | MoEMethod | None:
+        if isinstance(layer, FusedMoE):
+            return moe_method(config, layer)
+        assert isinstance(layer, LinearBase)
+        return config.linear_method(layer)
+    return method

@@ -7,6 +7,8 @@ Conventions shared by every implementation (kernels/moe/*, layers/moe.py):
   rank's experts; -1 marks a pick held by another expert-parallel rank (it adds nothing here).
 - `topk_weights` [T, K] (fp32): the routing weight of each pick, applied to that expert's output
   before the picks are summed.
+- FP8 experts: `w13` / `w2` in float8_e4m3fn with fp32 scales per output row, `w13_scale` [E, 2 * I]
+  and `w2_scale` [E, H]: the expert's weight is q * scale[:, None] (`dequantize_experts`).
 """
 from __future__ import annotations
 
@@ -25,10 +27,19 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     return weights, ids.to(torch.int32)
 
 
+def dequantize_experts(weights: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 experts [E, N, K] with row scales [E, N] -> their fp32 values."""
+    return weights.float() * scale.float().unsqueeze(-1)
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [T, H] -> [T, H]: sum over picks of weight * down(silu(gate(x)) * up(x)), each expert
-    computed on the tokens that picked it, in fp32, rounded once to hidden's dtype."""
+    computed on the tokens that picked it, in fp32, rounded once to hidden's dtype. With scales,
+    the FP8 experts are dequantized first."""
+    if w13_scale is not None:
+        w13, w2 = dequantize_experts(w13, w13_scale), dequantize_experts(w2, w2_scale)
     out = torch.zeros(hidden.shape[0], w2.shape[1], dtype=torch.float32, device=hidden.device)
     inter = w2.shape[2]
     for expert in range(w13.shape[0]):

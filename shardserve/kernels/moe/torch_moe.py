@@ -5,6 +5,12 @@ experts nobody picked cost nothing. Same conventions and result as kernels/moe/r
 loops over every expert with masks, in fp32); the matmuls here run in the weights' dtype, or in the
 native CPU GEMM in fp32 where the experts are packed for it (4-D, cpu_ops.pack_experts), and the
 picks are summed in fp32. The expert counts come to the host, so this is not for CUDA graphs.
+
+FP8 experts (E4M3 with a scale per output row, `w13_scale` [E, 2 * I], `w2_scale` [E, H]) stay FP8
+in memory: each expert that has tokens is widened to the activations' dtype only for its own matmul
+(exact: every E4M3 value is a bf16 / fp16 / fp32 value) and its row scales applied to the output,
+as the CUDA kernel's epilogue does. So the experts cost FP8 bytes at rest plus one expert's widened
+copy at a time, instead of a full-precision copy of every expert held up front.
 """
 from __future__ import annotations
 
@@ -15,14 +21,17 @@ from shardserve.kernels.activation.reference import silu_and_mul
 from shardserve.kernels.cpu import cpu_ops
 
 
-def _matmul(x: torch.Tensor, weights: torch.Tensor, expert: int) -> torch.Tensor:
+def _matmul(x: torch.Tensor, weights: torch.Tensor, expert: int, scale: torch.Tensor | None) -> torch.Tensor:
+    if scale is not None:    # FP8: widened for this matmul only, row scales on the output
+        return (F.linear(x, weights[expert].to(x.dtype)).float() * scale[expert]).to(x.dtype)
     if weights.dim() == 4:   # packed panels: fp32 math on the (often bf16) panels
         return cpu_ops.linear_packed(x, weights[expert], out_features=weights.out_features)
     return F.linear(x.to(weights.dtype), weights[expert])
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
@@ -39,7 +48,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         picks = order[start:start + count]
         start += count
         tokens = picks // top_k
-        h = silu_and_mul(_matmul(hidden[tokens], w13, expert))
-        y = _matmul(h, w2, expert).float() * weights[picks].float().unsqueeze(1)
+        h = silu_and_mul(_matmul(hidden[tokens], w13, expert, w13_scale))
+        y = _matmul(h, w2, expert, w2_scale).float() * weights[picks].float().unsqueeze(1)
         out.index_add_(0, tokens, y)
     return out.to(hidden.dtype)

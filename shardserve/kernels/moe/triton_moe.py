@@ -8,6 +8,12 @@ launches and no host sync, so a decode step can be captured in a CUDA graph.
 3. down: A = those [T * K, I] rows, B = w2[expert], scaled by the pick's routing weight in the
    epilogue, written to [T * K, H] at the pick's own row;
 4. sum over the K picks of each token in fp32, skipping picks with id -1 (their rows are never written).
+
+FP8 experts (weight-only, W8A16): w13 / w2 in float8_e4m3fn with an fp32 scale per output row of each
+expert. The kernel loads the E4M3 tile (half the bytes of bf16: what a decode step is bound by),
+widens it in registers to the activations' dtype (exact) for the tensor-core dot, and multiplies
+the fp32 accumulators by the rows' scales in the epilogue (gate and up each by their own, before
+the SiLU-and-mul); activations stay bf16/fp16, so there is no per-token quantization step.
 """
 from __future__ import annotations
 
@@ -29,11 +35,11 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["num_valid"])
-    def moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, total_ptr,
-                        N, K, num_valid, stride_am, stride_be, stride_bn, stride_cm,
+    def moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, sorted_ptr, expert_ptr, total_ptr,
+                        N, K, num_valid, stride_am, stride_be, stride_bn, stride_cm, stride_se,
                         A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr):
+                        B_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         # Programs run M-block groups of GROUP_M at a time over all N tiles, so the blocks of one expert
         # (which share its B) are in flight together and B comes from L2 more often.
         pid = tl.program_id(0)
@@ -70,16 +76,21 @@ def _kernels():
                 k_ok = offs_k < K - k0
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b.to(a.dtype), acc)   # .to: FP8 widened in registers (a no-op otherwise)
             if GATED:
                 if EVEN_K:
                     bu = tl.load(b_ptrs + up_shift, mask=n_ok[None, :], other=0.0)
                 else:
                     bu = tl.load(b_ptrs + up_shift, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                acc_up = tl.dot(a, bu, acc_up)
+                acc_up = tl.dot(a, bu.to(a.dtype), acc_up)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
 
+        if B_SCALED:   # per-row scales of this expert's weight (gate rows, then up rows N further)
+            s_row = s_ptr + expert * stride_se + offs_n
+            acc = acc * tl.load(s_row, mask=n_ok, other=0.0)[None, :]
+            if GATED:
+                acc_up = acc_up * tl.load(s_row + N, mask=n_ok, other=0.0)[None, :]
         if GATED:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if MUL_WEIGHT:
@@ -156,32 +167,39 @@ def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def handles(hidden: torch.Tensor, w13: torch.Tensor) -> bool:
-    """True where this kernel can run: CUDA tensors of one 16-bit float dtype, and Triton installed."""
+def handles(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None = None) -> bool:
+    """True where this kernel can run: CUDA tensors, bf16/fp16 activations, experts of the same dtype
+    or FP8 (E4M3) with their row scales, and Triton installed."""
+    fp8 = w13.dtype == torch.float8_e4m3fn and w13_scale is not None
     return (hidden.is_cuda and w13.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
-            and w13.dtype == hidden.dtype and _triton_available())
+            and (w13.dtype == hidden.dtype or fp8) and _triton_available())
 
 
 def moe_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor | None,
              sorted_ids: torch.Tensor, expert_ids: torch.Tensor, total: torch.Tensor, a_div: int, gated: bool,
-             cfg: dict) -> None:
+             cfg: dict, b_scale: torch.Tensor | None = None) -> None:
     """c[pick] = (act)(a[pick // a_div] @ b[expert].T) (* weights[pick]) for every pick in `sorted_ids`.
-    gated: b holds 2 * N rows (gate then up) and c gets silu(gate) * up, N = c's width."""
+    gated: b holds 2 * N rows (gate then up) and c gets silu(gate) * up, N = c's width.
+    b_scale: fp32 [E, rows of b] scales of FP8 weights, applied to the accumulators."""
     triton, gemm, _ = _kernels()
     n, k = c.shape[1], b.shape[2]
     assert a.stride(-1) == 1 and b.stride(-1) == 1 and c.stride(-1) == 1, "K and N must be innermost"
+    assert b_scale is None or (b_scale.dtype == torch.float32 and b_scale.stride(-1) == 1)
     grid = (expert_ids.numel() * triton.cdiv(n, cfg["BLOCK_SIZE_N"]),)
-    gemm[grid](a, b, c, weights if weights is not None else c, sorted_ids, expert_ids, total,
-               n, k, c.shape[0], a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+    gemm[grid](a, b, c, weights if weights is not None else c, b_scale if b_scale is not None else c,
+               sorted_ids, expert_ids, total, n, k, c.shape[0], a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+               b_scale.stride(0) if b_scale is not None else 0,
                A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0,
-               BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=cfg["BLOCK_SIZE_N"], BLOCK_K=cfg["BLOCK_SIZE_K"],
-               GROUP_M=cfg["GROUP_SIZE_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+               B_SCALED=b_scale is not None, BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=cfg["BLOCK_SIZE_N"],
+               BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"], num_warps=cfg["num_warps"],
+               num_stages=cfg["num_stages"])
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """hidden [T, H] -> [T, H], as reference.fused_moe (see it for the layouts). `config` overrides the
-    tuned tiles (get_config's format); the tuner passes it."""
+              topk_ids: torch.Tensor, config: dict | None = None, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [T, H] -> [T, H], as reference.fused_moe (see it for the layouts, FP8 experts with their
+    row scales too). `config` overrides the tuned tiles (get_config's format); the tuner passes it."""
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -195,10 +213,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     sorted_ids, expert_ids, total = moe_align(topk_ids, num_experts, cfg["BLOCK_SIZE_M"])
     h = hidden.contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    moe_gemm(h, w13, act, None, sorted_ids, expert_ids, total, top_k, True, cfg)
+    moe_gemm(h, w13, act, None, sorted_ids, expert_ids, total, top_k, True, cfg, w13_scale)
     y = torch.empty(num_tokens * top_k, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).to(torch.float32)
-    moe_gemm(act, w2, y, weights, sorted_ids, expert_ids, total, 1, False, down_cfg)
+    moe_gemm(act, w2, y, weights, sorted_ids, expert_ids, total, 1, False, down_cfg, w2_scale)
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     sum_picks[(num_tokens, triton.cdiv(hidden_size, block_h))](y, topk_ids, out, hidden_size, TOP_K=top_k,
                                                                BLOCK_H=block_h, num_warps=4)

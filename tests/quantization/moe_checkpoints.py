@@ -1,0 +1,82 @@
+"""FP8 mixture-of-experts checkpoints written the way AutoFP8 / vLLM (`quant_method: fp8`) write them
+for Qwen3-MoE and Mixtral, and the same model with the rounded values in full precision for HF.
+
+Per expert the checkpoint has `...experts.N.<proj>.weight` in E4M3 beside `.weight_scale` (fp32: one
+value per tensor, or with `per_channel` one per output channel, shape [rows, 1] as llm-compressor
+writes them) and a static `.input_scale`; the dense linears carry per-tensor scales as
+tests/quantization/checkpoints.py writes them."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import torch
+
+from tests.quantization.checkpoints import _fp8_tensors, _state_dict, is_quantized_linear
+
+FP8_MAX = 448.0
+EXPERT = re.compile(r"\.experts\.\d+\.\w+\.weight$")
+
+
+def _expert_fp8(base: str, t: torch.Tensor, per_channel: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    w = t.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax()) / FP8_MAX
+    q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    tensors = {f"{base}.weight": q, f"{base}.weight_scale": scale if per_channel else scale.reshape(()),
+               f"{base}.input_scale": torch.tensor(0.05)}
+    return tensors, q.float() * scale
+
+
+def write_fp8_moe_checkpoint(src: str, dst: str, per_channel: bool = False) -> dict[str, torch.Tensor]:
+    """`src` with every expert and decoder linear in FP8; returns the dequantized weights by name."""
+    from safetensors.torch import save_file
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors") and f != "model.safetensors.index.json":
+            shutil.copy(os.path.join(src, f), dst)
+    out, dequantized = {}, {}
+    for name, t in _state_dict(src).items():
+        base = name[:-len(".weight")]
+        if EXPERT.search(name):
+            tensors, dequantized[name] = _expert_fp8(base, t, per_channel)
+        elif is_quantized_linear(name):
+            tensors, dequantized[name] = _fp8_tensors(base, t)
+        else:
+            tensors = {name: t}
+        out.update(tensors)
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    _set_quantization_config(dst, {"quant_method": "fp8", "activation_scheme": "static"})
+    return dequantized
+
+
+def write_with_weights(src: str, dst: str, weights: dict[str, torch.Tensor]) -> str:
+    """`src` as a full-precision checkpoint with some tensors replaced (HF then loads it its own way:
+    transformers 5 stacks the experts, so swapping values into its state dict by name would not do)."""
+    from safetensors.torch import save_file
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors") and f != "model.safetensors.index.json":
+            shutil.copy(os.path.join(src, f), dst)
+    tensors = _state_dict(src)
+    tensors.update({name: w.to(tensors[name].dtype) for name, w in weights.items()})
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def _set_quantization_config(path: str, cfg: dict) -> None:
+    import json
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = cfg
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def fp8_rows(w: torch.Tensor) -> torch.Tensor:
+    """What `--quantization fp8` computes with for a weight whose last dim is the input: every row
+    rounded to E4M3 with its own absmax scale."""
+    from shardserve.quantization.fp8 import quantize_rows
+    flat = w.reshape(-1, w.shape[-1])
+    q, scale = quantize_rows(flat)
+    return (q.float() * scale[:, None]).reshape(w.shape)
