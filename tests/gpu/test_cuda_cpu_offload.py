@@ -15,7 +15,8 @@ PROMPTS = [[(7 * i + j) % 300 for j in range(n)] for i, n in enumerate((5, 40, 1
 
 def _run(path: str, offload_gb: float, **kw):
     from shardserve import LLM, SamplingParams
-    llm = LLM(path, device="cuda", kv_cache_memory="64MiB", show_progress=False, cpu_offload_gb=offload_gb, **kw)
+    llm = LLM(path, device="cuda", kv_cache_memory="64MiB", show_progress=False, cpu_offload_gb=offload_gb,
+              async_scheduling=False, **kw)
     try:
         runner = llm.engine.executor.worker.model_runner
         offload = runner.model.cpu_offload
@@ -27,7 +28,10 @@ def _run(path: str, offload_gb: float, **kw):
             assert runner.config.model_config.enforce_eager
         else:
             assert offload is None
-        held = torch.cuda.memory_allocated()
+        # GPU bytes behind the parameters (the slots once each, however many layers view them); not
+        # memory_allocated, which also counts what earlier engines in this process left in caches
+        held = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                    for p in runner.model.parameters() if p.is_cuda}.values())
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         tokens = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params, use_tqdm=False)]
         return tokens, held, offload.offloaded_bytes - offload.slot_bytes if offload else 0
@@ -47,7 +51,7 @@ def test_offloaded_layers_give_the_resident_models_tokens(tmp_path, kw):
     path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama", hidden_size=256, intermediate_size=512,
                                 num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8)
     layer_gb = (4 * 256 * 256 * 3 / 4 + 3 * 256 * 512) * 4 / (1 << 30)   # fp32 bytes of one layer's matrices
-    resident, held_all, _ = _run(path, 0, **kw)
+    resident, held_all, _ = _run(path, 0, enforce_eager=True, **kw)   # offloading runs eagerly
     offloaded, held_less, freed = _run(path, 4.5 * layer_gb, **kw)   # five of the eight layers
     assert offloaded == resident
-    assert freed > 0 and held_all - held_less >= 0.9 * freed, (held_all, held_less, freed)
+    assert freed > 0 and abs(held_all - held_less - freed) <= 0.01 * freed, (held_all, held_less, freed)
