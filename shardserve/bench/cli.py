@@ -135,6 +135,8 @@ def add_bench_offline_args(p: argparse.ArgumentParser, latency: bool) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="default: %(default)s")
     p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs for decode steps (default: off)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
+                   help="fp8: an E4M3 KV cache, half the bytes of bf16 (default: %(default)s)")
     p.add_argument("--cpu-offload-gb", type=float, default=0.0,
                    help="CUDA: GiB of weights per GPU streamed from pinned CPU memory; latency then also "
                    "reports the host-to-device copy bound (default: %(default)s)")

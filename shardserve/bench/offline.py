@@ -75,7 +75,7 @@ def make_llm(ns, path: str, random_weights: bool):
               enable_expert_parallel=getattr(ns, "enable_expert_parallel", False),
               quantization=None if quantization in INT4_RANDOM else quantization,   # INT4: in the config
               enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
-              cpu_offload_gb=getattr(ns, "cpu_offload_gb", 0.0),
+              cpu_offload_gb=getattr(ns, "cpu_offload_gb", 0.0), kv_cache_dtype=getattr(ns, "kv_cache_dtype", "auto"),
               enable_prefix_caching=ns.enable_prefix_caching)
     if ns.kv_cache_memory:
         kw["kv_cache_memory"] = ns.kv_cache_memory
