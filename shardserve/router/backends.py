@@ -182,12 +182,25 @@ class BackendPool:
 
 
 async def _events(backend_id: str, response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    # A backend that dies mid-stream may just close the connection (a close-delimited body ends
+    # cleanly): only `data: [DONE]` tells a finished stream from a cut one.
+    done = False
+
+    async def lines() -> AsyncIterator[bytes]:
+        nonlocal done
+        async for raw in response.content:
+            line = raw.strip()
+            done = done or (line.startswith(b"data:") and line[5:].strip() == b"[DONE]")
+            yield raw
+
     try:
-        async for data in sse_data(response.content):
+        async for data in sse_data(lines()):
             try:
                 yield json.loads(data)
             except ValueError:
                 raise BackendError(backend_id, f"invalid stream event: {data[:100]!r}") from None
+        if not done:
+            raise BackendError(backend_id, "the stream ended before data: [DONE] (the backend went away)")
     except asyncio.TimeoutError:
         raise BackendError(backend_id, "timed out while streaming") from None
     except aiohttp.ClientError as e:

@@ -137,9 +137,13 @@ class FusionRunner:
                 timeout = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
                 done, _ = await asyncio.wait(pending | {waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if not done:   # the round timed out: whatever is still running failed
-                    for t in pending:
-                        results[tasks[t]].error = (
-                            f"no answer within round_timeout_seconds={settings.round_timeout_seconds:g}")
+                    late = [tasks[t] for t in pending]
+                    error = f"no answer within round_timeout_seconds={settings.round_timeout_seconds:g}"
+                    for member in late:
+                        results[member].error = error
+                    if settings.on_error == "fail":   # a stalled member fails the panel like a broken one
+                        raise FusionError(f"panel member {', '.join(map(repr, late))} failed: {error} "
+                                          "(on_error: fail)", {m: error for m in late})
                     break
                 for t in done - {waiter}:
                     pending.discard(t)
