@@ -82,6 +82,9 @@ def add_parallel_args(parser: argparse.ArgumentParser, engine: bool = True) -> N
                    help="node 0's address (default: $LWS_LEADER_ADDRESS, else 127.0.0.1)")
     g.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0; its workers "
                    "listen on port + 1 (default: none; required with --nnodes > 1)")
+    g.add_argument("--distributed-timeout-s", type=float, default=120.0,
+                   help="how long ranks wait for each other (start-up rendezvous, collectives) and a headless "
+                   "node for the engine, in seconds (default: %(default)s)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -103,7 +106,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       pp_layer_partition=[int(x) for x in ns.pp_layer_partition.split(",")]
                       if ns.pp_layer_partition else None,
                       nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
-                      master_port=ns.master_port)
+                      master_port=ns.master_port, distributed_timeout_s=ns.distributed_timeout_s)
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -258,7 +261,8 @@ def cmd_worker(ns: argparse.Namespace) -> int:
     if ns.master_port is None:
         raise ValueError("--master-port is required: the port node 0 was started with")
     return run_headless_node(ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port,
-                             ns.tensor_parallel_size * ns.pipeline_parallel_size)
+                             ns.tensor_parallel_size * ns.pipeline_parallel_size,
+                             connect_timeout_s=ns.distributed_timeout_s)
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -380,6 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TimeoutError as e:   # a peer that never came (multi-node rendezvous): the message names it
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

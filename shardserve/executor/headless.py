@@ -13,7 +13,7 @@ logger = logging.getLogger("shardserve")
 
 
 def run_headless_node(nnodes: int, node_rank: int, master_addr: str, master_port: int, world_size: int,
-                      threads: int | None = None) -> int:
+                      threads: int | None = None, connect_timeout_s: float | None = None) -> int:
     if not 0 < node_rank < nnodes:
         raise ValueError(f"a headless node needs 0 < node_rank < nnodes={nnodes} (node 0 runs the engine)")
     if world_size % nnodes:
@@ -23,7 +23,7 @@ def run_headless_node(nnodes: int, node_rank: int, master_addr: str, master_port
     ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
     logger.info("node %d: starting worker ranks %s for the engine at %s:%d", node_rank, list(ranks),
                 master_addr, master_port + 1)
-    procs = [spawn_worker(master_addr, master_port + 1, r, cluster_key(), threads) for r in ranks]
+    procs = [spawn_worker(master_addr, master_port + 1, r, cluster_key(), threads, connect_timeout_s) for r in ranks]
 
     def stop(*_):
         for p in procs:

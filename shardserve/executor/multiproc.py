@@ -25,6 +25,7 @@ from shardserve.executor.base import Executor, WorkerDiedError
 from shardserve.executor.worker_proc import no_delay
 
 _POLL_S = 0.5
+_LOCAL_START_S = 300.0   # the longest this node's own workers may take to dial in, across nodes
 
 
 def cluster_key() -> bytes:
@@ -37,8 +38,12 @@ def cluster_key() -> bytes:
     return key.encode()
 
 
-def spawn_worker(host: str, port: int, rank: int, authkey: bytes, threads: int) -> subprocess.Popen:
+def spawn_worker(host: str, port: int, rank: int, authkey: bytes, threads: int,
+                 connect_timeout_s: float | None = None) -> subprocess.Popen:
+    """connect_timeout_s: how long the worker dials an engine that is not there yet (a headless node's)."""
     env = dict(os.environ, SHARDSERVE_WORKER_AUTHKEY=authkey.hex(), OMP_NUM_THREADS=str(threads))
+    if connect_timeout_s is not None:
+        env["SHARDSERVE_WORKER_CONNECT_TIMEOUT_S"] = str(connect_timeout_s)
     return subprocess.Popen([sys.executable, "-m", "shardserve.executor.worker_proc", host, str(port), str(rank)],
                             env=env)
 
@@ -100,9 +105,13 @@ class MultiprocExecutor(Executor):
                 raise
 
     def _accept(self, listener: Listener, timeout_s: float, parallel_config, connected: list[int]) -> Connection:
-        """accept() that gives up if a local worker dies first or the deadline passes."""
+        """accept() that gives up if a local worker dies first or the deadline passes. Across nodes,
+        the deadline waits for peers: it runs only once this node's own workers are in (they may take
+        longer than a short timeout to start; a dead one fails at once, a hung one after _LOCAL_START_S),
+        so the error names the ranks of the nodes that never came."""
         sock = listener._listener._socket
-        deadline = time.monotonic() + timeout_s
+        now = time.monotonic()
+        deadline, local_deadline = now + timeout_s, now + max(timeout_s, _LOCAL_START_S)
         sock.settimeout(_POLL_S)
         while True:
             try:
@@ -111,7 +120,11 @@ class MultiprocExecutor(Executor):
                 for rank, proc in self.procs.items():
                     if proc.poll() is not None:
                         self._fail(rank)
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                starting = [r for r in self.procs if r not in connected]
+                if parallel_config.nnodes > 1 and starting and now < local_deadline:
+                    deadline = now + timeout_s
+                if now > deadline:
                     missing = sorted(set(range(self.world_size)) - set(connected))
                     host = parallel_config.master_addr if parallel_config.nnodes > 1 else listener.address[0]
                     raise TimeoutError(

@@ -63,7 +63,8 @@ def main() -> None:
     host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the engine's to handle
-    conn = _connect(host, port, bytes.fromhex(os.environ["SHARDSERVE_WORKER_AUTHKEY"]), rank)
+    conn = _connect(host, port, bytes.fromhex(os.environ["SHARDSERVE_WORKER_AUTHKEY"]), rank,
+                    float(os.environ.get("SHARDSERVE_WORKER_CONNECT_TIMEOUT_S", 300)))
     conn.send(rank)
     config, rank, local_rank, init_method, eos_token_ids, show_progress, threads = conn.recv()
     import torch
