@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from shardserve.layers.moe import FusedMoE
 from shardserve.llm import LLM
@@ -61,6 +62,27 @@ def test_fp8_moe_checkpoint_matches_hf_on_its_weights(tmp_path, arch, per_channe
     assert_matches_hf(out, hf, prompt)
 
 
+def test_expert_scale_loader_takes_per_tensor_per_channel_and_stacked():
+    """One value per output row of each expert, whatever the checkpoint's granularity; a scale of any
+    other size (block-wise) is refused naming the layer."""
+    from shardserve.layers.linear import linear_methods
+    from shardserve.quantization.config import linear_method_factory
+    from shardserve.quantization.fp8 import Fp8Config
+    with linear_methods(linear_method_factory(Fp8Config(from_checkpoint=True))):
+        layer = FusedMoE(4, 2, 16, 12, renormalize=True, prefix="model.layers.3.mlp.experts")
+    scale = layer.w13_weight_scale
+    layer.weight_loader(scale, torch.tensor(0.5), (0, "gate"))              # per tensor
+    layer.weight_loader(scale, torch.arange(12.0).view(12, 1), (0, "up"))   # per channel, [rows, 1]
+    assert torch.equal(scale[0], torch.cat([torch.full((12,), 0.5), torch.arange(12.0)]))
+    stacked = torch.rand(4, 24)                                             # all experts' gate_up at once
+    layer.weight_loader(scale, stacked, (None, "gate_up"))
+    assert torch.equal(scale.data, stacked)
+    layer.weight_loader(layer.w2_weight_scale, torch.tensor([2.0]), (1, "down"))
+    assert torch.equal(layer.w2_weight_scale[1], torch.full((16,), 2.0))
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp\.experts: .*block-wise"):
+        layer.weight_loader(scale, torch.ones(3), (2, "gate"))
+
+
 def _expert_bytes(llm: LLM) -> tuple[int, int]:
     """(bytes of the expert matrices, bytes of their scales) this process holds."""
     weights = scales = 0
@@ -75,7 +97,7 @@ def _expert_bytes(llm: LLM) -> tuple[int, int]:
 
 
 def test_fp8_experts_take_half_the_memory_of_bf16(tmp_path):
-    path = make_tiny_checkpoint(str(tmp_path / "m"), "qwen3_moe", num_hidden_layers=4)
+    path = make_tiny_checkpoint(str(tmp_path / "m"), "qwen3_moe")
     bf16 = LLM(path, dtype="bfloat16", **KW)
     (bf16_bytes, _), bf16_tokens = _expert_bytes(bf16), _greedy(bf16)
     bf16.engine.shutdown()
