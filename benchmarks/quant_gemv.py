@@ -2,12 +2,15 @@
 
 Decode (1-16 rows): per layer shape, the time of one matmul inside a CUDA graph of back-to-back
 calls that rotate over enough weight copies to miss the L2 cache, for bf16 (cuBLAS and the Triton
-GEMV), FP8 (`torch._scaled_mm` with its per-token activation quantization, the FP8 GEMV's FMA and
-tensor-core loops) and INT4 W4A16 (the FMA GEMV, the tensor-core kernel), with the achieved weight
-bandwidth. `--sweep` also tries the kernels' tile settings. Prefill (64-8192 rows): the tensor-core
+GEMV), FP8 (`torch._scaled_mm` with its per-token activation quantization, the FP8 GEMV's loops:
+"runs" and, for comparison, session 15's best "dot16" and "fma" settings) and INT4 W4A16 (the
+tensor-core GEMV of triton_w4a16_gemv.py, the FMA GEMV, the tensor-core kernel for 4-16 rows),
+with the achieved weight bandwidth. `--sweep` also tries the kernels' tile settings; `--warm`
+only compiles them (run one process per shape and row count side by side to fill Triton's cache
+before a timed sweep). Prefill (64-8192 rows): the tensor-core
 W4A16 kernel against dequantize-then-cuBLAS, FP8 `_scaled_mm` and bf16 cuBLAS.
 
-    python3 benchmarks/quant_gemv.py [--sweep [--write-configs]] [--json out.json]
+    python3 benchmarks/quant_gemv.py [--sweep [--write-configs]] [--json out.json] [--shapes qkv,o] [--warm]
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from shardserve.kernels.gemv import triton_gemv
-from shardserve.kernels.quant import int4_layout, triton_fp8_gemv, triton_w4a16, tuned
+from shardserve.kernels.quant import int4_layout, triton_fp8_gemv, triton_w4a16, triton_w4a16_gemv, tuned
 from shardserve.quantization.fp8 import quantize_rows, quantize_tokens
 
 SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (14336, 4096, True),
@@ -77,10 +80,15 @@ def nbytes(w) -> int:
     return sum(t.numel() * t.element_size() for t in (w if isinstance(w, tuple) else (w,)))
 
 
-FP8_FMA = [(8, 512, 4), (16, 512, 4), (16, 1024, 4), (32, 512, 8)]
-FP8_DOT = [(32, 256, 4, 4), (32, 512, 4, 4), (64, 256, 4, 4), (64, 512, 8, 3)]
-INT4_FMA = [(4, 1), (8, 1), (8, 2), (16, 2), (32, 4), (32, 8)]
-INT4_DOT = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 8, 2)]
+FP8_OLD = [("fma", 8, 512, 4, 1), ("dot16", 32, 512, 4, 4), ("dot16", 32, 256, 4, 4), ("dot16", 64, 256, 4, 4)]
+# (loop, BLOCK_N, run length, warps, stages, split-K parts); 16 rows a warp
+FP8_RUNS = [("runs", 32, 64, 2, 3, 1), ("runs", 32, 64, 2, 3, 2), ("runs", 32, 128, 2, 3, 1), ("runs", 16, 64, 1, 4, 1),
+            ("runs", 16, 128, 1, 3, 2), ("runs", 64, 64, 4, 3, 2), ("runs", 64, 128, 4, 3, 4)]
+INT4_FMA = [(4, 1), (8, 2)]
+# (loop, BLOCK_N, words a step, split-K parts, warps, stages)
+INT4_MMA = [("mma", 32, 32, 1, 2, 3), ("mma", 32, 32, 2, 2, 3), ("mma", 32, 64, 1, 2, 3), ("mma", 16, 64, 1, 1, 4),
+            ("mma", 16, 32, 2, 1, 3), ("mma", 64, 32, 2, 4, 3), ("mma", 64, 32, 4, 4, 2)]
+INT4_DOT = [(16, 64, 4, 2), (16, 64, 4, 3)]
 
 
 def decode_variants(rows: int, n: int, k: int, gated: bool, sweep: bool):
@@ -99,20 +107,22 @@ def decode_variants(rows: int, n: int, k: int, gated: bool, sweep: bool):
     fp8_key = tuned.key("fp8", n, k, gated, rows)
     v["fp8 _scaled_mm"] = ("fp8", scaled_mm, fp8_key, ["scaled_mm"])
     v["fp8 gemv default"] = ("fp8", lambda x, w: triton_fp8_gemv.gemv(x, w[0], w[1], gated=gated), None, None)
-    fp8_tiles = [("dot", 32, 512, 4, 4)]
+    fp8_tiles = []
     if sweep:
-        fp8_tiles += [("fma", bn, bk, wp, 1) for bn, bk, wp in FP8_FMA] if rows <= 4 else []
-        fp8_tiles += [("dot16", *t) for t in FP8_DOT]
+        fp8_tiles += [t for t in FP8_OLD if rows <= 4 or t[0] != "fma"]
+        fp8_tiles += FP8_RUNS if rows <= triton_fp8_gemv.RUNS_ROWS else []
     for t in fp8_tiles:
         v[f"fp8 gemv {t}"] = ("fp8", lambda x, w, t=t: triton_fp8_gemv.gemv(x, w[0], w[1], gated=gated, tiles=t),
                               fp8_key, list(t))
 
     args = (k, GROUP, RUN)
-    if rows <= triton_w4a16.FMA_ROWS:
-        v["int4 fma default"] = ("int4", lambda x, w: triton_w4a16.gemv_fma(x, *w, *args, gated=gated), None, None)
-        for t in INT4_FMA if sweep else []:
-            v[f"int4 fma {t}"] = ("int4", lambda x, w, t=t: triton_w4a16.gemv_fma(x, *w, *args, gated=gated, tiles=t),
-                                  tuned.key("int4_fma", n, k, gated, rows), list(t))
+    if rows <= triton_w4a16_gemv.MAX_ROWS:
+        gemv_key = tuned.key("int4_mma", n, k, gated, rows)
+        v["int4 gemv default"] = ("int4", lambda x, w: triton_w4a16_gemv.gemv(x, *w, *args, gated=gated), None, None)
+        tiles = [("fma", *t) for t in INT4_FMA] + INT4_MMA if sweep else []
+        for t in tiles:
+            v[f"int4 gemv {t}"] = ("int4", lambda x, w, t=t: triton_w4a16_gemv.gemv(x, *w, *args, gated=gated, tiles=t),
+                                   gemv_key, list(t))
     if rows >= 4:
         dot_key = tuned.key("int4_dot", 2 * n if gated else n, k, False, rows)
 
@@ -128,9 +138,25 @@ def decode_variants(rows: int, n: int, k: int, gated: bool, sweep: bool):
     return v
 
 
-def run_decode(sweep: bool, rows_list: list[int], on_shape=None) -> list[dict]:
+def warm(sweep: bool, rows_list: list[int], shapes: list[str]) -> None:
+    """Compile every variant once (no timing, no weight copies): fills Triton's cache."""
+    for name in shapes:
+        n, k, gated = SHAPES[name]
+        base = make_weights(n, k, gated)
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            for label, (fmt, fn, _, _) in decode_variants(rows, n, k, gated, sweep).items():
+                try:
+                    fn(x, base[fmt])
+                except Exception as e:
+                    print(f"warm {name} rows {rows} {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        torch.cuda.synchronize()
+
+
+def run_decode(sweep: bool, rows_list: list[int], on_shape=None, shapes: list[str] = tuple(SHAPES)) -> list[dict]:
     results = []
-    for name, (n, k, gated) in SHAPES.items():
+    for name in shapes:
+        n, k, gated = SHAPES[name]
         base = make_weights(n, k, gated)
         pools = {fmt: replicate(w, copies(nbytes(w))) for fmt, w in base.items()}
         for rows in rows_list:
@@ -197,6 +223,8 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--prefill-rows", default="64,256,1024,4096")
     p.add_argument("--json", default=None)
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--warm", action="store_true", help="only compile the variants (fills Triton's cache)")
     p.add_argument("--write-configs", action="store_true",
                    help="write the fastest tiles into shardserve/kernels/quant/configs/ for this GPU")
     ns = p.parse_args()
@@ -212,7 +240,11 @@ def main() -> None:
             with open(path, "w") as f:
                 json.dump(best_configs(decode), f, indent=1)
 
-    decode = run_decode(ns.sweep, [int(r) for r in ns.rows.split(",")], save)
+    rows_list, shapes = [int(r) for r in ns.rows.split(",")], ns.shapes.split(",")
+    if ns.warm:
+        warm(ns.sweep, rows_list, shapes)
+        return
+    decode = run_decode(ns.sweep, rows_list, save, shapes)
     prefill = run_prefill([int(r) for r in ns.prefill_rows.split(",")]) if ns.prefill_rows else []
     save(decode, prefill)
     for (shape, rows) in dict.fromkeys((r["shape"], r["rows"]) for r in decode):

@@ -28,8 +28,9 @@ INT4, not its memory saving. On CUDA the weights stay 4-bit (the memory saving),
 the Triton W4A16 kernels' layout (kernels/quant/int4_layout.py: one 512-byte load per row brings
 1024 inputs at group 128; fp16 scales and uint8 zeros per group; a `desc_act` checkpoint's inputs
 sorted by group,
-the activations gathered into that order at each call). `apply` then runs, by rows: 1-4 the FMA
-GEMV (kernels/quant/triton_w4a16.py, the gate_up pair with its SiLU-and-mul in one kernel), up to
+the activations gathered into that order at each call). `apply` then runs, by rows: 1-4 the
+tensor-core GEMV (kernels/quant/triton_w4a16_gemv.py, or the FMA one where the tuned table says so;
+the gate_up pair with its SiLU-and-mul in one kernel), up to
 DOT_MAX_ROWS the tensor-core W4A16 kernel, more a dequantize-into-bf16 kernel then cuBLAS. Groups the
 kernels cannot tile (other than 32, 64 or a multiple of 128 inputs, or a row-parallel shard whose
 inputs cut groups or pick them out of order) keep the checkpoint's packing and are dequantized with torch ops at every
@@ -48,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.kernels.quant import int4_layout, reference, triton_w4a16, tuned
+from shardserve.kernels.quant import int4_layout, reference, triton_w4a16, triton_w4a16_gemv, tuned
 from shardserve.layers.linear import LinearBase, LinearMethod, RowParallelLinear, linear
 
 PACK = 8                                  # 4-bit values per int32 word
@@ -296,8 +297,8 @@ class Int4LinearMethod(LinearMethod):
         if not x2.is_cuda or x2.dtype not in (torch.bfloat16, torch.float16) or rows == 0 or not tuned.ENABLED:
             w = reference.int4_weight(*args, dtype=x.dtype)
             out = F.linear(x2, w, bias)
-        elif rows <= triton_w4a16.FMA_ROWS:
-            out = triton_w4a16.gemv_fma(x2, *args, bias=bias)
+        elif rows <= triton_w4a16_gemv.MAX_ROWS:
+            out = triton_w4a16_gemv.gemv(x2, *args, bias=bias)
         elif rows <= DOT_MAX_ROWS:
             out = triton_w4a16.matmul_dot(x2, *args, bias=bias)
         else:
@@ -306,7 +307,7 @@ class Int4LinearMethod(LinearMethod):
 
     def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
         if (self.kernel_group is None or not tuned.ENABLED or not x.is_cuda or x.dim() != 2
-                or x.dtype not in (torch.bfloat16, torch.float16) or not 0 < x.shape[0] <= triton_w4a16.FMA_ROWS):
+                or x.dtype not in (torch.bfloat16, torch.float16) or not 0 < x.shape[0] <= triton_w4a16_gemv.MAX_ROWS):
             return None
-        return triton_w4a16.gemv_fma(self._kernel_input(layer, x), layer.qweight, layer.int4_scales, layer.int4_zeros,
+        return triton_w4a16_gemv.gemv(self._kernel_input(layer, x), layer.qweight, layer.int4_scales, layer.int4_zeros,
                                      layer.input_size, self.kernel_group, self.kernel_run, gated=True)

@@ -1,6 +1,8 @@
 """The quantized-weight Triton kernels (kernels/quant/) against dequantize-then-matmul in fp32
 (kernels/quant/reference.py) on a GPU: the FP8 GEMV's two inner loops, the W4A16 FMA GEMV, the
-tensor-core W4A16 kernel and the dequantize kernel, over Llama-3-8B shapes and sizes that are no
+tensor-core W4A16 kernel and the dequantize kernel; the decode GEMVs of session 16 (the FP8 "runs"
+loop, the tensor-core W4A16 GEMV, both with split-K, whose counters must be back at zero after each
+call: each setting runs twice), over Llama-3-8B shapes and sizes that are no
 multiple of any block, plain, with a bias and in the gated gate_up form."""
 from __future__ import annotations
 
@@ -86,6 +88,56 @@ def test_w4a16_kernels_match_dequantized_reference(rows, n, k, group, gated, bia
         _close(triton_w4a16.matmul_dot(x, *args, b, tiles=tiles), want, rows, n)
     w = triton_w4a16.dequantize(*args, torch.float32)
     assert torch.allclose(w, full, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="E4M3 tensors need compute capability 8.9+")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k,gated,bias", [(6144, 4096, False, False), (4096, 14336, False, False),
+                                            (14336, 4096, True, False), (1000, 904, False, True),
+                                            (328, 200, True, False)])
+def test_fp8_runs_gemv_matches_dequantized_reference(rows, n, k, gated, bias):
+    from shardserve.kernels.quant import triton_fp8_gemv
+    torch.manual_seed(rows * 7 + k)
+    w, scale = _fp8_weight(2 * n if gated else n, k)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    want = reference.matmul(x.float(), reference.fp8_weight(w, scale, torch.float32),
+                            b.float() if b is not None else None, gated)
+    for tiles in (None, ("runs", 16, 128, 1, 3, 3), ("runs", 64, 64, 4, 3, 2)):
+        for _ in range(2):
+            _close(triton_fp8_gemv.gemv(x, w, scale, b, gated, tiles=tiles), want, rows, n)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k,group,gated,bias", [(6144, 4096, 128, False, False), (4096, 14336, 128, False, False),
+                                                  (14336, 4096, 64, True, False), (1000, 904, 8 * 113, False, True),
+                                                  (328, 200, 32, True, False), (520, 320, 64, False, True)])
+def test_w4a16_gemv_matches_dequantized_reference(rows, n, k, group, gated, bias):
+    from shardserve.kernels.quant import triton_w4a16_gemv
+    torch.manual_seed(rows * 7 + k)
+    g, run = int4_layout.kernel_group(group, k)
+    words, scales, zeros = _int4_weight(2 * n if gated else n, k, group, run)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    full = reference.int4_weight(words, scales, zeros, k, group, run, torch.float32)
+    want = reference.matmul(x.float(), full, b.float() if b is not None else None, gated)
+    for tiles in (None, ("mma", 16, 64, 3, 1, 3), ("mma", 64, 32, 2, 4, 3), ("fma", 8, 2)):
+        for _ in range(2):
+            _close(triton_w4a16_gemv.gemv(x, words, scales, zeros, k, g, run, b, gated, tiles=tiles), want, rows, n)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_w4a16_gemv_with_fp16_activations(rows):
+    """The fp16 magic number (1024 + q) and fp16 tensor-core tiles."""
+    from shardserve.kernels.quant import triton_w4a16_gemv
+    torch.manual_seed(rows)
+    n, k = 1000, 2048
+    words, scales, zeros = _int4_weight(n, k, 128, 128)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
+    want = reference.matmul(x.float(), reference.int4_weight(words, scales, zeros, k, 128, 128, torch.float32))
+    for tiles in (("mma", 32, 32, 1, 2, 3), ("mma", 16, 64, 2, 1, 3)):
+        _close(triton_w4a16_gemv.gemv(x, words, scales, zeros, k, 128, 128, tiles=tiles), want, rows, n)
 
 
 def test_int4_layout_round_trip_on_the_gpu():

@@ -11,9 +11,13 @@ Three inner loops (`tiles`' first field):
   one (the compiler pipelines only loads that feed a dot);
 - "dot": the rows ride along as one tensor-core tile of 16, the weights widened to the activations'
   dtype;
-- "dot16" (the default): the same in fp16, whose conversion from E4M3 is one instruction per two
-  weights (bf16 takes three); bf16 activations are clamped to fp16's range (+-65504) on the way.
-  On an H100 it beats "dot" by 1.2-2x on the 8B shapes, and "fma" everywhere but the smallest.
+- "dot16": the same in fp16, whose conversion from E4M3 is one instruction per two weights (bf16
+  takes three); bf16 activations are clamped to fp16's range (+-65504) on the way.
+- "runs" (fp8_runs_kernel, the default): tensor cores in fp16 too, without padding the activation
+  tile from 1-4 rows to 16 (which moved 16x the activation bytes through shared memory, as many as
+  the weights): a step's K range is cut into 8 runs and the tile's columns are runs x rows, so
+  each run's product fills every column and keeps its own (kernels/quant/triton_w4a16_gemv.py
+  does the same for INT4); split-K (kernels/quant/splitk.py) for layers with few output strips.
 The gated form computes silu(x Wg^T) * (x Wu^T) for a stacked gate_up weight in the same pass.
 Tile settings: kernels/quant/tuned.py.
 """
@@ -22,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from shardserve.kernels import pdl
-from shardserve.kernels.quant import tuned
+from shardserve.kernels.quant import splitk, tuned
 from shardserve.utils import cdiv
 
 MAX_ROWS = 16
@@ -98,8 +102,60 @@ if triton is not None:
         ok = col_ok[:, None] & (m[None, :] < rows)
         tl.store(out_ptr + m[None, :] * stride_o + cols[:, None], y, mask=ok)
 
+    @triton.jit
+    def runs_step(y, w_rows, X, k0, k, col_ok, lanes, j, C: tl.constexpr):
+        """y += the 8 runs of C inputs at k0 of the weight rows at w_rows against X [C, COLS] (fp16),
+        each in its own accumulator, kept in its own columns."""
+        out = y
+        for a in tl.static_range(8):
+            w = tl.load(w_rows + k0 + a * C, mask=col_ok[:, None] & (k0 + a * C + j < k)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            part = tl.dot(w.to(tl.float16), X)
+            out += tl.where(lanes[None, :] == a, part, 0.0)
+        return out
+
+    @triton.jit
+    def fp8_runs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, stride_x, stride_w, stride_o,
+                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+        pdl.start(PDL)
+        COLS: tl.constexpr = 16 if 8 * ROWS < 16 else 8 * ROWS   # a tensor-core tile is 16 wide at least
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        j = tl.arange(0, C)
+        c = tl.arange(0, COLS)
+        lanes = c // ROWS                    # column c: run c // ROWS (8 and up: padding), row c % ROWS
+        c_row = c % ROWS
+        x_k = (C * lanes)[None, :] + j[:, None]                          # [C, COLS]: input - k0
+        x_cols = x_ptr + c_row[None, :] * stride_x + x_k
+        x_ok = (c_row < rows)[None, :] & (lanes < 8)[None, :]
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w + j[None, :]
+        w_up = w_ptr + (n + cols[:, None]).to(tl.int64) * stride_w + j[None, :]
+        steps = tl.cdiv(k, 8 * C)
+        per = tl.cdiv(steps, SPLIT)
+        first = tl.program_id(1) * per
+        last = tl.minimum(first + per, steps)
+        y = tl.zeros([BLOCK_N, COLS], tl.float32)
+        y_up = tl.zeros([BLOCK_N, COLS], tl.float32)
+        for st in range(first, last):
+            k0 = st * 8 * C
+            X = tl.load(x_cols + k0, mask=x_ok & (k0 + x_k < k), other=0.0)
+            X = tl.clamp(X.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            y = runs_step(y, w_rows, X, k0, k, col_ok, lanes, j, C)
+            if GATED:
+                y_up = runs_step(y_up, w_up, X, k0, k, col_ok, lanes, j, C)
+        r = tl.arange(0, ROWS)
+        y = tl.sum(tl.reshape(y, [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
+        y = y * tl.load(s_ptr + cols, mask=col_ok, other=0.0)[:, None]
+        y_up = tl.sum(tl.reshape(y_up, [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
+        if GATED:
+            y_up = y_up * tl.load(s_ptr + n + cols, mask=col_ok, other=0.0)[:, None]
+        splitk.reduce_and_finish(y, y_up, ws_ptr, cnt_ptr, n, out_ptr, b_ptr, cols, col_ok, r, rows, stride_o,
+                                 SPLIT, HAS_BIAS, GATED)
+
 
 MODES = {"fma": 0, "dot": 1, "dot16": 2}
+RUNS_ROWS = 4   # the "runs" loop: up to 4 rows (32 columns)
 
 
 def handles(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
@@ -113,27 +169,49 @@ def handles(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     return tuned.lookup("fp8", n, weight.shape[1], gated, x.shape[0], x.device) != ["scaled_mm"]
 
 
-def _tiles(x: torch.Tensor, n: int, k: int, gated: bool) -> tuple[str, int, int, int, int]:
-    """(loop, BLOCK_N, BLOCK_K, warps, stages): tuned for this GPU and shape, else a default."""
+def _tiles(x: torch.Tensor, n: int, k: int, gated: bool) -> tuple:
+    """(loop, BLOCK_N, BLOCK_K, warps, stages), or for "runs" (loop, BLOCK_N, run length, warps,
+    stages, SPLIT): tuned for this GPU and shape, else a default."""
     found = tuned.lookup("fp8", n, k, gated, x.shape[0], x.device)
     if found:
         return tuple(found)
+    if x.shape[0] <= RUNS_ROWS:   # 16 rows a warp: the tensor-core tile's height
+        return "runs", 32, 64, 2, 3, 1 if n >= 8192 else 2
     return "dot16", 32, 256 if gated else 512, 4, 4   # the fastest or near it on every 8B shape (H100)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-         gated: bool = False, tiles: tuple[str, int, int, int, int] | None = None) -> torch.Tensor:
+         gated: bool = False, tiles: tuple | None = None) -> torch.Tensor:
     """x [rows, K] @ (weight [N, K] * scale[:, None])^T (+ bias), scale fp32 [N]; gated: weight and
     scale stack gate then up rows ([2 * n, K], [2 * n]) and the result is silu(gate) * up [rows, n]."""
     if gated and bias is not None:
         raise ValueError("the gated form takes no bias")
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    loop, block_n, block_k, warps, stages = tiles or _tiles(x, n, k, gated)
+    loop, block_n, block_k, warps, stages, *split = tiles or _tiles(x, n, k, gated)
+    if loop == "runs":
+        return _runs(x, weight, scale, bias, gated, n, block_n, block_k, warps, stages, split[0] if split else 1)
     block_m = max(1, 1 << (rows - 1).bit_length()) if loop == "fma" else MAX_ROWS
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     fp8_gemv_kernel[(cdiv(n, block_n),)](
         x, weight, scale, bias if bias is not None else scale, out, rows, n, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, GATED=gated, MODE=MODES[loop], EVEN_K=k % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl.launch_args(x))
+    return out
+
+
+def _runs(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, gated: bool, n: int,
+          block_n: int, run: int, warps: int, stages: int, split: int) -> torch.Tensor:
+    rows, k = x.shape
+    if rows > RUNS_ROWS:
+        raise ValueError(f"the runs loop takes up to {RUNS_ROWS} rows, not {rows}")
+    split = max(1, min(split, cdiv(k, 8 * run)))
+    padded = max(1, 1 << (rows - 1).bit_length())
+    grid = (cdiv(n, block_n), split)
+    ws, counters = splitk.buffers(x.device, split * padded * 2 * n, grid[0])
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    fp8_runs_kernel[grid](
+        x, weight, scale, bias if bias is not None else scale, out, ws, counters, rows, n, k, x.stride(0),
+        weight.stride(0), out.stride(0), ROWS=padded, BLOCK_N=block_n, C=run, SPLIT=split, HAS_BIAS=bias is not None,
+        GATED=gated, num_warps=warps, num_stages=stages, **pdl.launch_args(x))
     return out
