@@ -43,7 +43,7 @@ class Outcome:
 
 def _body(i: int) -> tuple[str, dict]:
     """Alternating chat and completion streams with string prompts (so every one is tokenized)."""
-    common = {"model": "tiny", "max_tokens": 60, "ignore_eos": True, "temperature": 0, "stream": True}
+    common = {"model": "tiny", "max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True}
     if i % 2:
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": f"burst {i} " * 8}]}
     return "/v1/completions", {**common, "prompt": f"burst {i} " * 8}
