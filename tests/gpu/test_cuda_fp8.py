@@ -22,6 +22,23 @@ def _fp8_capable() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+@pytest.mark.skipif(not _fp8_capable(), reason="GPU-only: FP8 needs compute capability 8.9+")
+@pytest.mark.parametrize("m,k", [(1, 64), (17, 4096), (300, 576), (5, 14336), (3, 8193)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_token_quantization_is_the_torch_one_bit_for_bit(m, k, dtype):
+    """One pass (rows up to 8192) and two passes (longer rows), a zero row, a strided view."""
+    from shardserve.kernels.quant import triton_fp8_quant
+    torch.manual_seed(0)
+    full = torch.randn(m, k + 7, device="cuda", dtype=dtype) * 5
+    full[0] = 0
+    x = full[:, :k]   # rows that do not start where the previous one ended
+    assert triton_fp8_quant.handles(x)
+    q, s = triton_fp8_quant.quantize_tokens(x)
+    q_ref, s_ref = quantize_tokens(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 @pytest.mark.skipif(not _fp8_capable(), reason="GPU-only: FP8 matmuls need compute capability 8.9+")
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 def test_fp8_linear_matches_dequantized_reference(m):
