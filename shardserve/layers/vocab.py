@@ -1,6 +1,12 @@
 """Vocabulary-parallel embedding and LM head: each TP rank holds a contiguous slice of the vocab
 (padded so the slices are equal); lookups outside the slice are masked to zero and summed across
-ranks; logits are gathered back to the full vocabulary for sampling."""
+ranks; logits are gathered back to the full vocabulary for sampling.
+
+GGUF blocks: when a GGUF file is kept quantized, models/gguf_loader.py hands the embedding (and an
+untied LM head) its raw blocks if their type takes the int8-activation CPU kernels (Q4_0, Q4_1,
+Q8_0). The table then stays in its blocks, regrouped once (kernels/cpu/quant_ops.py `repack`) into
+the parameter itself, so a tied LM head shares the one copy: a lookup expands its rows, the LM head
+multiplies the blocks. Off the CPU the blocks are dequantized into the dense table instead."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +15,7 @@ from torch import nn
 
 from shardserve.distributed.comm import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from shardserve.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from shardserve.kernels.cpu import quant_ops
 from shardserve.layers.linear import linear
 from shardserve.utils import cdiv
 
@@ -20,17 +27,35 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
-        self.num_embeddings = num_embeddings
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.params_dtype = torch.get_default_dtype()
         self.per_rank = cdiv(num_embeddings, self.tp_size)
         self.vocab_start = self.tp_rank * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if getattr(loaded, "gguf_type", None) is not None:
+            self._load_blocks(param, loaded)
+            return
         if loaded.shape[1] != param.shape[1]:
             raise ValueError(f"embedding width {loaded.shape[1]} does not match hidden size {param.shape[1]}")
         rows = loaded[self.vocab_start:self.vocab_start + self.per_rank]
         param.data[:rows.shape[0]].copy_(rows)
+
+    def _load_blocks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """loaded: uint8 [vocab, blocks, block bytes] tagged `.gguf_type` (see the module docstring)."""
+        type_name = loaded.gguf_type
+        raw = torch.zeros(self.per_rank, *loaded.shape[1:], dtype=torch.uint8)   # the last rank's padding: zeros
+        rows = loaded[self.vocab_start:self.vocab_start + self.per_rank]
+        raw[:rows.shape[0]] = rows
+        raw = raw.view(self.per_rank, -1)
+        if param.device.type != "cpu":
+            param.data.copy_(quant_ops.dequantize(raw, type_name, self.embedding_dim))
+            return
+        param.data = quant_ops.repack(raw, type_name, self.embedding_dim)   # in place: a tied LM head follows
+        param.gguf_type = type_name
+        param.gguf_isa, param.gguf_act = quant_ops.isa(), quant_ops.activations()   # the switches, read at load
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -42,6 +67,10 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        gguf_type = getattr(self.weight, "gguf_type", None)
+        if gguf_type is not None:
+            out = quant_ops.rows(self.weight, gguf_type, self.embedding_dim, ids, self.per_rank)
+            return out if self.params_dtype == torch.float32 else out.to(self.params_dtype)
         # bf16-stored rows (cpu_ops.pack_weights) are widened back to the fp32 the model computes in.
         out = F.embedding(ids, self.weight)
         return out.float() if getattr(self.weight, "stored_bf16_for_fp32", False) else out
@@ -51,7 +80,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight_layout = "packed"   # only multiplies: packed for the native kernel
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)
+        gguf_type = getattr(self.weight, "gguf_type", None)
+        if gguf_type is not None:
+            w = self.weight
+            logits = quant_ops.linear_int8(hidden, w, gguf_type, self.per_rank, isa_name=w.gguf_isa, act=w.gguf_act)
+        else:
+            logits = linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings]

@@ -11,9 +11,8 @@ router is dense (Qwen3-MoE's `mlp_only_layers`).
 Kept quantized (opt-in with SHARDSERVE_GGUF_DEQUANTIZE=0): where the decoder's linear weights use a
 type the native CPU kernels multiply, the config gets `quantization_config: {"quant_method": "gguf"}`
 and those linears receive their raw blocks (quantization/gguf.py keeps or dequantizes them per
-layer). Embeddings, norms, the LM head and MoE experts are dequantized as before. The default (=1)
-dequantizes everything at load: on the embedded model the block kernels still decode and batch
-slower than the bf16 panel kernels (BENCHMARKS.md), so halving the bytes does not pay yet."""
+layer), as do the token embedding and LM head where their type takes the int8-activation kernels
+(layers/vocab.py). Norms and MoE experts are dequantized as before."""
 from __future__ import annotations
 
 import os
@@ -108,6 +107,14 @@ def gguf_to_hf_config(reader) -> dict[str, Any]:
 def _is_kept_linear(gguf_name: str) -> bool:
     m = _BLOCK_RE.match(gguf_name)
     return bool(m) and m.group(2) in _KEPT_LINEARS and m.group(3) == "weight"
+
+
+def _is_kept_table(tensor) -> bool:
+    """The token embedding or LM head, kept in its blocks where the int8-activation kernels take its
+    type (layers/vocab.py); SHARDSERVE_GGUF_ACTIVATIONS=fp32 dequantizes them as before."""
+    from shardserve.kernels.cpu import quant_ops
+    return (tensor.name in ("token_embd.weight", "output.weight") and tensor.tensor_type.name in quant_ops.INT8_TYPES
+            and quant_ops.activations() != "fp32" and quant_ops.available())
 
 
 def _keeps_quantized(reader) -> bool:
@@ -205,7 +212,7 @@ def iter_gguf_weights(reader, hf_config: dict[str, Any],
         name = hf_name(tensor.name)
         if name is None or not wanted(name):   # skipped before dequantizing
             continue
-        kept = keep and _is_kept_linear(tensor.name)
+        kept = keep and (_is_kept_linear(tensor.name) or _is_kept_table(tensor))
         weight = raw_blocks(tensor) if kept else dequantize(tensor)
         # Blocks run along K, so permuting rows works on raw blocks as on values.
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -221,7 +221,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             weight_loader = getattr(param, "weight_loader", default_weight_loader)
             if round_to is not None and tensor.dtype in _ROUNDED and not getattr(param, "full_precision", False):
                 tensor = tensor.to(round_to)
-            weight_loader(param, tensor.to(param.dtype), shard_id)
+            if getattr(tensor, "gguf_type", None) is None:   # GGUF blocks reach their loader as they are
+                tensor = tensor.to(param.dtype)
+            weight_loader(param, tensor, shard_id)
             loaded.add(id(param))
     missing: dict[int, str] = {}   # one name per parameter left empty
     for name, param in params.items():

@@ -3,10 +3,12 @@ models/gguf_loader.py writes into the config it synthesises for a .gguf file wit
 SHARDSERVE_GGUF_DEQUANTIZE=0; opt-in until these kernels beat the dequantized path).
 
 - What stays quantized: the decoder's linear layers (q/k/v, o, gate/up, down) whose GGUF type the
-  native CPU kernels multiply (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; kernels/cpu/quant_ops.py). Each
-  holds the file's raw blocks, uint8 [N, row bytes], and `apply` multiplies them in the kernel with
-  fp32 activations. Embeddings, norms, the LM head, MoE routers and experts are dequantized at load
-  as before.
+  native CPU kernels multiply (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; kernels/cpu/quant_ops.py). Q4_0,
+  Q4_1 and Q8_0 are regrouped into 8-row groups (the same bytes) for the int8-activation kernels
+  (`linear_int8`); the K-quants, and every type under SHARDSERVE_GGUF_ACTIVATIONS=fp32, hold the
+  file's rows, uint8 [N, row bytes], multiplied with fp32 activations. The token embedding (and an
+  untied LM head) stays in its blocks too where its type takes the int8 kernels
+  (layers/vocab.py); norms, MoE routers and experts are dequantized at load as before.
 - Dequantized after loading (into the layer's dtype), per layer: other GGUF types (F32, F16, BF16,
   Q5_0, ...), a fused layer whose parts have different types (q/k Q4_K with v Q6_K, as Q4_K_M files
   do; a debug log line says which), every layer on CUDA (the blocks are expanded once after loading:
@@ -76,6 +78,8 @@ class GgufLinearMethod(LinearMethod):
 
     def __init__(self) -> None:
         self.type_name: str | None = None            # the kept type after loading; None: a dense weight
+        self.int8 = False                            # regrouped for the int8-activation kernels (quant_ops.repack)
+        self.isa, self.act = "", ""                  # SHARDSERVE_CPU_ISA / _GGUF_ACTIVATIONS as read at load
         self._buffers: dict[str, torch.Tensor] = {}  # GGUF type -> [N, blocks, bytes] rows of the parts of that type
         self._parts: list[tuple[Any, str]] = []      # (shard id, type) as loaded
 
@@ -124,8 +128,12 @@ class GgufLinearMethod(LinearMethod):
                 and quant_ops.available())
         if keep:
             (self.type_name,) = types
-            raw = self._buffers[self.type_name]
-            layer.weight = nn.Parameter(raw.view(raw.shape[0], -1), requires_grad=False)
+            raw = self._buffers[self.type_name].view(layer.output_size, -1)
+            self.isa, self.act = quant_ops.isa(), quant_ops.activations()
+            self.int8 = self.type_name in quant_ops.INT8_TYPES and self.act != "fp32"
+            if self.int8:
+                raw = quant_ops.repack(raw, self.type_name, layer.input_size)
+            layer.weight = nn.Parameter(raw, requires_grad=False)
         else:
             if len(types) > 1:
                 logger.debug("GGUF: %s has parts of types %s; dequantized", type(layer).__name__,
@@ -143,5 +151,8 @@ class GgufLinearMethod(LinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.type_name is None:
             return linear(x, layer.weight, bias)
-        out = quant_ops.linear(x, layer.weight, self.type_name, bias)
+        if self.int8:
+            out = quant_ops.linear_int8(x, layer.weight, self.type_name, layer.output_size, bias, self.isa, self.act)
+        else:
+            out = quant_ops.linear(x, layer.weight, self.type_name, bias, self.isa)
         return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -37,10 +37,15 @@ def _cache_dir() -> str:
     return os.path.join(root, "cpu_ops")
 
 
-def build_library(compiler: str, source: str = _SOURCE, flags: list[str] = _FLAGS) -> str:
-    """Compile `source` once per (source, flags) hash into the shardserve cache; the path of the .so."""
-    with open(source, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join(flags).encode()).hexdigest()[:16]
+def build_library(compiler: str, source: str = _SOURCE, flags: list[str] = _FLAGS,
+                  extra_sources: tuple[str, ...] = ()) -> str:
+    """Compile `source` (and `extra_sources`, linked into the same library) once per (sources, flags)
+    hash into the shardserve cache; the path of the .so."""
+    h = hashlib.sha256(" ".join(flags).encode())
+    for path in (source, *extra_sources):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    digest = h.hexdigest()[:16]
     out_dir = _cache_dir()
     name = os.path.splitext(os.path.basename(source))[0]
     target = os.path.join(out_dir, f"{name}-{digest}.so")
@@ -51,7 +56,8 @@ def build_library(compiler: str, source: str = _SOURCE, flags: list[str] = _FLAG
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, "-o", tmp, source, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, "-o", tmp, source, *extra_sources, "-lm"], check=True, capture_output=True,
+                       text=True)
         os.replace(tmp, target)
     except subprocess.CalledProcessError as e:
         os.unlink(tmp)

@@ -1,11 +1,18 @@
-"""Native CPU kernels for GGUF block-quantized weights (csrc/quant_ops.c): y = x @ W^T with W kept in
-the file's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), built and cached like cpu_ops.py's library.
+"""Native CPU kernels for GGUF block-quantized weights (csrc/quant_ops.c, csrc/quant_dot.c): y = x @ W^T
+with W kept in the file's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), built and cached like
+cpu_ops.py's library.
 
-One library holds a scalar, an AVX2 and an AVX-512 path; the best one the CPU runs is used, and
-`SHARDSERVE_CPU_ISA=scalar|avx2|avx512` forces one (CI runs every path on any machine that has it;
-asking for an ISA the CPU lacks is an error, never a silent fallback). Unlike cpu_ops, this library
-needs no AVX2: on any x86-64 CPU with a C compiler the scalar path runs. `SHARDSERVE_CPU_KERNELS=0`
-turns it off too (`available()` is then False and GGUF layers are dequantized at load).
+Two kinds of kernels: Q4_0, Q4_1 and Q8_0 quantize x to int8 blocks once per call and take integer
+dot products (quant_dot.c, llama.cpp's approach); the K-quants, and every type with
+`SHARDSERVE_GGUF_ACTIVATIONS=fp32`, expand the blocks and multiply fp32 activations (quant_ops.c,
+exact up to fp32 rounding).
+
+One library holds a scalar, an AVX2, an AVX-512 and an AVX-512 VNNI path; the best one the CPU runs
+is used, and `SHARDSERVE_CPU_ISA=scalar|avx2|avx512|avx512_vnni` forces one (CI runs every path on
+any machine that has it; asking for an ISA the CPU lacks is an error, never a silent fallback).
+Unlike cpu_ops, this library needs no AVX2: on any x86-64 CPU with a C compiler the scalar path runs.
+`SHARDSERVE_CPU_KERNELS=0` turns it off too (`available()` is then False and GGUF layers are
+dequantized at load).
 """
 from __future__ import annotations
 
@@ -21,12 +28,16 @@ from shardserve.kernels.cpu import cpu_ops
 
 logger = logging.getLogger("shardserve")
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "quant_ops.c")
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCE, _DOT_SOURCE = os.path.join(_CSRC, "quant_ops.c"), os.path.join(_CSRC, "quant_dot.c")
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 ISA_SWITCH = "SHARDSERVE_CPU_ISA"
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")   # each level implies the ones before it
+ACTIVATIONS_SWITCH = "SHARDSERVE_GGUF_ACTIVATIONS"   # int16 | int8 | fp32, see activations()
 # GGML type ids (gguf.GGMLQuantizationType) the kernels multiply.
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")   # multiplied with int8 activations unless the switch says fp32
+_GROUP_BYTES = {"Q4_0": 8 * 18, "Q4_1": 8 * 20, "Q8_0": 8 * 34}   # one block of a group of 8 rows
 
 
 @functools.cache
@@ -38,13 +49,18 @@ def _library() -> ctypes.CDLL | None:
         logger.info("GGUF CPU kernels off (no C compiler found); GGUF weights are dequantized at load")
         return None
     try:
-        lib = ctypes.CDLL(cpu_ops.build_library(compiler, _SOURCE, _FLAGS))
+        lib = ctypes.CDLL(cpu_ops.build_library(compiler, _SOURCE, _FLAGS, (_DOT_SOURCE,)))
     except (OSError, RuntimeError) as e:
         logger.warning("GGUF CPU kernels off, build failed: %s", e)
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.gguf_linear.restype = lib.gguf_dequantize.restype = lib.gguf_cpu_isa.restype = c_int
     lib.gguf_linear.argtypes = [c_int, c_int, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64]
+    lib.gguf_linear_q8.restype = lib.gguf_repack8.restype = c_int
+    lib.gguf_linear_q8.argtypes = [c_int, c_int, c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.gguf_repack8.argtypes = [c_int, ptr, i64, i64, ptr]
+    lib.gguf_rows8.restype = c_int
+    lib.gguf_rows8.argtypes = [c_int, ptr, i64, ptr, i64, ptr]
     lib.gguf_dequantize.argtypes = [c_int, ptr, i64, ptr, i64, i64]
     lib.gguf_block_info.restype = c_int
     lib.gguf_block_info.argtypes = [c_int, ctypes.POINTER(c_int)]
@@ -78,6 +94,19 @@ def isa() -> str:
     return ISAS[_isa_from_env(os.environ.get(ISA_SWITCH))]
 
 
+ACTIVATIONS = {"int16": 2, "int8": 1, "fp32": 0}   # name: int8 levels x is quantized to (0: not quantized)
+
+
+def activations() -> str:
+    """How Q4_0/Q4_1/Q8_0 layers multiply (SHARDSERVE_GGUF_ACTIVATIONS): "int16" (the default: x
+    quantized per block of 32 to two int8 levels, ~16 bits, integer dot products), "int8" (one level:
+    llama.cpp's numerics, fewer multiplies) or "fp32" (blocks expanded, fp32 activations: exact)."""
+    value = os.environ.get(ACTIVATIONS_SWITCH, "int16")
+    if value not in ACTIVATIONS:
+        raise ValueError(f"{ACTIVATIONS_SWITCH}={value!r}: use int16 (two int8 levels), int8 (one) or fp32 (exact)")
+    return value
+
+
 def block_info(type_name: str) -> tuple[int, int]:
     """(values per block, bytes per block) of a type the kernels multiply."""
     nbytes = ctypes.c_int()
@@ -85,19 +114,76 @@ def block_info(type_name: str) -> tuple[int, int]:
     return values, nbytes.value
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, type_name: str, bias: torch.Tensor | None = None,
-           isa_name: str | None = None) -> torch.Tensor:
-    """x ([..., K], widened to fp32) @ W^T (+ bias, fp32 [N]) -> fp32 [..., N]. weight: uint8, N rows
-    of K / values-per-block blocks, contiguous ([N, blocks, bytes] or [N, row bytes])."""
+def _prepare(x: torch.Tensor, bias: torch.Tensor | None, isa_name: str | None):
     k = x.shape[-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.dtype != torch.float32 or x2.stride(-1) != 1:
         x2 = x2.to(torch.float32).contiguous()
-    assert weight.dtype == torch.uint8 and weight.is_contiguous()
-    n = weight.shape[0]
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    level = _isa_from_env(os.environ.get(ISA_SWITCH)) if isa_name is None else _isa_from_env(isa_name)
+    level = _isa_from_env(isa_name or os.environ.get(ISA_SWITCH))
+    return x2, bias, level
+
+
+def repack(weight: torch.Tensor, type_name: str, k: int) -> torch.Tensor:
+    """A Q4_0/Q4_1/Q8_0 weight's file rows (uint8 [N, row bytes]) regrouped for linear_int8: groups of
+    8 rows (N padded with zero rows), block after block (csrc/quant_dot.c); the same bytes per block.
+    Returns uint8 [ceil(N / 8), blocks, 8 * block bytes]."""
+    values, nbytes = block_info(type_name)
+    weight = weight.contiguous()
+    n = weight.shape[0]
+    if type_name not in INT8_TYPES or k % values or weight.numel() != n * (k // values) * nbytes:
+        raise ValueError(f"GGUF {type_name} weight of {tuple(weight.shape)} bytes cannot be regrouped for {k} inputs")
+    out = torch.empty((n + 7) // 8, k // values, 8 * nbytes, dtype=torch.uint8)
+    _library().gguf_repack8(TYPES[type_name], weight.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def rows(packed: torch.Tensor, type_name: str, k: int, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows `ids` (any shape) of an n-row weight regrouped by repack, expanded to fp32 [*ids.shape, k]
+    with dequantize's values: an embedding lookup on the blocks."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+        raise IndexError(f"row ids must lie in [0, {n}), got {int(flat.min())}..{int(flat.max())}")
+    out = torch.empty(flat.numel(), k, dtype=torch.float32)
+    if _library().gguf_rows8(TYPES[type_name], packed.data_ptr(), k, flat.data_ptr(), flat.numel(), out.data_ptr()):
+        raise ValueError(f"GGUF {type_name} rows cannot be looked up with int8-kernel layouts")
+    return out.view(*ids.shape, k)
+
+
+def linear_int8(x: torch.Tensor, packed: torch.Tensor, type_name: str, n: int, bias: torch.Tensor | None = None,
+                isa_name: str | None = None, act: str | None = None) -> torch.Tensor:
+    """x ([..., K], widened to fp32) @ W^T (+ bias, fp32 [N]) -> fp32 [..., n], W regrouped by repack:
+    x quantized to int8 blocks of 32, one level (act "int8") or two ("int16"; default: activations()),
+    integer dot products (csrc/quant_dot.c)."""
+    # Called ~120 times per decode step: the checks stay cheap (no environment reads when the
+    # caller passes isa_name and act, as quantization/gguf.py does with what it resolved at load).
+    levels = ACTIVATIONS[act or activations()]
+    if not levels:
+        raise ValueError("linear_int8 quantizes x: act must be int16 or int8")
+    k = x.shape[-1]
+    x2, bias, level = _prepare(x, bias, isa_name)
+    if (packed.dtype != torch.uint8 or not packed.is_contiguous() or type_name not in INT8_TYPES or k % 32
+            or packed.shape[0] != (n + 7) // 8
+            or packed.numel() != packed.shape[0] * (k // 32) * _GROUP_BYTES[type_name]):
+        raise ValueError(f"GGUF {type_name} regrouped weight of {tuple(packed.shape)} {packed.dtype} does not hold {n} "
+                         f"rows of {k} values")
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if _library().gguf_linear_q8(level, TYPES[type_name], levels, x2.data_ptr(), x2.stride(0), packed.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), y.data_ptr(), n, x2.shape[0], n, k):
+        raise MemoryError(f"GGUF {type_name} linear: no memory for {x2.shape[0]} x {k} int8 activations")
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, type_name: str, bias: torch.Tensor | None = None,
+           isa_name: str | None = None) -> torch.Tensor:
+    """x ([..., K], widened to fp32) @ W^T (+ bias, fp32 [N]) -> fp32 [..., N] with fp32 activations
+    (csrc/quant_ops.c). weight: uint8, N rows of K / values-per-block blocks, contiguous ([N, blocks,
+    bytes] or [N, row bytes])."""
+    k = x.shape[-1]
+    x2, bias, level = _prepare(x, bias, isa_name)
+    assert weight.dtype == torch.uint8 and weight.is_contiguous()
+    n = weight.shape[0]
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     rc = _library().gguf_linear(level, TYPES[type_name], x2.data_ptr(), x2.stride(0), weight.data_ptr(),
                                 weight.numel() // max(n, 1), None if bias is None else bias.data_ptr(),

@@ -438,7 +438,7 @@ void paged_attention(const float *q, int64_t q_stride, const void *k_cache, cons
     const int64_t G = Hq / Hk;
     const float score_scale = kv_kind == KV_FP8 ? scale * (k_scale * FP8_WIDEN) : scale;
     const float v_mul = kv_kind == KV_FP8 ? v_scale * FP8_WIDEN : 1.0f;
-#pragma omp parallel for collapse(2) schedule(dynamic, 4)
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)   /* a decode has B * Hk tasks: a few */
     for (int64_t b = 0; b < B; b++)
         for (int64_t hk = 0; hk < Hk; hk++) {
             const int64_t L = seq_lens[b];

@@ -11,8 +11,9 @@
  * activations stay fp32 (no 8-bit activation rounding).
  *
  * Three code paths in one library, picked per call by `isa`: 0 scalar C, 1 AVX2 + FMA + F16C,
- * 2 AVX-512 (F, BW, VL). gguf_cpu_isa() says the best one this CPU runs; the wrapper lets an
- * environment switch force a lower one.
+ * 2 AVX-512 (F, BW, VL; 3, AVX-512 with VNNI, takes it too: VNNI matters only to the int8 kernels
+ * of quant_dot.c). gguf_cpu_isa() says the best one this CPU runs; the wrapper lets an environment
+ * switch force a lower one.
  *
  * Batch invariance (as in cpu_ops.c): y[m, n] is one fixed sequence of operations whatever M is and
  * wherever row m sits; threads split only across weight rows. Expanding a block uses a multiply then
@@ -47,7 +48,7 @@ int gguf_block_info(int type, int *bytes) {
 int gguf_cpu_isa(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-        return 2;
+        return __builtin_cpu_supports("avx512vnni") ? 3 : 2;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
         return 1;
     return 0;
@@ -73,6 +74,8 @@ AI float half_to_float(const uint8_t *p) {
     memcpy(&f, &bits, 4);
     return f;
 }
+
+float gguf_half_to_float(const uint8_t *p) { return half_to_float(p); }   /* for quant_dot.c */
 
 /* ---- expanding blocks into fp32, plain C (every path uses these for the K-quants) -------------- */
 
@@ -477,7 +480,7 @@ AVX512_TARGET static void rows_avx512(int type, const float *x, int64_t ldx, con
 /* ---- entry points ------------------------------------------------------------------------------- */
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias[N]); W: N rows of row_bytes
- * bytes of `type` blocks. isa: 0 scalar, 1 AVX2, 2 AVX-512 (the caller checks the CPU has it).
+ * bytes of `type` blocks. isa: 0 scalar, 1 AVX2, 2 or 3 AVX-512 (the caller checks the CPU has it).
  * Returns 0, or -1 for a type or K this library cannot multiply. */
 int gguf_linear(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
                 const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
@@ -490,7 +493,7 @@ int gguf_linear(int isa, int type, const float *x, int64_t ldx, const uint8_t *w
         float *buf = (float *)aligned_alloc(64, sizeof(float) * ((K + 15) / 16 * 16));
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
-            if (isa == 2)
+            if (isa >= 2)
                 rows_avx512(type, x, ldx, w, row_bytes, bias, y, ldy, M, n, K, buf);
             else if (isa == 1)
                 rows_avx2(type, x, ldx, w, row_bytes, bias, y, ldy, M, n, K, buf);

@@ -1,0 +1,487 @@
+/* Integer dot products for GGUF's 32-value block formats (Q4_0, Q4_1, Q8_0) on the CPU, compiled
+ * with quant_ops.c into one library by shardserve/kernels/cpu/quant_ops.py.
+ *
+ *   y[M, N] = x[M, K] @ W^T (+ bias), x and y fp32, W [N, K] in blocks of 32 values.
+ *
+ * Why integers: expanding every weight to fp32 costs more work per weight than the bf16 panel kernel
+ * spends, so the fp32-activation kernels in quant_ops.c lose to it. Here each row of x is quantized
+ * once per call to int8 blocks of 32 (scale amax / 127, round to nearest even), and a block of
+ * weights times a block of x is an integer dot product of byte pairs (AVX2: vpmaddubsw + vpmaddwd;
+ * AVX-512 VNNI: vpdpbusd), scaled once in fp32:
+ *   Q4_0  d_w (q - 8)      -> d_w d_x (sum q x_q - 8 sum x_q)
+ *   Q4_1  d_w q + m_w      -> d_w d_x sum q x_q + m_w (d_x sum x_q)
+ *   Q8_0  d_w q (signed)   -> d_w d_x sum q x_q
+ * The byte instructions multiply unsigned by signed bytes: 4-bit values are unsigned already (Q4_0's
+ * -8 becomes an integer correction), Q8_0 weights get +128 and a -128 sum x_q correction on VNNI
+ * (no 16-bit step to overflow) and the sign trick on AVX2 (|w| times x carrying w's sign). A
+ * correction is the initial value of the integer accumulator.
+ *
+ * Layout (gguf_repack8, once at load; the same bytes as the file, rows padded to a multiple of 8):
+ * groups of 8 weight rows, block after block; one group-block holds the 8 rows' scales (fp16), for
+ * Q4_1 their mins, then the values in 4-byte chunks: chunk c is bytes 4c..4c+3 of rows 0..7, one
+ * 32-byte vector. A vector lane is then one weight row, and one vpdpbusd multiplies 4 values of 8
+ * rows by the same 4 bytes of x broadcast: the lanes end the block as the 8 rows' dot products, one
+ * scale vector (8 d_w times d_x) converts them, and y's 8 outputs are stored with no horizontal sum.
+ * (In a 4-bit block byte j holds value j in its low nibble and value j + 16 in its high one.)
+ *
+ * The price is x's rounding to 8 bits (a relative error up to 1/254 of each block's largest value);
+ * quant_ops.c's fp32-activation kernels stay as the exact path (SHARDSERVE_GGUF_ACTIVATIONS=fp32).
+ *
+ * Paths, picked per call by `isa`: 0 scalar C, 1 AVX2 (2, AVX-512 without VNNI, takes it too: wider
+ * byte multiplies would halve the instruction count, not the bytes read), 3 AVX-512 VNNI on 256-bit
+ * vectors. Batch invariance: x's rows are quantized one by one, and y[m, n] is one fixed sequence
+ * of operations (integer sums are exact; the float steps go block by block) whatever M is and
+ * wherever row m sits; threads split only groups of weight rows.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+
+#define AI static inline __attribute__((always_inline))
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+float gguf_half_to_float(const uint8_t *p);   /* quant_ops.c */
+
+/* Bytes of one block of one row in the file, and where its values start; 0 for other types. */
+static int block_bytes(int type, int *values_at) {
+    *values_at = type == Q4_1 ? 4 : 2;
+    return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0;
+}
+
+/* File rows [N][nb blocks] -> groups of 8 rows (see the layout above); `out` holds
+ * ceil(N / 8) * nb * 8 * bytes bytes. Returns -1 for a type this file does not multiply. */
+int gguf_repack8(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
+    int at;
+    const int bytes = block_bytes(type, &at), chunks = type == Q8_0 ? 8 : 4, scales = at / 2;
+    if (!bytes || K % 32)
+        return -1;
+    const int64_t nb = K / 32, groups = (N + 7) / 8;
+    memset(out, 0, (size_t)(groups * nb * 8 * bytes));
+#pragma omp parallel for schedule(static) if (N * K > 65536)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *dst = out + (g * nb + b) * 8 * bytes;
+            for (int r = 0; r < 8 && g * 8 + r < N; r++) {
+                const uint8_t *src = w + ((g * 8 + r) * nb + b) * bytes;
+                for (int s = 0; s < scales; s++) memcpy(dst + 16 * s + 2 * r, src + 2 * s, 2);
+                for (int c = 0; c < chunks; c++) memcpy(dst + 16 * scales + 32 * c + 4 * r, src + at + 4 * c, 4);
+            }
+        }
+    return 0;
+}
+
+/* Rows `ids` of a regrouped weight expanded to fp32 [n][K] (an embedding lookup), with the values
+ * quant_ops.c's expansion gives: (q - 8) d, q d + m, q d. Returns -1 for another type. */
+int gguf_rows8(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t n, float *out) {
+    int at;
+    const int bytes = block_bytes(type, &at), qs = 8 * at;
+    if (!bytes || K % 32)
+        return -1;
+    const int64_t nb = K / 32;
+#pragma omp parallel for schedule(static) if (n * K > 65536)
+    for (int64_t j = 0; j < n; j++) {
+        const int r = (int)(ids[j] % 8);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + ((ids[j] / 8) * nb + b) * 8 * bytes;
+            const float d = gguf_half_to_float(blk + 2 * r), m = type == Q4_1 ? gguf_half_to_float(blk + 16 + 2 * r) : 0;
+            float *o = out + j * K + 32 * b;
+            for (int c = 0; c < (type == Q8_0 ? 8 : 4); c++)
+                for (int t = 0; t < 4; t++) {
+                    const uint8_t v = blk[qs + 32 * c + 4 * r + t];
+                    if (type == Q8_0) {
+                        o[4 * c + t] = (float)(int8_t)v * d;
+                    } else if (type == Q4_0) {
+                        o[4 * c + t] = (float)((v & 15) - 8) * d;
+                        o[16 + 4 * c + t] = (float)((v >> 4) - 8) * d;
+                    } else {
+                        o[4 * c + t] = (float)(v & 15) * d + m;
+                        o[16 + 4 * c + t] = (float)(v >> 4) * d + m;
+                    }
+                }
+        }
+    }
+    return 0;
+}
+
+/* ---- quantizing x --------------------------------------------------------------------------------- */
+
+/* x quantized: per row m and block b, 32 int8 values, the scale, the scaled sum (Q4_1's min term)
+ * and the integer correction (0 where none). */
+typedef struct {
+    int8_t *q;     /* [M][K] */
+    int8_t *q2;    /* [M][K] the second level (levels == 2), else NULL */
+    float *d;      /* [M][nb] the scale of one unit of the (combined) integer value */
+    float *s;      /* [M][nb] d * sum of the block's (combined) values */
+    int32_t *c;    /* [M][nb] */
+    int64_t K, nb;
+    int levels;
+} Acts;
+
+/* Two levels: x = d1 q1 + d2 q2 with d1 = amax / 127 and d2 = d1 / 254 (q2 rounds the residual
+ * x - d1 q1, at most d1 / 2, to +-127), so x ~ d2 (254 q1 + q2): 16-bit precision from 8-bit
+ * multiplies. The kernels compute 254 * dot(w, q1) + dot(w, q2) in integers. */
+#define L2_UNITS 32258.0f   /* 127 * 254 */
+
+static void quantize_row_c(const float *x, int64_t nb, int8_t *q, int8_t *q2, float *d, int32_t *sum) {
+    for (int64_t b = 0; b < nb; b++, x += 32, q += 32) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f, d1 = amax / 127.0f;
+        const float id2 = amax > 0.0f ? L2_UNITS / amax : 0.0f;
+        int s = 0;
+        for (int i = 0; i < 32; i++) {
+            const int v = (int)nearbyintf(x[i] * id);   /* the default rounding: to nearest, ties even */
+            q[i] = (int8_t)v;
+            if (q2) {
+                int v2 = (int)nearbyintf((x[i] - (float)v * d1) * id2);
+                v2 = v2 > 127 ? 127 : v2 < -127 ? -127 : v2;
+                q2[32 * b + i] = (int8_t)v2;
+                s += 254 * v + v2;
+            } else {
+                s += v;
+            }
+        }
+        d[b] = q2 ? amax / L2_UNITS : d1;
+        sum[b] = s;
+    }
+}
+
+/* The same values as quantize_row_c (the same IEEE operations; vcvtps2dq rounds to nearest even). */
+AVX2_TARGET AI __m256i pack_bytes(__m256i i0, __m256i i1, __m256i i2, __m256i i3) {
+    /* packs work per 128-bit lane: the dwords come out as 0-3 of i0, i1, i2, i3, then 4-7 of each. */
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+AVX2_TARGET AI int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* The second level of 8 values with first level i (see quantize_row_c). */
+AVX2_TARGET AI __m256i level2(__m256 v, __m256i i, __m256 d1, __m256 id2) {
+    const __m256i j = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(v, _mm256_mul_ps(_mm256_cvtepi32_ps(i), d1)), id2));
+    return _mm256_min_epi32(_mm256_max_epi32(j, _mm256_set1_epi32(-127)), _mm256_set1_epi32(127));
+}
+
+AVX2_TARGET static void quantize_row_avx2(const float *x, int64_t nb, int8_t *q, int8_t *q2, float *d, int32_t *sum) {
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t b = 0; b < nb; b++, x += 32, q += 32) {
+        const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
+                     v3 = _mm256_loadu_ps(x + 24);
+        const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, abs), _mm256_and_ps(v1, abs)),
+                                       _mm256_max_ps(_mm256_and_ps(v2, abs), _mm256_and_ps(v3, abs)));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        const float amax = _mm_cvtss_f32(m);
+        const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id)),
+                      i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, id)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, id));
+        _mm256_storeu_si256((__m256i *)q, pack_bytes(i0, i1, i2, i3));
+        int32_t s = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
+        if (q2) {
+            const __m256 d1 = _mm256_set1_ps(amax / 127.0f), id2 = _mm256_set1_ps(amax > 0.0f ? L2_UNITS / amax : 0.0f);
+            const __m256i j0 = level2(v0, i0, d1, id2), j1 = level2(v1, i1, d1, id2), j2 = level2(v2, i2, d1, id2),
+                          j3 = level2(v3, i3, d1, id2);
+            _mm256_storeu_si256((__m256i *)(q2 + 32 * b), pack_bytes(j0, j1, j2, j3));
+            s = 254 * s + hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(j0, j1), _mm256_add_epi32(j2, j3)));
+        }
+        d[b] = q2 ? amax / L2_UNITS : amax / 127.0f;
+        sum[b] = s;
+    }
+}
+
+static void quantize_x(int isa, int type, const float *x, int64_t ldx, int64_t m, const Acts *a) {
+    const int64_t o = m * a->nb;
+    int8_t *q2 = a->levels == 2 ? a->q2 + m * a->K : 0;
+    if (isa >= 1)
+        quantize_row_avx2(x + m * ldx, a->nb, a->q + m * a->K, q2, a->d + o, a->c + o);
+    else
+        quantize_row_c(x + m * ldx, a->nb, a->q + m * a->K, q2, a->d + o, a->c + o);
+    /* c holds the sums until here; the weights' offset makes them the correction. */
+    const int offset = type == Q4_0 ? 8 : (type == Q8_0 && isa == 3 ? 128 : 0);
+    for (int64_t b = o; b < o + a->nb; b++) {
+        a->s[b] = a->d[b] * (float)a->c[b];
+        a->c[b] *= -offset;
+    }
+}
+
+/* ---- scalar: one weight row r of group `grp` times row m of x ------------------------------------ */
+
+static float dot_scalar(int type, const uint8_t *grp, int bytes, int r, const Acts *a, int64_t m) {
+    const int qs = type == Q4_1 ? 32 : 16;
+    float acc = 0.0f, macc = 0.0f;
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = grp + b * 8 * bytes;
+        const int64_t i = m * a->nb + b;
+        int dot = 0;
+        for (int level = 0; level < a->levels; level++) {
+            const int8_t *x = (level ? a->q2 : a->q) + m * a->K + 32 * b;
+            int part = 0;
+            for (int c = 0; c < (type == Q8_0 ? 8 : 4); c++)
+                for (int t = 0; t < 4; t++) {
+                    const uint8_t v = blk[qs + 32 * c + 4 * r + t];
+                    if (type == Q8_0)
+                        part += (int8_t)v * x[4 * c + t];
+                    else
+                        part += ((v & 15) - (type == Q4_0 ? 8 : 0)) * x[4 * c + t] +
+                                ((v >> 4) - (type == Q4_0 ? 8 : 0)) * x[16 + 4 * c + t];
+                }
+            dot = 254 * dot + part;
+        }
+        acc += (gguf_half_to_float(blk + 2 * r) * a->d[i]) * (float)dot;
+        if (type == Q4_1) macc += gguf_half_to_float(blk + 16 + 2 * r) * a->s[i];
+    }
+    return acc + macc;
+}
+
+/* ---- AVX2 and VNNI: a group of 8 weight rows times MR (<= 4) rows of x ----------------------------- */
+
+/* The 8 int32 lanes of one block: lane j = weight row j's dot product with x's block at xb. The
+ * weight vectors w0..w7 are prepared once per block for all MR rows (see PREP_*). */
+AVX2_TARGET AI __m256i bcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* AVX2: u8 x s8 pairs summed to int16 (no overflow: |q| <= 15 or sign trick), then pairs to int32. */
+AVX2_TARGET AI __m256i mul4_avx2(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+AVX2_TARGET AI __m256i dots_avx2(const int TYPE, const __m256i *w, const int8_t *xb, __m256i lo) {
+    __m256i hi = _mm256_setzero_si256();
+    if (TYPE == Q8_0) {   /* w holds |w|, x takes w's sign: w[4 + c] keeps the signed bytes */
+        for (int c = 0; c < 8; c += 2) {
+            lo = _mm256_add_epi32(lo, mul4_avx2(w[c / 2], _mm256_sign_epi8(bcast4(xb + 4 * c), w[4 + c / 2])));
+            hi = _mm256_add_epi32(hi, mul4_avx2(w[8 + c / 2], _mm256_sign_epi8(bcast4(xb + 4 * c + 4), w[12 + c / 2])));
+        }
+    } else {
+        for (int c = 0; c < 4; c++) {
+            lo = _mm256_add_epi32(lo, mul4_avx2(w[c], bcast4(xb + 4 * c)));
+            hi = _mm256_add_epi32(hi, mul4_avx2(w[4 + c], bcast4(xb + 16 + 4 * c)));
+        }
+    }
+    return _mm256_add_epi32(lo, hi);
+}
+
+VNNI_TARGET AI __m256i dots_vnni(const int TYPE, const __m256i *w, const int8_t *xb, __m256i lo) {
+    __m256i hi = _mm256_setzero_si256();
+    if (TYPE == Q8_0) {
+        for (int c = 0; c < 8; c += 2) {
+            lo = _mm256_dpbusd_epi32(lo, w[c], bcast4(xb + 4 * c));
+            hi = _mm256_dpbusd_epi32(hi, w[c + 1], bcast4(xb + 4 * c + 4));
+        }
+    } else {
+        for (int c = 0; c < 4; c++) {
+            lo = _mm256_dpbusd_epi32(lo, w[c], bcast4(xb + 4 * c));
+            hi = _mm256_dpbusd_epi32(hi, w[4 + c], bcast4(xb + 16 + 4 * c));
+        }
+    }
+    return _mm256_add_epi32(lo, hi);
+}
+
+/* With LV == 2 levels: 254 * dots(q1) + dots(q2), the correction added once. */
+AVX2_TARGET AI __m256i block_avx2(const int TYPE, const int LV, const __m256i *w, const int8_t *xb, const int8_t *xb2,
+                                  int32_t corr) {
+    const __m256i c = TYPE == Q4_0 ? _mm256_set1_epi32(corr) : _mm256_setzero_si256();
+    if (LV == 1) return dots_avx2(TYPE, w, xb, c);
+    const __m256i first = dots_avx2(TYPE, w, xb, _mm256_setzero_si256());
+    return dots_avx2(TYPE, w, xb2, _mm256_add_epi32(_mm256_mullo_epi32(first, _mm256_set1_epi32(254)), c));
+}
+
+VNNI_TARGET AI __m256i block_vnni(const int TYPE, const int LV, const __m256i *w, const int8_t *xb, const int8_t *xb2,
+                                  int32_t corr) {
+    const __m256i c = TYPE == Q4_1 ? _mm256_setzero_si256() : _mm256_set1_epi32(corr);
+    if (LV == 1) return dots_vnni(TYPE, w, xb, c);
+    const __m256i first = dots_vnni(TYPE, w, xb, _mm256_setzero_si256());
+    return dots_vnni(TYPE, w, xb2, _mm256_add_epi32(_mm256_mullo_epi32(first, _mm256_set1_epi32(254)), c));
+}
+
+/* Weight vectors of a group-block: 4-bit types: w[0..3] low nibbles of chunks 0..3 (values 4c..4c+3),
+ * w[4..7] high nibbles (values 16 + 4c..). Q8_0 on AVX2: w[0..3] |chunks 0, 2, 4, 6|, w[4..7] those
+ * chunks signed, w[8..15] the same for chunks 1, 3, 5, 7; on VNNI: w[c] = chunk c + 128. */
+AVX2_TARGET AI void prep_avx2(const int TYPE, const uint8_t *qs, __m256i *w) {
+    if (TYPE == Q8_0) {
+        for (int c = 0; c < 8; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            w[(c & 1) * 8 + c / 2] = _mm256_abs_epi8(v);
+            w[(c & 1) * 8 + 4 + c / 2] = v;
+        }
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        w[c] = _mm256_and_si256(v, low);
+        w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+}
+
+VNNI_TARGET AI void prep_vnni(const int TYPE, const uint8_t *qs, __m256i *w) {
+    if (TYPE == Q8_0) {
+        for (int c = 0; c < 8; c++)
+            w[c] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)), _mm256_set1_epi8(-128));
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        w[c] = _mm256_and_si256(v, low);
+        w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+}
+
+/* Row r of the tile, one block: acc += float(dots) * (d_w * d_x); Q4_1: macc += m_w * (d_x sum x_q). */
+#define ROW(r, BLOCK_FN)                                                                             \
+    if (MR > r) {                                                                                    \
+        const int64_t i = (m + r) * a->nb + b;                                                       \
+        const int64_t at = (m + r) * a->K + 32 * b;                                                  \
+        const __m256i dots = BLOCK_FN(TYPE, LV, w, a->q + at, LV == 2 ? a->q2 + at : 0, a->c[i]);    \
+        acc##r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dw, _mm256_set1_ps(a->d[i])), acc##r); \
+        if (TYPE == Q4_1) macc##r = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->s[i]), macc##r);          \
+    }
+#define STORE(r)                                                                                     \
+    if (MR > r) {                                                                                    \
+        __m256 out = _mm256_add_ps(acc##r, macc##r);                                                 \
+        if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias8));                                  \
+        if (cols == 8) _mm256_storeu_ps(y + (m + r) * ldy, out);                                     \
+        else {                                                                                       \
+            float tmp[8];                                                                            \
+            _mm256_storeu_ps(tmp, out);                                                              \
+            memcpy(y + (m + r) * ldy, tmp, sizeof(float) * cols);                                    \
+        }                                                                                            \
+    }
+/* The accumulators are named variables, not arrays: gcc spills arrays of vectors to the stack. */
+#define TILE(PREP_FN, BLOCK_FN, NW)                                                                  \
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, macc0 = acc0, macc1 = acc0, \
+           macc2 = acc0, macc3 = acc0, mw = acc0;                                                    \
+    for (int64_t b = 0; b < a->nb; b++) {                                                            \
+        const uint8_t *blk = grp + b * 8 * bytes;                                                    \
+        __m256i w[NW];                                                                               \
+        PREP_FN(TYPE, blk + (TYPE == Q4_1 ? 32 : 16), w);                                            \
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));                   \
+        if (TYPE == Q4_1) mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));        \
+        ROW(0, BLOCK_FN) ROW(1, BLOCK_FN) ROW(2, BLOCK_FN) ROW(3, BLOCK_FN)                          \
+    }                                                                                                \
+    float bias8[8] = {0};   /* the last group's bias, not read past its end */                     \
+    if (bias) memcpy(bias8, bias, sizeof(float) * cols);                                             \
+    STORE(0) STORE(1) STORE(2) STORE(3)
+
+AVX2_TARGET AI void tile_avx2(const int MR, const int TYPE, const int LV, const uint8_t *grp, int bytes, const Acts *a, int64_t m,
+                              float *y, int64_t ldy, int cols, const float *bias) {
+    TILE(prep_avx2, block_avx2, 16)
+}
+
+VNNI_TARGET AI void tile_vnni(const int MR, const int TYPE, const int LV, const uint8_t *grp, int bytes, const Acts *a, int64_t m,
+                              float *y, int64_t ldy, int cols, const float *bias) {
+    TILE(prep_vnni, block_vnni, 8)
+}
+
+#undef ROW
+#undef STORE
+#undef TILE
+
+/* All M rows of x times one group: tiles of 4 rows, then the rest (constant MR and TYPE each). */
+#define GROUP(TILE_FN)                                                                              \
+    int64_t m = 0;                                                                                  \
+    for (; m + 4 <= M; m += 4) TILE_FN(4, TYPE, LV, grp, bytes, a, m, y, ldy, cols, bias);              \
+    switch (M - m) {                                                                                \
+    case 3: TILE_FN(3, TYPE, LV, grp, bytes, a, m, y, ldy, cols, bias); break;                          \
+    case 2: TILE_FN(2, TYPE, LV, grp, bytes, a, m, y, ldy, cols, bias); break;                          \
+    case 1: TILE_FN(1, TYPE, LV, grp, bytes, a, m, y, ldy, cols, bias); break;                          \
+    default: break;                                                                                 \
+    }
+
+AVX2_TARGET AI void group_avx2(const int TYPE, const int LV, const uint8_t *grp, int bytes, const Acts *a, int64_t M, float *y,
+                               int64_t ldy, int cols, const float *bias) {
+    GROUP(tile_avx2)
+}
+
+VNNI_TARGET AI void group_vnni(const int TYPE, const int LV, const uint8_t *grp, int bytes, const Acts *a, int64_t M, float *y,
+                               int64_t ldy, int cols, const float *bias) {
+    GROUP(tile_vnni)
+}
+
+#undef GROUP
+
+AVX2_TARGET static void any_group_avx2(int type, const uint8_t *grp, int bytes, const Acts *a, int64_t M, float *y,
+                                       int64_t ldy, int cols, const float *bias) {
+    const int two = a->levels == 2;
+    if (type == Q4_0) two ? group_avx2(Q4_0, 2, grp, bytes, a, M, y, ldy, cols, bias)
+                          : group_avx2(Q4_0, 1, grp, bytes, a, M, y, ldy, cols, bias);
+    else if (type == Q4_1) two ? group_avx2(Q4_1, 2, grp, bytes, a, M, y, ldy, cols, bias)
+                               : group_avx2(Q4_1, 1, grp, bytes, a, M, y, ldy, cols, bias);
+    else two ? group_avx2(Q8_0, 2, grp, bytes, a, M, y, ldy, cols, bias)
+             : group_avx2(Q8_0, 1, grp, bytes, a, M, y, ldy, cols, bias);
+}
+
+VNNI_TARGET static void any_group_vnni(int type, const uint8_t *grp, int bytes, const Acts *a, int64_t M, float *y,
+                                       int64_t ldy, int cols, const float *bias) {
+    const int two = a->levels == 2;
+    if (type == Q4_0) two ? group_vnni(Q4_0, 2, grp, bytes, a, M, y, ldy, cols, bias)
+                          : group_vnni(Q4_0, 1, grp, bytes, a, M, y, ldy, cols, bias);
+    else if (type == Q4_1) two ? group_vnni(Q4_1, 2, grp, bytes, a, M, y, ldy, cols, bias)
+                               : group_vnni(Q4_1, 1, grp, bytes, a, M, y, ldy, cols, bias);
+    else two ? group_vnni(Q8_0, 2, grp, bytes, a, M, y, ldy, cols, bias)
+             : group_vnni(Q8_0, 1, grp, bytes, a, M, y, ldy, cols, bias);
+}
+
+/* ---- entry point ---------------------------------------------------------------------------------- */
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias[N]), W repacked by gguf_repack8,
+ * x quantized to `levels` (1 or 2) int8 levels. isa: 0 scalar, 1 or 2 AVX2, 3 AVX-512 VNNI (the
+ * caller checks the CPU has it). Returns -1 for a type other than Q4_0 / Q4_1 / Q8_0, K not a
+ * multiple of 32 or levels not 1 or 2, -2 when out of memory. */
+int gguf_linear_q8(int isa, int type, int levels, const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y,
+                   int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    int at;
+    const int bytes = block_bytes(type, &at);
+    if (!bytes || K % 32)
+        return -1;
+    const int64_t nb = K / 32, groups = (N + 7) / 8;
+    if (levels != 1 && levels != 2)
+        return -1;
+    Acts a = {.K = K, .nb = nb, .levels = levels};
+    char *mem = malloc((size_t)(levels * M * K + M * nb * 12));
+    if (!mem)
+        return -2;
+    a.q = (int8_t *)mem;
+    a.q2 = levels == 2 ? a.q + M * K : 0;
+    a.d = (float *)(mem + levels * M * K);
+    a.s = a.d + M * nb;
+    a.c = (int32_t *)(a.s + M * nb);
+#pragma omp parallel if (M * N * K > 65536)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_x(isa, type, x, ldx, m, &a);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *grp = w + g * nb * 8 * bytes;
+            const int cols = N - 8 * g < 8 ? (int)(N - 8 * g) : 8;
+            const float *b = bias ? bias + 8 * g : 0;
+            if (isa == 3)
+                any_group_vnni(type, grp, bytes, &a, M, y + 8 * g, ldy, cols, b);
+            else if (isa >= 1)
+                any_group_avx2(type, grp, bytes, &a, M, y + 8 * g, ldy, cols, b);
+            else
+                for (int64_t m = 0; m < M; m++)
+                    for (int r = 0; r < cols; r++) {
+                        const float s = dot_scalar(type, grp, bytes, r, &a, m);
+                        y[m * ldy + 8 * g + r] = b ? s + b[r] : s;
+                    }
+        }
+    }
+    free(mem);
+    return 0;
+}
