@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from shardserve.kernels.cpu import quant_ops
-from shardserve.layers.linear import LinearBase, LinearMethod, QKVParallelLinear, linear
+from shardserve.layers.linear import LinearBase, LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, linear
 
 logger = logging.getLogger("shardserve")
 
@@ -80,6 +80,8 @@ class GgufLinearMethod(LinearMethod):
         self.type_name: str | None = None            # the kept type after loading; None: a dense weight
         self.int8 = False                            # regrouped for the int8-activation kernels (quant_ops.repack)
         self.isa, self.act = "", ""                  # SHARDSERVE_CPU_ISA / _GGUF_ACTIVATIONS as read at load
+        self._int8_matmul = None                     # quant_ops.int8_matmul for the regrouped weight
+        self._int8_gated = None                      # its gated form, for a merged [gate, up] layer
         self._buffers: dict[str, torch.Tensor] = {}  # GGUF type -> [N, blocks, bytes] rows of the parts of that type
         self._parts: list[tuple[Any, str]] = []      # (shard id, type) as loaded
 
@@ -134,6 +136,12 @@ class GgufLinearMethod(LinearMethod):
             if self.int8:
                 raw = quant_ops.repack(raw, self.type_name, layer.input_size)
             layer.weight = nn.Parameter(raw, requires_grad=False)
+            if self.int8:
+                args = (layer.weight, self.type_name, layer.output_size, layer.input_size, self.isa, self.act)
+                self._int8_matmul = quant_ops.int8_matmul(*args)
+                if isinstance(layer, MergedColumnParallelLinear) and len(layer.output_shard_sizes) == 2 \
+                        and layer.output_shard_sizes[0] == layer.output_shard_sizes[1] and layer.output_size % 16 == 0:
+                    self._int8_gated = quant_ops.int8_matmul(*args, gated=True)
         else:
             if len(types) > 1:
                 logger.debug("GGUF: %s has parts of types %s; dequantized", type(layer).__name__,
@@ -148,11 +156,17 @@ class GgufLinearMethod(LinearMethod):
             layer.weight = nn.Parameter(dense, requires_grad=False)
         self._buffers.clear()
 
+    def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+        if self._int8_gated is None:
+            return None
+        out = self._int8_gated(x)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.type_name is None:
             return linear(x, layer.weight, bias)
         if self.int8:
-            out = quant_ops.linear_int8(x, layer.weight, self.type_name, layer.output_size, bias, self.isa, self.act)
+            out = self._int8_matmul(x, bias)
         else:
             out = quant_ops.linear(x, layer.weight, self.type_name, bias, self.isa)
         return out if x.dtype == torch.float32 else out.to(x.dtype)

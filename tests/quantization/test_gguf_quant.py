@@ -126,6 +126,25 @@ def test_int8_kernels_match_dequantize_then_matmul(type_name, isa, act):
         quant_ops.rows(packed, type_name, k, torch.tensor([n]), n)
 
 
+@pytest.mark.parametrize("isa", quant_ops.ISAS)
+def test_int8_gated_matches_silu_of_the_two_halves(isa):
+    """The merged [gate; up] form: silu(x gate^T) * (x up^T) from one kernel, as the plain kernel's two
+    halves give it, for 1 and 5 rows (the MLP's gate_up_proj with quantization/gguf.py's apply_gated)."""
+    _isa_or_skip(isa)
+    n, k = 32, 96
+    raw, _ = _weights("Q4_1", n, k)
+    packed = quant_ops.repack(raw, "Q4_1", k)
+    plain = quant_ops.int8_matmul(packed, "Q4_1", n, k, isa, "int16")
+    gated = quant_ops.int8_matmul(packed, "Q4_1", n, k, isa, "int16", gated=True)
+    for m in (1, 5):
+        x = torch.randn(m, k)
+        both = plain(x)
+        expected = torch.nn.functional.silu(both[:, :n // 2]) * both[:, n // 2:]
+        torch.testing.assert_close(gated(x), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="8-row groups"):
+        quant_ops.int8_matmul(quant_ops.repack(raw[:24], "Q4_1", k), "Q4_1", 24, k, isa, "int16", gated=True)
+
+
 def test_isa_switch(monkeypatch):
     quant_ops._isa_from_env.cache_clear()
     monkeypatch.setenv(quant_ops.ISA_SWITCH, "scalar")

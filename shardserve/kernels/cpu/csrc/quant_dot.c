@@ -439,19 +439,35 @@ VNNI_TARGET static void any_group_vnni(int type, const uint8_t *grp, int bytes, 
 
 /* ---- entry point ---------------------------------------------------------------------------------- */
 
+/* One group of weight rows times all M rows of x into y[:, 0..cols) (row stride ldy). */
+static void one_group(int isa, int type, const uint8_t *grp, int bytes, const Acts *a, int64_t M, float *y,
+                      int64_t ldy, int cols, const float *b) {
+    if (isa == 3)
+        any_group_vnni(type, grp, bytes, a, M, y, ldy, cols, b);
+    else if (isa >= 1)
+        any_group_avx2(type, grp, bytes, a, M, y, ldy, cols, b);
+    else
+        for (int64_t m = 0; m < M; m++)
+            for (int r = 0; r < cols; r++) {
+                const float s = dot_scalar(type, grp, bytes, r, a, m);
+                y[m * ldy + r] = b ? s + b[r] : s;
+            }
+}
+
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias[N]), W repacked by gguf_repack8,
  * x quantized to `levels` (1 or 2) int8 levels. isa: 0 scalar, 1 or 2 AVX2, 3 AVX-512 VNNI (the
- * caller checks the CPU has it). Returns -1 for a type other than Q4_0 / Q4_1 / Q8_0, K not a
- * multiple of 32 or levels not 1 or 2, -2 when out of memory. */
-int gguf_linear_q8(int isa, int type, int levels, const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y,
-                   int64_t ldy, int64_t M, int64_t N, int64_t K) {
+ * caller checks the CPU has it). gated: W is a merged [gate; up] pair of N / 2 rows each (N / 2 a
+ * multiple of 8, no bias) and y[M, N / 2] = silu(x W_gate^T) * (x W_up^T), the two groups of each
+ * output computed by one thread (the MLP without a pass over the [M, N] product). Returns -1 for a
+ * type other than Q4_0 / Q4_1 / Q8_0, K not a multiple of 32, levels not 1 or 2 or a gated N that
+ * does not split into groups, -2 when out of memory. */
+int gguf_linear_q8(int isa, int type, int levels, int gated, const float *x, int64_t ldx, const uint8_t *w,
+                   const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     int at;
     const int bytes = block_bytes(type, &at);
-    if (!bytes || K % 32)
+    if (!bytes || K % 32 || (levels != 1 && levels != 2) || (gated && (N % 16 || bias)))
         return -1;
-    const int64_t nb = K / 32, groups = (N + 7) / 8;
-    if (levels != 1 && levels != 2)
-        return -1;
+    const int64_t nb = K / 32, groups = gated ? N / 16 : (N + 7) / 8, up = gated ? N / 16 : 0;
     Acts a = {.K = K, .nb = nb, .levels = levels};
     char *mem = malloc((size_t)(levels * M * K + M * nb * 12));
     if (!mem)
@@ -461,27 +477,34 @@ int gguf_linear_q8(int isa, int type, int levels, const float *x, int64_t ldx, c
     a.d = (float *)(mem + levels * M * K);
     a.s = a.d + M * nb;
     a.c = (int32_t *)(a.s + M * nb);
+    int failed = 0;
 #pragma omp parallel if (M * N * K > 65536)
     {
+        float *pair = gated ? malloc(sizeof(float) * 16 * M) : 0;   /* a gate group's and its up group's outputs */
+        if (gated && !pair) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) quantize_x(isa, type, x, ldx, m, &a);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *grp = w + g * nb * 8 * bytes;
-            const int cols = N - 8 * g < 8 ? (int)(N - 8 * g) : 8;
-            const float *b = bias ? bias + 8 * g : 0;
-            if (isa == 3)
-                any_group_vnni(type, grp, bytes, &a, M, y + 8 * g, ldy, cols, b);
-            else if (isa >= 1)
-                any_group_avx2(type, grp, bytes, &a, M, y + 8 * g, ldy, cols, b);
-            else
+            if (!gated) {
+                const int cols = N - 8 * g < 8 ? (int)(N - 8 * g) : 8;
+                one_group(isa, type, grp, bytes, &a, M, y + 8 * g, ldy, cols, bias ? bias + 8 * g : 0);
+            } else if (pair) {
+                one_group(isa, type, grp, bytes, &a, M, pair, 16, 8, 0);
+                one_group(isa, type, grp + up * nb * 8 * bytes, bytes, &a, M, pair + 8, 16, 8, 0);
                 for (int64_t m = 0; m < M; m++)
-                    for (int r = 0; r < cols; r++) {
-                        const float s = dot_scalar(type, grp, bytes, r, &a, m);
-                        y[m * ldy + 8 * g + r] = b ? s + b[r] : s;
+                    for (int j = 0; j < 8; j++) {
+                        const float v = pair[16 * m + j];
+                        y[m * ldy + 8 * g + j] = v / (1.0f + expf(-v)) * pair[16 * m + 8 + j];
                     }
+            }
         }
+        free(pair);
     }
     free(mem);
-    return 0;
+    return failed ? -2 : 0;
 }
