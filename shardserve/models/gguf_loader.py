@@ -8,14 +8,14 @@ routes the stacked names). Arch `qwen3moe` is Qwen3-MoE, `olmoe` OLMoE, and `lla
 Mixtral, as llama.cpp converts it (q/k rows permuted like any llama-arch file). A layer without a
 router is dense (Qwen3-MoE's `mlp_only_layers`).
 
-Kept quantized (opt-in with SHARDSERVE_GGUF_DEQUANTIZE=0): where the decoder's linear weights use a
-type the native CPU kernels multiply, the config gets `quantization_config: {"quant_method": "gguf"}`
-and those linears receive their raw blocks (quantization/gguf.py keeps or dequantizes them per
-layer), as do the token embedding and LM head where their type takes the int8-activation kernels
-(layers/vocab.py). Norms and MoE experts are dequantized as before."""
+Kept quantized (the default; SHARDSERVE_GGUF_DEQUANTIZE=1 dequantizes at load, quantization/gguf.py
+`kept_types` says which types stay): where the decoder's linear weights use such a type, the config
+gets `quantization_config: {"quant_method": "gguf"}` and those linears receive their raw blocks
+(quantization/gguf.py keeps or dequantizes them per layer), as do the token embedding and LM head
+where their type takes the int8-activation kernels (layers/vocab.py). Norms and MoE experts are
+dequantized as before."""
 from __future__ import annotations
 
-import os
 import re
 from functools import lru_cache
 from typing import Any, Iterator
@@ -39,7 +39,6 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
                  "output.weight": "lm_head.weight"}
 # Decoder linears whose weights stay in their GGUF blocks when the file is kept quantized.
 _KEPT_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
-DEQUANTIZE_SWITCH = "SHARDSERVE_GGUF_DEQUANTIZE"
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -118,14 +117,11 @@ def _is_kept_table(tensor) -> bool:
 
 
 def _keeps_quantized(reader) -> bool:
-    """Whether the linears stay in their blocks: some use a type the CPU kernels multiply, and
-    SHARDSERVE_GGUF_DEQUANTIZE is 0 (default 1: dequantize at load)."""
-    switch = os.environ.get(DEQUANTIZE_SWITCH, "1")
-    if switch not in ("0", "1"):
-        raise ValueError(f"{DEQUANTIZE_SWITCH}={switch!r}: use 1 (dequantize GGUF weights at load) or 0 (keep them "
-                         "in their blocks where the CPU kernels can)")
-    from shardserve.kernels.cpu.quant_ops import TYPES
-    return switch == "0" and any(_is_kept_linear(t.name) and t.tensor_type.name in TYPES for t in reader.tensors)
+    """Whether the linears stay in their blocks: some use a type kept_types() names (on CUDA the
+    layers are expanded once after loading, quantization/gguf.py)."""
+    from shardserve.quantization.gguf import kept_types
+    kept = kept_types()
+    return any(_is_kept_linear(t.name) and t.tensor_type.name in kept for t in reader.tensors)
 
 
 def raw_blocks(tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """GGUF weights kept in their block formats (`quantization_config.quant_method: gguf`, which
-models/gguf_loader.py writes into the config it synthesises for a .gguf file with
-SHARDSERVE_GGUF_DEQUANTIZE=0; opt-in until these kernels beat the dequantized path).
+models/gguf_loader.py writes into the config it synthesises for a .gguf file unless
+SHARDSERVE_GGUF_DEQUANTIZE=1). The default since the int8 dot-product kernels: on the embedded
+model they decode faster than the dequantized bf16 panels (and llama.cpp), batch faster, and hold a
+third of the bytes (benchmarks/BENCHMARKS.md, issue 25 session 16).
 
 - What stays quantized: the decoder's linear layers (q/k/v, o, gate/up, down) whose GGUF type the
   native CPU kernels multiply (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; kernels/cpu/quant_ops.py). Q4_0,
@@ -22,6 +24,7 @@ SHARDSERVE_GGUF_DEQUANTIZE=0; opt-in until these kernels beat the dequantized pa
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -34,6 +37,36 @@ logger = logging.getLogger("shardserve")
 
 # The file's unquantized float types, as raw bytes: (values per "block", bytes per block, torch dtype).
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+DEQUANTIZE_SWITCH = "SHARDSERVE_GGUF_DEQUANTIZE"
+
+
+def kept_types() -> tuple[str, ...]:
+    """The GGUF types whose linears stay in their blocks. SHARDSERVE_GGUF_DEQUANTIZE unset: those the
+    int8 dot-product kernels multiply (Q4_0, Q4_1, Q8_0; the K-quants' fp32-activation kernels are
+    slower than the dequantized bf16 panels, so those layers are dequantized); 0: every type the
+    kernels take; 1: none. None either without the kernels (no compiler, SHARDSERVE_CPU_KERNELS=0)."""
+    switch = os.environ.get(DEQUANTIZE_SWITCH)
+    if switch not in (None, "", "0", "1"):
+        raise ValueError(f"{DEQUANTIZE_SWITCH}={switch!r}: use 1 (dequantize GGUF weights at load) or 0 (keep them "
+                         "in their blocks wherever the CPU kernels can; unset: where the int8 kernels can)")
+    if switch == "1" or not quant_ops.available():
+        return ()
+    return tuple(quant_ops.TYPES) if switch == "0" else quant_ops.INT8_TYPES
+
+
+_HOW = {"int16": "integer dot products with x rounded to ~16 bits per block of 32 (two int8 levels)",
+        "int8": "integer dot products with x rounded to 8 bits per block of 32 (llama.cpp's numerics)",
+        "fp32": "blocks expanded to fp32 against fp32 activations (exact)"}
+
+
+def cpu_path_line() -> str:
+    """The start-up line of a GGUF file kept in its blocks on the CPU (engine/args.py logs it)."""
+    act = quant_ops.activations()
+    return (f"GGUF weights kept in their blocks, {_HOW[act]}, {quant_ops.isa()} kernels (they decode faster than "
+            f"the dequantized bf16 panels; {DEQUANTIZE_SWITCH}=1 dequantizes at load, "
+            f"{quant_ops.ACTIVATIONS_SWITCH}=int16|int8|fp32 picks the rounding of x)")
 
 
 def block_size(type_name: str) -> tuple[int, int]:
@@ -126,8 +159,7 @@ class GgufLinearMethod(LinearMethod):
     def process_after_loading(self, layer: LinearBase) -> None:
         types = {t for _, t in self._parts}
         device = layer.weight.device
-        keep = (len(types) == 1 and next(iter(types)) in quant_ops.TYPES and device.type == "cpu"
-                and quant_ops.available())
+        keep = len(types) == 1 and next(iter(types)) in kept_types() and device.type == "cpu"
         if keep:
             (self.type_name,) = types
             raw = self._buffers[self.type_name].view(layer.output_size, -1)

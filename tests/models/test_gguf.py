@@ -25,8 +25,11 @@ from tests.tiny_models import EOS_ID, assert_serves_bf16_values, load_hf_model, 
 
 @pytest.mark.parametrize("arch,qtype,loose_tol", [("llama", "F32", 1e-4), ("smollm2", "F16", 0.02),
                                                   ("llama", "Q8_0", 0.25)])
-def test_gguf_logits_match_hf(tmp_path, arch, qtype, loose_tol):
-    """llama: GQA 4/2 heads, separate lm_head; smollm2: GQA 6/2 heads, tied embeddings."""
+def test_gguf_logits_match_hf(tmp_path, monkeypatch, arch, qtype, loose_tol):
+    """llama: GQA 4/2 heads, separate lm_head; smollm2: GQA 6/2 heads, tied embeddings. Q8_0 stays in
+    its blocks (the default), multiplied here with fp32 activations, the exact path; the default
+    int8 dot products are checked in tests/quantization/test_gguf_quant.py."""
+    monkeypatch.setenv("SHARDSERVE_GGUF_ACTIVATIONS", "fp32")
     ckpt_dir = make_tiny_checkpoint(str(tmp_path / "ckpt"), arch)
     path = str(tmp_path / f"tiny-{qtype}.gguf")
     write_gguf(ckpt_dir, path, qtype)

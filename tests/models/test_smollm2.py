@@ -17,6 +17,10 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 PLAIN = "Gravity is the force that"
 NUM_TOKENS = 32
 TOP_K = 20
+# Log-probs against HF: the default path multiplies the Q4_1/Q8_0 blocks with x rounded to ~16 bits
+# per block of 32 (docs/engine.md, "GGUF on the CPU"), up to ~4e-3 away from exact fp32 here; the
+# greedy tokens stay HF's.
+LOGPROB_TOL = 5e-3
 
 
 def _model_path() -> str:
@@ -93,7 +97,7 @@ def test_greedy_tokens_match_hf(llm_fp32, hf_model):
         assert ours == ref_tokens, f"ours: {tok.decode(ours)!r}, HF: {tok.decode(ref_tokens)!r}"
         for j, row in enumerate(out.outputs[0].logprobs):   # the chosen token and the top-5
             for token_id, lp in row.items():
-                assert abs(lp.logprob - ref_logprobs[j, token_id].item()) <= 2e-3
+                assert abs(lp.logprob - ref_logprobs[j, token_id].item()) <= LOGPROB_TOL
 
     assert "Paris" in tok.decode(chat_out.outputs[0].token_ids)
     # Prompt log-probs (chosen token + top-20 per position) of the chat prompt.
@@ -103,4 +107,4 @@ def test_greedy_tokens_match_hf(llm_fp32, hf_model):
     for i, row in enumerate(chat_out.prompt_logprobs[1:], start=1):
         assert chat_ids[i] in row and len(row) >= TOP_K
         for token_id, lp in row.items():
-            assert abs(lp.logprob - ref[i - 1, token_id].item()) <= 2e-3
+            assert abs(lp.logprob - ref[i - 1, token_id].item()) <= LOGPROB_TOL
