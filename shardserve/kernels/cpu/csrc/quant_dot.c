@@ -24,8 +24,11 @@
  * scale vector (8 d_w times d_x) converts them, and y's 8 outputs are stored with no horizontal sum.
  * (In a 4-bit block byte j holds value j in its low nibble and value j + 16 in its high one.)
  *
- * The price is x's rounding to 8 bits (a relative error up to 1/254 of each block's largest value);
- * quant_ops.c's fp32-activation kernels stay as the exact path (SHARDSERVE_GGUF_ACTIVATIONS=fp32).
+ * The price is x's rounding: to 8 bits (one level, llama.cpp's numerics: an error up to 1/254 of
+ * each block's largest value, enough to change the embedded model's answers), or to ~16 bits with two
+ * int8 levels (the default, see L2_UNITS: twice the byte multiplies, which decode, bound by the
+ * weight bytes, hardly feels; prefills do). quant_ops.c's fp32-activation kernels stay as the exact path
+ * (SHARDSERVE_GGUF_ACTIVATIONS=fp32).
  *
  * Paths, picked per call by `isa`: 0 scalar C, 1 AVX2 (2, AVX-512 without VNNI, takes it too: wider
  * byte multiplies would halve the instruction count, not the bytes read), 3 AVX-512 VNNI on 256-bit
