@@ -68,7 +68,10 @@ def main() -> None:
     results: dict[str, list[dict]] = {name: [] for name in PATHS}
     for _ in range(args.rounds):
         for name, (dtype, env) in PATHS.items():
-            out = subprocess.run([sys.executable, __file__, "--child", dtype], env={**os.environ, **env},
+            # The GGUF dequantized at load, so every path multiplies bf16/fp32 weights (the block
+            # kernels, the default for GGUF since issue 25 session 16, are benchmarks/gguf_cpu.py's).
+            env = {"SHARDSERVE_GGUF_DEQUANTIZE": "1", **os.environ, **env}
+            out = subprocess.run([sys.executable, __file__, "--child", dtype], env=env,
                                  capture_output=True, text=True, check=True).stdout
             results[name].append(json.loads(out.split("RESULT ", 1)[1]))
     best = {name: max(rounds, key=lambda r: r["decode_tok_s"]) | {
