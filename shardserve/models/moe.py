@@ -10,6 +10,8 @@ what is left here is how their checkpoints name the experts' tensors:
 FusedMoE.weight_loader takes (models/loader.py's load_weights asks it before packing names). FP8
 checkpoints add per expert `...gate_proj.weight_scale` and `...gate_proj.input_scale` beside the
 weight: they go to `w13_weight_scale` / `w13_input_scale` (w2_ for down) with the same shard id.
+GPTQ / AWQ checkpoints have per expert `...gate_proj.qweight`, `.qzeros`, `.scales` (and GPTQ's
+`.g_idx`) instead of `.weight`: they go to `w13_qweight` ... (quantization/int4_moe.py).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import re
 
 from shardserve.models.llama import LlamaForCausalLM
 
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale|input_scale)$")
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\."
+                         r"(weight|weight_scale|input_scale|qweight|qzeros|scales|g_idx)$")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 _STACKED_KINDS = {"gate_up_proj": "gate_up", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 

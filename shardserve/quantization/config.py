@@ -13,6 +13,7 @@ from shardserve.quantization.fp8 import Fp8Config
 from shardserve.quantization.fp8_moe import Fp8MoEMethod
 from shardserve.quantization.gguf import GgufConfig
 from shardserve.quantization.int4 import AwqConfig, GptqConfig
+from shardserve.quantization.int4_moe import Int4MoEMethod
 
 QUANTIZATION_METHODS = ("fp8",)
 _FROM_CHECKPOINT = {"fp8": Fp8Config, "gptq": GptqConfig, "awq": AwqConfig, "gguf": GgufConfig}
@@ -53,16 +54,17 @@ def check_device(config: QuantConfig | None, device: torch.device, dtype: torch.
 
 
 def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
-    """The experts' method for a format: FP8 has one; GGUF experts arrive dequantized (models/
-    gguf_loader.py) and run unquantized; a format whose expert tensors nothing here reads is refused
-    while the model is built, before any weight loads."""
+    """The experts' method for a format: FP8 and GPTQ / AWQ (INT4) have one; GGUF experts arrive
+    dequantized (models/gguf_loader.py) and run unquantized. A format without one would be refused
+    here, while the model is built, before any weight loads."""
     if config.name == "fp8":
         return Fp8MoEMethod(config.from_checkpoint)
+    if config.name in ("gptq", "awq"):
+        return Int4MoEMethod(config)
     if config.name == "gguf":
         return None
-    raise ValueError(f"{config.name.upper()} (INT4) weights for the experts of a mixture-of-experts layer "
-                     f"({layer.prefix}) are not supported; mixture-of-experts models load from full-precision, "
-                     "FP8 (quant_method: fp8 or --quantization fp8) or GGUF checkpoints")
+    raise ValueError(f"{config.name.upper()} weights for the experts of a mixture-of-experts layer "
+                     f"({layer.prefix}) are not supported")
 
 
 def linear_method_factory(config: QuantConfig | None) -> Callable[[nn.Module], LinearMethod | MoEMethod | None] | None:

@@ -38,8 +38,8 @@ call (graph-safe, slow).
 
 Refused at start-up, naming the key: bits other than 4; GPTQ checkpoint_format other than gptq and
 gptq_v2 (marlin repacks), a quantized lm_head, per-module `dynamic` overrides; AWQ versions other than
-gemm (gemv packs differently), zero_point false, modules_to_not_convert. MoE expert weights in INT4
-are not handled (the fused expert layers take no LinearMethod).
+gemm (gemv packs differently), zero_point false, modules_to_not_convert other than MoE routers
+(`gate`). MoE experts in INT4 are quantization/int4_moe.py's.
 """
 from __future__ import annotations
 
@@ -169,7 +169,8 @@ class AwqConfig(Int4Config):
         if not cfg.get("zero_point", True):
             raise ValueError("AWQ checkpoints without zero points (quantization_config.zero_point=false) are not "
                              "supported")
-        if cfg.get("modules_to_not_convert"):
+        # AutoAWQ writes ["gate"] for MoE models: their routers, which stay full precision here anyway.
+        if any(name.rsplit(".", 1)[-1] != "gate" for name in cfg.get("modules_to_not_convert") or ()):
             raise ValueError(f"AWQ quantization_config.modules_to_not_convert={cfg['modules_to_not_convert']} is "
                              "not supported; only checkpoints with every decoder linear layer quantized are")
         return cls(_group_size(cfg, "AWQ", "group_size", "q_group_size"))

@@ -64,10 +64,12 @@ def is_quantized_linear(name: str) -> bool:
     return name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR_SUFFIXES
 
 
-def write_quantized_checkpoint(src: str, dst: str, quantize, quantization_config: dict) -> dict[str, torch.Tensor]:
-    """`src` rewritten with every decoder linear replaced by `quantize(base_name, weight) -> (tensors
-    by full name, dequantized weight)`, the rest as it was, and `quantization_config` in config.json.
-    Returns the dequantized weights by HF name (what the quantized model computes with)."""
+def write_quantized_checkpoint(src: str, dst: str, quantize, quantization_config: dict,
+                               select=is_quantized_linear) -> dict[str, torch.Tensor]:
+    """`src` rewritten with every decoder linear (or every tensor name `select` picks) replaced by
+    `quantize(base_name, weight) -> (tensors by full name, dequantized weight)`, the rest as it was,
+    and `quantization_config` in config.json. Returns the dequantized weights by HF name (what the
+    quantized model computes with)."""
     from safetensors.torch import save_file
     os.makedirs(dst, exist_ok=True)
     for f in os.listdir(src):
@@ -75,7 +77,7 @@ def write_quantized_checkpoint(src: str, dst: str, quantize, quantization_config
             shutil.copy(os.path.join(src, f), dst)
     out, dequantized = {}, {}
     for name, t in _state_dict(src).items():
-        if not is_quantized_linear(name):
+        if not select(name):
             out[name] = t
             continue
         tensors, dequantized[name] = quantize(name[:-len(".weight")], t)

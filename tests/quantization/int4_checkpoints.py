@@ -47,12 +47,12 @@ def quantize_rtn(weight: torch.Tensor, group_index: torch.Tensor, sym: bool = Fa
     return q, zeros, scales, ((q - z).float() * s).t().contiguous()
 
 
-def group_index(k: int, group_size: int, desc_act: bool = False) -> torch.Tensor:
-    """Each input's group; desc_act: GPTQ's activation order, groups of a (seeded, per-K) permutation
-    of the inputs, the same for every layer reading the same inputs."""
+def group_index(k: int, group_size: int, desc_act: bool = False, seed: int | None = None) -> torch.Tensor:
+    """Each input's group; desc_act: GPTQ's activation order, groups of a (seeded, per-K unless `seed`
+    is given) permutation of the inputs, the same for every layer reading the same inputs."""
     if not desc_act:
         return torch.arange(k) // group_size
-    perm = torch.randperm(k, generator=torch.Generator().manual_seed(k))
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(k if seed is None else seed))
     index = torch.empty(k, dtype=torch.long)
     index[perm] = torch.arange(k) // group_size
     return index
@@ -70,9 +70,10 @@ def awq_config(group_size: int) -> dict:
 
 
 def quantized_tensors(fmt: str, base: str, weight: torch.Tensor, group_size: int,
-                      desc_act: bool = False, sym: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                      desc_act: bool = False, sym: bool = False,
+                      seed: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One linear's checkpoint tensors (`base`.qweight ...) and its dequantized weight."""
-    index = group_index(weight.shape[1], group_size, desc_act)
+    index = group_index(weight.shape[1], group_size, desc_act, seed)
     q, zeros, scales, dequantized = quantize_rtn(weight, index, sym)
     if fmt.startswith("gptq"):   # v1 stores zero - 1, modulo 16; v2 the zero itself
         stored = zeros if fmt == "gptq_v2" else (zeros - 1) & 15

@@ -4,7 +4,12 @@ for Qwen3-MoE and Mixtral, and the same model with the rounded values in full pr
 Per expert the checkpoint has `...experts.N.<proj>.weight` in E4M3 beside `.weight_scale` (fp32: one
 value per tensor, or with `per_channel` one per output channel, shape [rows, 1] as llm-compressor
 writes them) and a static `.input_scale`; the dense linears carry per-tensor scales as
-tests/quantization/checkpoints.py writes them."""
+tests/quantization/checkpoints.py writes them.
+
+GPTQ / AWQ (INT4) MoE checkpoints as GPTQModel / AutoGPTQ and AutoAWQ write them: every expert
+projection quantized on its own (`...experts.N.gate_proj.qweight / qzeros / scales [/ g_idx]`,
+Mixtral `w1 / w3 / w2`), by round-to-nearest in the layouts of tests/quantization/int4_checkpoints.py;
+the router (`mlp.gate`) left in full precision."""
 from __future__ import annotations
 
 import os
@@ -13,10 +18,12 @@ import shutil
 
 import torch
 
-from tests.quantization.checkpoints import _fp8_tensors, _state_dict, is_quantized_linear
+from tests.quantization.checkpoints import _fp8_tensors, _state_dict, is_quantized_linear, write_quantized_checkpoint
+from tests.quantization.int4_checkpoints import awq_config, gptq_config, quantized_tensors
 
 FP8_MAX = 448.0
 EXPERT = re.compile(r"\.experts\.\d+\.\w+\.weight$")
+EXPERT_NUMBER = re.compile(r"\.experts\.(\d+)\.")
 
 
 def _expert_fp8(base: str, t: torch.Tensor, per_channel: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -80,3 +87,19 @@ def fp8_rows(w: torch.Tensor) -> torch.Tensor:
     flat = w.reshape(-1, w.shape[-1])
     q, scale = quantize_rows(flat)
     return (q.float() * scale[:, None]).reshape(w.shape)
+
+
+def write_int4_moe_checkpoint(src: str, dst: str, fmt: str, group_size: int, desc_act: bool = False,
+                              sym: bool = False, **config_overrides) -> dict[str, torch.Tensor]:
+    """`src` with its experts and decoder linears in GPTQ (`fmt` "gptq" v1 or "gptq_v2") or AWQ ("awq").
+    desc_act: each expert its own input order (GPTQ orders by the inputs an expert saw; its gate and
+    up share one, down has its own). Returns the dequantized weights by HF name."""
+    config = {**(gptq_config(group_size, desc_act, sym, fmt) if fmt != "awq" else awq_config(group_size)),
+              **config_overrides}
+
+    def quantize(base: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        expert = EXPERT_NUMBER.search(base + ".")
+        seed = None if expert is None else 1000 * (int(expert.group(1)) + 1) + t.shape[1]
+        return quantized_tensors(fmt, base, t, group_size, desc_act, sym, seed=seed)
+    return write_quantized_checkpoint(src, dst, quantize, config,
+                                      select=lambda name: bool(EXPERT.search(name)) or is_quantized_linear(name))

@@ -11,6 +11,10 @@ in memory: each expert that has tokens is widened to the activations' dtype only
 (exact: every E4M3 value is a bf16 / fp16 / fp32 value) and its row scales applied to the output,
 as the CUDA kernel's epilogue does. So the experts cost FP8 bytes at rest plus one expert's widened
 copy at a time, instead of a full-precision copy of every expert held up front.
+
+INT4 experts (GPTQ / AWQ, `Int4Experts` of kernels/moe/int4_experts.py in place of w13 / w2): the
+same, one expert dequantized to the activations' dtype for its own matmul (group scales and zeros
+applied first), so memory stays at 4 bits plus one expert's width.
 """
 from __future__ import annotations
 
@@ -19,9 +23,13 @@ import torch.nn.functional as F
 
 from shardserve.kernels.activation.reference import silu_and_mul
 from shardserve.kernels.cpu import cpu_ops
+from shardserve.kernels.moe.int4_experts import Int4Experts
 
 
-def _matmul(x: torch.Tensor, weights: torch.Tensor, expert: int, scale: torch.Tensor | None) -> torch.Tensor:
+def _matmul(x: torch.Tensor, weights: torch.Tensor | Int4Experts, expert: int,
+            scale: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(weights, Int4Experts):   # dequantized for this matmul only
+        return F.linear(x, weights.dequantize(expert, x.dtype))
     if scale is not None:    # FP8: widened for this matmul only, row scales on the output
         return (F.linear(x, weights[expert].to(x.dtype)).float() * scale[expert]).to(x.dtype)
     if weights.dim() == 4:   # packed panels: fp32 math on the (often bf16) panels
@@ -29,8 +37,8 @@ def _matmul(x: torch.Tensor, weights: torch.Tensor, expert: int, scale: torch.Te
     return F.linear(x.to(weights.dtype), weights[expert])
 
 
-def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor | Int4Experts, w2: torch.Tensor | Int4Experts,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
