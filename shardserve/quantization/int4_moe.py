@@ -124,7 +124,7 @@ class Int4MoEMethod(MoEMethod):
             src = self._checkpoint_slice(layer, part, field, loaded, kind)
             dst = param.data[local]
             if field == "g_idx" and kind in ("gate", "up"):   # one input order for both (as dense fused parts)
-                if local in param.int4_loaded and not torch.equal(dst, src.to(dst.dtype)):
+                if local in param.int4_loaded and not torch.equal(dst, src.to(dst.device, dst.dtype)):
                     raise ValueError(f"{layer.prefix}: GPTQ g_idx of expert {expert}'s {kind} differs from its "
                                      "other projection's (desc_act with different input orders for gate and up is "
                                      "not supported)")
@@ -180,14 +180,16 @@ class Int4MoEMethod(MoEMethod):
         layer.register_parameter(f"{name}_zeros", nn.Parameter(zeros, requires_grad=False))
         layer.register_buffer(f"{name}_group_index", index, persistent=False)
 
-    @staticmethod
-    def experts(layer: FusedMoE, name: str) -> Int4Experts:
-        return Int4Experts(getattr(layer, f"{name}_qweight"), getattr(layer, f"{name}_scales"),
-                           getattr(layer, f"{name}_zeros"), getattr(layer, f"{name}_group_index"))
+    def experts(self, layer: FusedMoE, part: _Part) -> Int4Experts:
+        regular = not self.config.desc_act   # then group_index[k] = (k + phase) // group
+        return Int4Experts(getattr(layer, f"{part.name}_qweight"), getattr(layer, f"{part.name}_scales"),
+                           getattr(layer, f"{part.name}_zeros"), getattr(layer, f"{part.name}_group_index"),
+                           group_size=part.group if regular else 0,
+                           group_phase=part.offset % part.group if regular else 0)
 
     def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        w13, w2 = self.experts(layer, "w13"), self.experts(layer, "w2")
+        w13, w2 = (self.experts(layer, part) for part in self.parts)
         if hidden.is_cuda:
             from shardserve.kernels.moe import triton_moe_int4
             if triton_moe_int4.handles(hidden, w13):

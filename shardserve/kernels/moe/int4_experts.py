@@ -46,6 +46,10 @@ class Int4Experts:
     scales: torch.Tensor        # fp16 / fp32 [E, G, N]
     zeros: torch.Tensor         # uint8 [E, G, N]
     group_index: torch.Tensor   # int32 [E, K] (stride 0 over E when shared)
+    # Regular groups (no activation order): group_index[k] == (k + group_phase) // group_size, which
+    # lets the CUDA kernel take one scale row per block; 0: use group_index alone.
+    group_size: int = 0
+    group_phase: int = 0
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -2,13 +2,16 @@
 down, sum of picks) with B read as 4-bit words (kernels/moe/int4_experts.py's layout) and dequantized in
 registers; activations bf16 / fp16, accumulation fp32, no host sync (CUDA graphs replay it).
 
-Per [BLOCK_K, BLOCK_N] tile of an expert's weight the program loads the int32 words holding its inputs
-(each word serves 8 consecutive rows of the tile: the same address, so the repeats come from L1),
-shifts and masks out the nibbles, looks up each input's group (`group_index`, which also covers GPTQ's
-activation order and a TP split that cuts a group), loads that group's zero and scale per output, and
-feeds (q - zero) * scale, computed in fp32 and rounded once to the activations' dtype, to the
-tensor-core dot: the same values as int4_experts.Int4Experts.dequantize. The scales and zeros are
-gathered per input rather than once per group: simpler, and they are 1/8 to 1/16 of the words' bytes.
+Per [BLOCK_K, BLOCK_N] tile of an expert's weight the program loads the [BLOCK_K / 8, BLOCK_N] int32
+words once and spreads each over its 8 inputs in registers (shift, mask). Then, two ways:
+- regular groups (no activation order) and a BLOCK_K that divides the group size and this rank's
+  phase (where TP cut a group): the block lies inside one group, so (q - zero), exact in bf16 / fp16,
+  goes to the tensor-core dot as it is and the group's scale row multiplies the block's fp32 partial
+  sums: one scale and one zero per output per block (BLOCK_K is lowered, to 16 at least, to fit);
+- otherwise (GPTQ `desc_act`, blocks straddling groups): each input's group from `group_index`, its
+  scale and zero gathered per input, (q - zero) * scale in fp32 rounded once to the activations'
+  dtype (as int4_experts.Int4Experts.dequantize), then the dot.
+Tiles: the bf16 kernel's defaults per batch size (triton_moe.default_config), not tuned for INT4.
 """
 from __future__ import annotations
 
@@ -28,11 +31,11 @@ def _kernel():
 
     @jit(do_not_specialize=["num_valid"])
     def moe_int4_gemm_kernel(a_ptr, q_ptr, s_ptr, z_ptr, g_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, total_ptr,
-                             N, K, num_valid, stride_am, stride_qe, stride_qn, stride_se, stride_sg,
+                             N, K, num_valid, group, phase, stride_am, stride_qe, stride_qn, stride_se, stride_sg,
                              stride_ge, stride_cm,
                              A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr):
+                             GROUP_M: tl.constexpr, ALIGNED: tl.constexpr):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
         num_m = tl.num_programs(0) // num_n
@@ -51,10 +54,12 @@ def _kernel():
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
-        shifts = ((offs_k % 8) * 4)[:, None]
+        offs_w = tl.arange(0, BLOCK_K // 8)
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-        # Words [E, rows, K / 8]: input k of row n is nibble k % 8 of word k // 8.
-        q_ptrs = q_ptr + expert * stride_qe + offs_n[None, :].to(tl.int64) * stride_qn + (offs_k // 8)[:, None]
+        # Words [E, rows, K / 8]: input k of row n is nibble k % 8 of word k // 8. The [BLOCK_K / 8,
+        # BLOCK_N] words are loaded once and each spread over its 8 inputs in registers.
+        q_ptrs = q_ptr + expert * stride_qe + offs_n[None, :].to(tl.int64) * stride_qn + offs_w[:, None]
+        shifts = (tl.arange(0, 8) * 4)[None, :, None]
         s_base = s_ptr + expert * stride_se + offs_n[None, :]
         z_base = z_ptr + expert * stride_se + offs_n[None, :]
         g_ptrs = g_ptr + expert * stride_ge + offs_k
@@ -62,20 +67,35 @@ def _kernel():
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = offs_k < K - k0
-            bk_ok = k_ok[:, None] & n_ok[None, :]
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok, other=0).to(tl.int64)[:, None] * stride_sg
-            words = tl.load(q_ptrs, mask=bk_ok, other=0)
-            s = tl.load(s_base + g, mask=bk_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_base + g, mask=bk_ok, other=0).to(tl.int32)
-            b = (((words >> shifts) & 15) - z).to(tl.float32) * s
-            acc = tl.dot(a, b.to(a.dtype), acc)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)   # 0 past K: those q add 0
+            wk_ok = (offs_w * 8 < K - k0)[:, None] & n_ok[None, :]
+            q = tl.reshape((tl.load(q_ptrs, mask=wk_ok, other=0)[:, None, :] >> shifts) & 15, (BLOCK_K, BLOCK_N))
             if GATED:   # the up rows sit N rows below the gate rows, in the words and the scales alike
-                words = tl.load(q_ptrs + N * stride_qn, mask=bk_ok, other=0)
-                s = tl.load(s_base + N + g, mask=bk_ok, other=0.0).to(tl.float32)
-                z = tl.load(z_base + N + g, mask=bk_ok, other=0).to(tl.int32)
-                b = (((words >> shifts) & 15) - z).to(tl.float32) * s
-                acc_up = tl.dot(a, b.to(a.dtype), acc_up)
+                q_up = tl.reshape((tl.load(q_ptrs + N * stride_qn, mask=wk_ok, other=0)[:, None, :] >> shifts) & 15,
+                                  (BLOCK_K, BLOCK_N))
+            if ALIGNED:
+                # The block lies inside one group: (q - zero) is exact in bf16 / fp16, so the dot takes
+                # it as it is and the group's scale multiplies the block's fp32 partial sums.
+                g_off = ((k0 + phase) // group) * stride_sg
+                s = tl.load(s_base + g_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
+                z = tl.load(z_base + g_off, mask=n_ok[None, :], other=0).to(tl.int32)
+                acc += tl.dot(a, (q - z).to(a.dtype)) * s
+                if GATED:
+                    s = tl.load(s_base + N + g_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
+                    z = tl.load(z_base + N + g_off, mask=n_ok[None, :], other=0).to(tl.int32)
+                    acc_up += tl.dot(a, (q_up - z).to(a.dtype)) * s
+            else:
+                # Any input's group (activation order, groups a block straddles): scale and zero
+                # gathered per input, the weight dequantized in fp32 and rounded once.
+                bk_ok = k_ok[:, None] & n_ok[None, :]
+                g = tl.load(g_ptrs, mask=k_ok, other=0).to(tl.int64)[:, None] * stride_sg
+                s = tl.load(s_base + g, mask=bk_ok, other=0.0).to(tl.float32)
+                z = tl.load(z_base + g, mask=bk_ok, other=0).to(tl.int32)
+                acc = tl.dot(a, ((q - z).to(tl.float32) * s).to(a.dtype), acc)
+                if GATED:
+                    s = tl.load(s_base + N + g, mask=bk_ok, other=0.0).to(tl.float32)
+                    z = tl.load(z_base + N + g, mask=bk_ok, other=0).to(tl.int32)
+                    acc_up = tl.dot(a, ((q_up - z).to(tl.float32) * s).to(a.dtype), acc_up)
             a_ptrs += BLOCK_K
             q_ptrs += BLOCK_K // 8
             g_ptrs += BLOCK_K
@@ -96,28 +116,40 @@ def handles(hidden: torch.Tensor, w13: Int4Experts) -> bool:
             and triton_moe._triton_available())
 
 
+def _block_k(b: Int4Experts, block_k: int, aligned: bool) -> tuple[int, bool]:
+    """(BLOCK_K, whether every block lies inside one group): halved from the tile's BLOCK_K (down to
+    16) until it divides the group size and this rank's phase, where the groups are regular."""
+    if not aligned or not b.group_size:
+        return block_k, False
+    while block_k > 16 and (b.group_size % block_k or b.group_phase % block_k):
+        block_k //= 2
+    return block_k, b.group_size % block_k == 0 and b.group_phase % block_k == 0
+
+
 def moe_int4_gemm(a: torch.Tensor, b: Int4Experts, c: torch.Tensor, weights: torch.Tensor | None,
                   sorted_ids: torch.Tensor, expert_ids: torch.Tensor, total: torch.Tensor, a_div: int, gated: bool,
                   cfg: dict) -> None:
-    """triton_moe.moe_gemm with INT4 experts: c[pick] = (act)(a[pick // a_div] @ b[expert].T) (* weight)."""
+    """triton_moe.moe_gemm with INT4 experts: c[pick] = (act)(a[pick // a_div] @ b[expert].T) (* weight).
+    cfg["ALIGNED_GROUPS"] (default True) False forces the per-input group lookup (tests, timings)."""
     import triton
     n, k = c.shape[1], b.shape[2]
     assert a.stride(-1) == 1 and c.stride(-1) == 1 and b.qweight.stride(-1) == 1
     assert b.scales.stride() == b.zeros.stride() and b.group_index.stride(-1) == 1
     block_k = max(16, min(cfg["BLOCK_SIZE_K"], triton.next_power_of_2(k)))
+    block_k, aligned = _block_k(b, block_k, cfg.get("ALIGNED_GROUPS", True))
     grid = (expert_ids.numel() * triton.cdiv(n, cfg["BLOCK_SIZE_N"]),)
     _kernel()[grid](a, b.qweight, b.scales, b.zeros, b.group_index, c, weights if weights is not None else c,
-                    sorted_ids, expert_ids, total, n, k, c.shape[0], a.stride(0), b.qweight.stride(0),
-                    b.qweight.stride(1), b.scales.stride(0), b.scales.stride(1), b.group_index.stride(0), c.stride(0),
+                    sorted_ids, expert_ids, total, n, k, c.shape[0], b.group_size or 1, b.group_phase, a.stride(0),
+                    b.qweight.stride(0), b.qweight.stride(1), b.scales.stride(0), b.scales.stride(1),
+                    b.group_index.stride(0), c.stride(0),
                     A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, BLOCK_M=cfg["BLOCK_SIZE_M"],
-                    BLOCK_N=cfg["BLOCK_SIZE_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_SIZE_M"],
+                    BLOCK_N=cfg["BLOCK_SIZE_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_SIZE_M"], ALIGNED=aligned,
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def fused_moe(hidden: torch.Tensor, w13: Int4Experts, w2: Int4Experts, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """hidden [T, H] -> [T, H], as triton_moe.fused_moe with INT4 experts (int4_experts.py's layout).
-    Tiles: the bf16 kernel's defaults for the batch (triton_moe.default_config), not tuned for INT4."""
+    """hidden [T, H] -> [T, H], as triton_moe.fused_moe with INT4 experts (int4_experts.py's layout)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
