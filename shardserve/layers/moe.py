@@ -20,8 +20,8 @@ tensors reach the stacked weights through `FusedMoE.weight_loader` with shard id
 (expert, "gate" | "up" | "down"); an expert of None means the tensor stacks all experts.
 
 Quantized experts: built inside `linear_methods(factory)`, FusedMoE asks the factory for a
-`MoEMethod` (quantization/fp8_moe.py), which registers the stacked weights in its format plus their
-scales, converts them after loading and runs the experts. A scale parameter marked `expert_scale`
+`MoEMethod` (quantization/fp8_moe.py, int4_moe.py), which registers the stacked weights in its format
+plus their scales, converts them after loading and runs the experts. A scale parameter marked `expert_scale`
 holds one value per output row of each expert ([experts, 2 * inter] for w13, [experts, hidden] for
 w2): the same loader fills it from a per-tensor scale (one value, spread over the rows it covers)
 or a per-channel one (one per row), slicing gate/up rows over TP like the weight's rows; w2's rows
