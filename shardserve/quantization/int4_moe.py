@@ -18,7 +18,8 @@ packings of quantization/int4.py). The router (`mlp.gate`) stays full precision,
   time for its own matmul (kernels/moe/torch_moe.py). Either way memory stays at INT4: ~0.27x bf16's
   expert bytes at group 128.
 - Refused, naming the layer: intermediate rows per rank not a multiple of 8 (with the TP sizes that
-  work), experts stacked in one tensor, gate and up of one expert with different activation orders.
+  work), experts stacked in one tensor, gate and up of one expert with different activation orders,
+  a nonzero expert bias (AutoGPTQ's all-zero ones are read and dropped).
 """
 from __future__ import annotations
 
@@ -86,6 +87,10 @@ class Int4MoEMethod(MoEMethod):
                 layer.register_buffer(f"{part.name}_g_idx", g_idx, persistent=False)
                 g_idx.weight_loader = self._loader(layer, part, "g_idx")
                 g_idx.int4_loaded = set()
+            # AutoGPTQ writes a bias of zeros beside every quantized projection: read, checked, dropped.
+            bias = torch.zeros(1)
+            layer.register_buffer(f"{part.name}_bias", bias, persistent=False)
+            bias.weight_loader, bias.full_precision = self._zero_bias(layer), True
 
     def _register(self, layer: FusedMoE, part: _Part, field: str, data: torch.Tensor) -> None:
         param = layer.register_expert_param(f"{part.name}_{field}", data)
@@ -109,6 +114,14 @@ class Int4MoEMethod(MoEMethod):
             return loaded.narrow(0, part.first_group, part.groups)
         per_word = PACK if field == "qweight" and self.gptq else 1   # w2's inputs split over TP
         return loaded.narrow(0, part.offset // per_word, part.k // per_word)
+
+    @staticmethod
+    def _zero_bias(layer: FusedMoE) -> Callable[..., None]:
+        def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int | None, str]) -> None:
+            if torch.count_nonzero(loaded):
+                raise ValueError(f"{layer.prefix}: expert {shard_id[0]}'s {shard_id[1]} projection has a nonzero "
+                                 "bias; biased experts are not supported")
+        return load
 
     def _loader(self, layer: FusedMoE, part: _Part, field: str) -> Callable[..., None]:
         fmt = self.config.name.upper()
@@ -172,7 +185,7 @@ class Int4MoEMethod(MoEMethod):
         zeros = unpack_int4(qzeros.reshape(-1, qzeros.shape[-1]), 1, interleaved=not self.gptq)
         zeros = ((zeros + self.config.zero_offset) & 15).to(torch.uint8).view(e, part.groups, part.n)
         scales = compact_scales(getattr(layer, f"{name}_scales").data)
-        for field in ("qweight", "qzeros", "scales", "g_idx"):
+        for field in ("qweight", "qzeros", "scales", "g_idx", "bias"):
             if hasattr(layer, f"{name}_{field}"):
                 delattr(layer, f"{name}_{field}")
         layer.register_parameter(f"{name}_qweight", nn.Parameter(words, requires_grad=False))

@@ -90,16 +90,21 @@ def fp8_rows(w: torch.Tensor) -> torch.Tensor:
 
 
 def write_int4_moe_checkpoint(src: str, dst: str, fmt: str, group_size: int, desc_act: bool = False,
-                              sym: bool = False, **config_overrides) -> dict[str, torch.Tensor]:
+                              sym: bool = False, expert_bias: bool = False,
+                              **config_overrides) -> dict[str, torch.Tensor]:
     """`src` with its experts and decoder linears in GPTQ (`fmt` "gptq" v1 or "gptq_v2") or AWQ ("awq").
     desc_act: each expert its own input order (GPTQ orders by the inputs an expert saw; its gate and
-    up share one, down has its own). Returns the dequantized weights by HF name."""
+    up share one, down has its own). expert_bias: a `.bias` of fp16 zeros beside every expert
+    projection, as older AutoGPTQ versions write them. Returns the dequantized weights by HF name."""
     config = {**(gptq_config(group_size, desc_act, sym, fmt) if fmt != "awq" else awq_config(group_size)),
               **config_overrides}
 
     def quantize(base: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         expert = EXPERT_NUMBER.search(base + ".")
         seed = None if expert is None else 1000 * (int(expert.group(1)) + 1) + t.shape[1]
-        return quantized_tensors(fmt, base, t, group_size, desc_act, sym, seed=seed)
+        tensors, dequantized = quantized_tensors(fmt, base, t, group_size, desc_act, sym, seed=seed)
+        if expert is not None and expert_bias:
+            tensors[f"{base}.bias"] = torch.zeros(t.shape[0], dtype=torch.float16)
+        return tensors, dequantized
     return write_quantized_checkpoint(src, dst, quantize, config,
                                       select=lambda name: bool(EXPERT.search(name)) or is_quantized_linear(name))

@@ -54,12 +54,13 @@ def test_expert_layout_dequantizes_like_the_dense_layers():
 @pytest.mark.parametrize("arch,fmt,group,desc_act,sym", [
     ("qwen3_moe", "gptq", 32, False, True),     # the Hub's usual GPTQ: symmetric, v1 zeros
     ("qwen3_moe", "awq", 32, False, False),
-    ("mixtral", "gptq_v2", 64, False, False),   # w1/w3/w2 names; 96 inputs: a shorter last group
+    ("mixtral", "gptq_v2", 64, False, False),   # w1/w3/w2 names, zero biases; 96 inputs: a shorter last group
     ("olmoe", "gptq", 32, True, False),         # activation order, each expert its own
 ])
 def test_int4_moe_checkpoint_matches_hf_on_its_weights(tmp_path, arch, fmt, group, desc_act, sym):
     src = make_tiny_checkpoint(str(tmp_path / "src"), arch)
-    dequantized = write_int4_moe_checkpoint(src, str(tmp_path / fmt), fmt, group, desc_act=desc_act, sym=sym)
+    dequantized = write_int4_moe_checkpoint(src, str(tmp_path / fmt), fmt, group, desc_act=desc_act, sym=sym,
+                                            expert_bias=arch == "mixtral")
     assert any(".experts.3." in name for name in dequantized)
     hf = load_hf_model(write_with_weights(src, str(tmp_path / "dequantized"), dequantized))
     llm = LLM(str(tmp_path / fmt), max_logprobs=-1, **KW)
@@ -157,3 +158,6 @@ def test_unsupported_int4_experts_are_refused():
         layer.w13_g_idx.weight_loader(layer.w13_g_idx, g_idx.flip(0), (1, "up"))
     with pytest.raises(ValueError, match=r"down scales has 3 groups; expected 2"):
         layer.w2_scales.weight_loader(layer.w2_scales, torch.ones(3, 96), (0, "down"))
+    layer.w13_bias.weight_loader(layer.w13_bias, torch.zeros(64), (2, "up"))   # AutoGPTQ's zeros: fine
+    with pytest.raises(ValueError, match="expert 2's up projection has a nonzero bias"):
+        layer.w13_bias.weight_loader(layer.w13_bias, torch.ones(64), (2, "up"))
