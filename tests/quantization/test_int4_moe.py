@@ -161,3 +161,13 @@ def test_unsupported_int4_experts_are_refused():
     layer.w13_bias.weight_loader(layer.w13_bias, torch.zeros(64), (2, "up"))   # AutoGPTQ's zeros: fine
     with pytest.raises(ValueError, match="expert 2's up projection has a nonzero bias"):
         layer.w13_bias.weight_loader(layer.w13_bias, torch.ones(64), (2, "up"))
+
+
+def test_awq_takes_autoawq_router_exclusions_only():
+    """AutoAWQ writes modules_to_not_convert ["gate"] for MoE models: the routers, full precision here
+    anyway. Any other exclusion is still refused."""
+    from shardserve.quantization.int4 import AwqConfig
+    from tests.quantization.int4_checkpoints import awq_config
+    assert AwqConfig.from_quantization_config({**awq_config(128), "modules_to_not_convert": ["gate"]}).group_size == 128
+    with pytest.raises(ValueError, match="modules_to_not_convert"):
+        AwqConfig.from_quantization_config({**awq_config(128), "modules_to_not_convert": ["gate", "down_proj"]})
