@@ -1,8 +1,8 @@
 """INT4 (GPTQ / AWQ) mixture-of-experts weights on the CPU path (quantization/int4_moe.py): the expert
 layout against quantization/int4.py's dequantization, Qwen3-MoE / Mixtral / OLMoE checkpoints written
 by round-to-nearest in the tools' layouts against HF transformers on the dequantized weights (group
-sizes, v1/v2 zeros, desc_act per expert), TP=2 (cutting w2's groups) and TP=2 + EP over real gloo
-processes giving one process's greedy tokens, the experts held at ~0.27x bf16's bytes, the refusals."""
+sizes, v1/v2 zeros, desc_act per expert), TP=2 (cutting w2's groups; desc_act) and TP=2 + EP over
+real gloo processes giving one process's greedy tokens, the experts held at ~0.27x bf16's bytes, the refusals."""
 from __future__ import annotations
 
 import pytest
@@ -109,20 +109,27 @@ def _greedy(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def gptq_qwen3_moe(tmp_path_factory):
-    """Group 64 over the 64 intermediate inputs: TP=2 cuts w2's one group between the ranks."""
-    root = tmp_path_factory.mktemp("int4_moe")
-    src = make_tiny_checkpoint(str(root / "src"), "qwen3_moe", num_hidden_layers=4)
-    write_int4_moe_checkpoint(src, str(root / "gptq"), "gptq", 64)
-    llm = LLM(str(root / "gptq"), **KW)
-    try:
-        return str(root / "gptq"), _greedy(llm)
-    finally:
-        llm.engine.shutdown()
+    """(path, one process's greedy tokens) per desc_act. Group 64 over the 64 intermediate inputs:
+    TP=2 cuts w2's one group between the ranks; with desc_act (group 32) each rank keeps every group."""
+    made: dict[bool, tuple[str, list[list[int]]]] = {}
+
+    def make(desc_act: bool) -> tuple[str, list[list[int]]]:
+        if desc_act not in made:
+            root = tmp_path_factory.mktemp("int4_moe")
+            src = make_tiny_checkpoint(str(root / "src"), "qwen3_moe", num_hidden_layers=4)
+            write_int4_moe_checkpoint(src, str(root / "gptq"), "gptq", 32 if desc_act else 64, desc_act=desc_act)
+            llm = LLM(str(root / "gptq"), **KW)
+            try:
+                made[desc_act] = str(root / "gptq"), _greedy(llm)
+            finally:
+                llm.engine.shutdown()
+        return made[desc_act]
+    return make
 
 
-@pytest.mark.parametrize("tp,ep", [(2, False), (2, True)])
-def test_int4_experts_sharded_match_one_process(gptq_qwen3_moe, tp, ep):
-    path, want = gptq_qwen3_moe
+@pytest.mark.parametrize("tp,ep,desc_act", [(2, False, False), (2, True, False), (2, False, True)])
+def test_int4_experts_sharded_match_one_process(gptq_qwen3_moe, tp, ep, desc_act):
+    path, want = gptq_qwen3_moe(desc_act)
     llm = LLM(path, tensor_parallel_size=tp, enable_expert_parallel=ep, **KW)
     try:
         assert _greedy(llm) == want
@@ -133,7 +140,8 @@ def test_int4_experts_sharded_match_one_process(gptq_qwen3_moe, tp, ep):
     for rank_shapes in shapes:
         assert rank_shapes["model.layers.0.mlp.experts.w13_qweight"] == (experts, 2 * width, 96 // 8)
         assert rank_shapes["model.layers.0.mlp.experts.w2_qweight"] == (experts, 96, width // 8)
-        assert rank_shapes["model.layers.0.mlp.experts.w2_scales"] == (experts, 1, 96)   # the cut group's row
+        # The cut group's row; with desc_act every group of the 64 inputs.
+        assert rank_shapes["model.layers.0.mlp.experts.w2_scales"] == (experts, 2 if desc_act else 1, 96)
         assert rank_shapes["model.layers.0.mlp.gate.weight"] == (8, 96)                  # router: full precision
 
 
