@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from shardserve.kernels import pdl
-from shardserve.kernels.quant import tuned
+from shardserve.kernels.quant import splitk, tuned
 from shardserve.utils import cdiv
 
 FMA_ROWS = 4   # rows up to this: the FMA kernel
@@ -107,16 +107,7 @@ if triton is not None:
         else:
             y = tl.sum(acc, axis=2)   # [BLOCK_N, ROWS]
             y_up = tl.sum(acc_up, axis=2)
-        dt = out_ptr.dtype.element_ty
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-        y = y.to(dt)
-        if GATED:   # as SiluAndMul on the rounded gate_up output: silu rounded, then the product
-            g = y.to(tl.float32)
-            sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-            y = (sg * y_up.to(dt).to(tl.float32)).to(dt)
-        ok = col_ok[:, None] & (r < rows)[None, :]
-        tl.store(out_ptr + r[None, :] * stride_o + cols[:, None], y, mask=ok)
+        splitk.finish(y, y_up, out_ptr, b_ptr, cols, col_ok, r, rows, stride_o, HAS_BIAS, GATED)
 
     @triton.jit
     def matmul_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, n, k, words, stride_x, stride_o,
