@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from shardserve.kernels.moe import reference
+from tests.gpu.cuda_timing import time_ms as _time_ms
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -102,18 +103,6 @@ def test_fp8_fused_moe_replays_in_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         _check(out.clone(), x, w13, s13, w2, s2, weights, ids)
-
-
-def _time_ms(fn, iters: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def test_fp8_fused_moe_time_against_bf16():

@@ -15,6 +15,7 @@ import torch
 
 from shardserve.kernels.moe import reference
 from shardserve.kernels.moe.int4_experts import Int4Experts, pack_along_k
+from tests.gpu.cuda_timing import time_ms as _time_ms
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -110,18 +111,6 @@ def test_int4_fused_moe_replays_in_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         _check(out.clone(), x, w13, w2, weights, ids)
-
-
-def _time_ms(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def test_int4_fused_moe_time_against_bf16():
