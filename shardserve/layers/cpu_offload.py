@@ -30,21 +30,21 @@ _ALIGN = 256   # bytes: every parameter starts on a boundary the GPU kernels' ve
 
 
 @dataclass
-class _Budget:
+class OffloadBudget:
     limit_bytes: int
     taken_bytes: int = 0
     layers: list[nn.Module] = field(default_factory=list)
 
 
-_BUDGET: _Budget | None = None
+_BUDGET: OffloadBudget | None = None
 
 
 @contextmanager
-def cpu_offload(limit_bytes: int) -> Iterator[_Budget]:
+def cpu_offload(limit_bytes: int) -> Iterator[OffloadBudget]:
     """Decoder layers built inside (through `maybe_offload`) go to the CPU until `limit_bytes` of
     weights have."""
     global _BUDGET
-    old, _BUDGET = _BUDGET, _Budget(limit_bytes)
+    old, _BUDGET = _BUDGET, OffloadBudget(limit_bytes)
     try:
         yield _BUDGET
     finally:
@@ -131,7 +131,7 @@ class OffloadedLayers:
         return hook
 
 
-def finish_loading(budget: _Budget, device: torch.device,
+def finish_loading(budget: OffloadBudget, device: torch.device,
                    process: Callable[[nn.Module], None]) -> OffloadedLayers | None:
     """After the checkpoint is in: run `process` (quantization's after-loading step) on each
     offloaded layer on the GPU, one at a time, then set up the streaming."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from shardserve.layers.cpu_offload import cpu_offload, finish_loading
+from shardserve.layers.cpu_offload import OffloadBudget, cpu_offload, finish_loading
 from shardserve.layers.linear import default_weight_loader, linear_methods, process_weights_after_loading
 from shardserve.models import gguf_loader
 from shardserve.models.registry import resolve_model_class
@@ -261,7 +261,7 @@ def load_model(path: str, hf_config: dict[str, Any], dtype: torch.dtype, device:
     return model
 
 
-def _finish(model: nn.Module, offload, device: torch.device) -> None:
+def _finish(model: nn.Module, offload: OffloadBudget, device: torch.device) -> None:
     """Quantization's after-loading step: offloaded layers one at a time on the device, then the rest."""
     model.cpu_offload = finish_loading(offload, device, process_weights_after_loading)
     process_weights_after_loading(model, skip=offload.layers)
