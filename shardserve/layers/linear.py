@@ -38,6 +38,7 @@ from torch import nn
 from shardserve.distributed.comm import partial_sum_matmul, tensor_model_parallel_all_reduce
 from shardserve.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from shardserve.kernels.cpu import cpu_ops
+from shardserve.kernels.cpu.decoder_stack import StackLinear, panels_linear
 from shardserve.kernels.gemv import triton_gemv
 from shardserve.layers.activation import silu_and_mul
 
@@ -87,6 +88,11 @@ class LinearMethod(ABC):
     def apply_gated(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up for a merged [gate, up] layer without bias in one kernel, or None where
         this format has no such kernel for x (then: apply, then SiLU-and-mul)."""
+        return None
+
+    def stack_linear(self, layer: "LinearBase", gated: bool) -> StackLinear | None:
+        """The native CPU kernel call that `apply` (gated: `apply_gated`) makes for fp32 CPU rows, for
+        the decoder stack run in one call (kernels/cpu/decoder_stack.py); None where there is none."""
         return None
 
 
@@ -164,6 +170,13 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
+
+    def stack_linear(self, gated: bool = False) -> StackLinear | None:
+        """This layer's matmul on fp32 CPU rows as one native kernel call (kernels/cpu/decoder_stack.py),
+        or None where it is not one. gated: the call `silu_and_mul` makes where it is one kernel."""
+        if self.quant_method is not None:
+            return self.quant_method.stack_linear(self, gated)
+        return None if gated else panels_linear(self.weight, self.output_size, self.input_size, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if getattr(param, "per_part", False):

@@ -25,6 +25,8 @@ from shardserve.layers.moe import SparseMoeBlock
 from shardserve.layers.norm import RMSNorm, ShardedRMSNorm
 from shardserve.layers.rotary import RotaryEmbedding
 from shardserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from shardserve.models import cpu_stack
+from shardserve.models.cpu_stack import CpuDecoderStack
 from shardserve.models.spec import LlamaSpec
 from shardserve.quantization.kv_scales import kv_scale_targets
 
@@ -120,6 +122,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if self.is_last else None
         if not self.is_last and self.end > self.start:   # the next stage gets finished sums
             self.layers[self.end - 1].output_partial_sum = False
+        # The layers as one native call on the CPU where they qualify (models/cpu_stack.py); not a
+        # submodule (it holds the same layers), decided once the KV pool is bound.
+        self._cpu_stack = (CpuDecoderStack(list(self.layers[self.start:self.end]), rotary, spec.rms_norm_eps)
+                           if self.end > self.start and cpu_stack.enabled() else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -129,9 +135,13 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = intermediate
         partial_sum = False
-        for layer in self.layers[self.start:self.end]:
-            hidden, residual = layer(positions, hidden, residual, ctx, partial_sum)
-            partial_sum = layer.output_partial_sum
+        done = self._cpu_stack.run(positions, hidden, residual, ctx) if self._cpu_stack is not None else None
+        if done is not None:
+            hidden, residual = done
+        else:
+            for layer in self.layers[self.start:self.end]:
+                hidden, residual = layer(positions, hidden, residual, ctx, partial_sum)
+                partial_sum = layer.output_partial_sum
         if not self.is_last:
             return hidden, residual if residual is not None else torch.zeros_like(hidden)
         hidden, _ = self.norm(hidden, residual, partial_sum=partial_sum)

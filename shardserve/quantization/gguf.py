@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from shardserve.kernels.cpu import quant_ops
+from shardserve.kernels.cpu.decoder_stack import StackLinear, panels_linear
 from shardserve.layers.linear import LinearBase, LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, linear
 
 logger = logging.getLogger("shardserve")
@@ -193,6 +194,15 @@ class GgufLinearMethod(LinearMethod):
             return None
         out = self._int8_gated(x)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def stack_linear(self, layer: LinearBase, gated: bool) -> StackLinear | None:
+        bias = layer.bias
+        if self.type_name is None:   # dequantized: packed panels like any dense layer
+            return None if gated else panels_linear(layer.weight, layer.output_size, layer.input_size, bias)
+        if (gated and self._int8_gated is None) or (bias is not None and bias.dtype != torch.float32):
+            return None
+        return quant_ops.stack_linear(layer.weight, self.type_name, layer.output_size, layer.input_size, self.isa,
+                                      self.act if self.int8 else "fp32", gated, bias)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.type_name is None:

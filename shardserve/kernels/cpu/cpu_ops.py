@@ -27,6 +27,7 @@ from shardserve.utils import cdiv
 logger = logging.getLogger("shardserve")
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_ops.c")
+_STACK_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decoder_stack.c")   # linked into the same library
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 _NEEDED_CPU_FLAGS = {"avx2", "fma", "f16c"}
 
@@ -76,7 +77,7 @@ def _library() -> ctypes.CDLL | None:
                     f"CPU lacks {', '.join(sorted(missing))}" if missing else "no C compiler found")
         return None
     try:
-        lib = ctypes.CDLL(build_library(compiler))
+        lib = ctypes.CDLL(build_library(compiler, extra_sources=(_STACK_SOURCE,)))
     except (OSError, RuntimeError) as e:
         logger.warning("CPU kernels off, build failed: %s", e)
         return None
@@ -93,6 +94,8 @@ def _library() -> ctypes.CDLL | None:
     lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.silu_and_mul.argtypes = [ptr, ptr, i64, i64]
     lib.rotary_neox.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
+    lib.decoder_stack.restype = ctypes.c_int
+    lib.decoder_stack.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, ptr, ptr]
     return lib
 
 
@@ -208,6 +211,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), out.stride(0),
         q.shape[0], q.shape[1], hk, dim, block_size, blocks * block_size, spec.scale, spec.sliding_window or 0,
         spec.k_scale, spec.v_scale)
+
+
+def decoder_stack(*args) -> int:
+    """csrc/decoder_stack.c's entry point (kernels/cpu/decoder_stack.py builds its arguments)."""
+    return _library().decoder_stack(*args)
 
 
 def pack_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:

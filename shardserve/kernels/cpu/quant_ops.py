@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from shardserve.kernels.cpu import cpu_ops
+from shardserve.kernels.cpu import cpu_ops, decoder_stack
 
 logger = logging.getLogger("shardserve")
 
@@ -203,6 +203,23 @@ def int8_matmul(packed: torch.Tensor, type_name: str, n: int, k: int, isa_name: 
             raise MemoryError(f"GGUF {type_name} linear: no memory for {x2.shape[0]} x {k} int8 activations")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
     return call
+
+
+def stack_linear(weight: torch.Tensor, type_name: str, n: int, k: int, isa_name: str, act: str, gated: bool = False,
+                 bias: torch.Tensor | None = None) -> decoder_stack.StackLinear:
+    """One GGUF layer's matmul for the native decoder stack (kernels/cpu/decoder_stack.py): the weight
+    as regrouped by repack (int8 activations, act int16/int8) or the file's rows (act fp32, any type),
+    the kernel that multiplies it, and its arguments as int8_matmul / linear pass them."""
+    lib, level = _library(), _isa_from_env(isa_name)
+    b = None if bias is None else bias.data_ptr()
+    if ACTIVATIONS[act] and type_name in INT8_TYPES:
+        fn = ctypes.cast(lib.gguf_linear_q8, ctypes.c_void_p).value
+        return decoder_stack.StackLinear(kind=decoder_stack.GGUF_INT8, w=weight.data_ptr(), bias=b, fn=fn, n=n, k=k,
+                                         isa=level, type=TYPES[type_name], levels=ACTIVATIONS[act], gated=int(gated))
+    assert not gated
+    fn = ctypes.cast(lib.gguf_linear, ctypes.c_void_p).value
+    return decoder_stack.StackLinear(kind=decoder_stack.GGUF_FP32, w=weight.data_ptr(), bias=b, fn=fn, n=n, k=k,
+                                     isa=level, type=TYPES[type_name], row_bytes=weight.numel() // max(n, 1))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, type_name: str, bias: torch.Tensor | None = None,

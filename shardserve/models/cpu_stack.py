@@ -1,0 +1,97 @@
+"""The Llama decoder layers of one model handed to the native CPU kernels as one call per step
+(kernels/cpu/decoder_stack.py): the same kernels in the same order as the modules' forward, so the
+same bits, without ~100 us of Python per layer. On by default where it applies;
+`SHARDSERVE_CPU_DECODER_STACK=0` keeps the per-module calls.
+
+It applies to fp32 activations on the native CPU kernels (the default CPU path) with the native
+attention backend, one tensor-parallel rank, and layers the C side knows: the gated MLP without
+bias, no q/k norms or clipping, no bias on o_proj, every matmul one native kernel (packed panels,
+GGUF blocks). Anything else runs the modules, as before.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from shardserve.kernels.cpu import cpu_ops
+from shardserve.kernels.cpu.decoder_stack import DecoderStack, LayerParts
+from shardserve.layers.attention.cpu_native import NativeAttentionMetadata
+from shardserve.layers.mlp import GatedMLP
+
+logger = logging.getLogger("shardserve")
+
+SWITCH = "SHARDSERVE_CPU_DECODER_STACK"
+
+
+def enabled() -> bool:
+    value = os.environ.get(SWITCH, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{SWITCH}={value!r}: use 1 (decoder layers in one native call) or 0 (one call per kernel)")
+    return value == "1"
+
+
+def _parts(layer: nn.Module) -> LayerParts | str:
+    """What the C stack needs of one LlamaDecoderLayer, or why it cannot take it."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if layer.partial_sums or layer.output_partial_sum:
+        return "tensor parallelism"
+    if not isinstance(mlp, GatedMLP) or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+        return "an MLP other than the gated one without bias"
+    if attn.qk_norm is not None or attn.clip_qkv is not None or attn.o_proj.bias is not None:
+        return "q/k norms, clipping or an o_proj bias"
+    gate_up = mlp.gate_up_proj.stack_linear(gated=True) or mlp.gate_up_proj.stack_linear()
+    linears = (attn.qkv_proj.stack_linear(), attn.o_proj.stack_linear(), gate_up, mlp.down_proj.stack_linear())
+    if any(m is None for m in linears):
+        return "a matmul that is not one native kernel"
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
+        return "norm weights not fp32"
+    kv, spec = attn.attn.kv_cache, attn.attn.spec
+    if kv.dim() != 5 or kv.dtype not in cpu_ops.KV_KINDS or not kv.is_contiguous():
+        return "no native KV pool bound"
+    return LayerParts(norms[0].weight, norms[1].weight, *linears, kv_cache=kv, window=spec.sliding_window or 0,
+                      k_scale=spec.k_scale, v_scale=spec.v_scale)
+
+
+class CpuDecoderStack:
+    """Decides once per KV pool whether a model's layers run as one native call, and runs them."""
+
+    def __init__(self, layers: list[nn.Module], rotary: nn.Module, eps: float) -> None:
+        self.layers, self.rotary, self.eps = layers, rotary, eps
+        self.stack: DecoderStack | None = None
+        self.pool_ptr: int | None = None   # the pool the decision was made for
+
+    def _build(self) -> DecoderStack | None:
+        parts = [_parts(layer) for layer in self.layers]
+        why = next((p for p in parts if isinstance(p, str)), None)
+        first = self.layers[0]
+        if why is None and any(layer.input_layernorm.eps != self.eps or layer.post_attention_layernorm.eps != self.eps
+                               for layer in self.layers):
+            why = "norms with different eps"
+        if why is not None:
+            logger.debug("CPU: decoder layers called one kernel at a time (%s)", why)
+            return None
+        attn = first.self_attn
+        logger.info("CPU: decoder layers run as one native call per step (%s=0: one call per kernel)", SWITCH)
+        return DecoderStack(parts, first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
+                            attn.head_dim, first.mlp.down_proj.input_size, self.eps, attn.attn.spec.scale,
+                            self.rotary.cos, self.rotary.sin)
+
+    def run(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, residual) after the layers, or None where the modules must run this step."""
+        md = ctx.metadata
+        if (not isinstance(md, NativeAttentionMetadata) or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
+                or hidden.dim() != 2 or not hidden.is_contiguous() or positions.dtype != torch.int64
+                or (residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()))):
+            return None
+        pool = self.layers[0].self_attn.attn.kv_cache.data_ptr()
+        if pool != self.pool_ptr:
+            self.stack, self.pool_ptr = self._build(), pool
+        if self.stack is None:
+            return None
+        return self.stack.run(hidden, residual, positions.contiguous(), md.slots.contiguous(), md.block_tables,
+                              md.seq_lens)
