@@ -31,6 +31,8 @@ chat: install  ## interactive chat with the embedded model
 # kernels' scalar and AVX2 paths (AVX-512 runs in the suite itself where the CPU has it).
 # Of the server's tests, those whose answers come from the model's numbers (the rest exercise HTTP,
 # metrics and lifecycle, which no CPU path changes, and run once in the full pass).
+# The decoder layers as one native call (models/cpu_stack.py) is itself a path: the model, engine and
+# CLI tests run once more with it off, on the per-module kernel calls.
 # The plain-torch fallbacks (no compiler, not x86) rerun the core of that list: the same models,
 # layers, engine, CLI and OpenAI API, without the speculative-decoding, structured-output and
 # tool-calling modules (their masks and parsers are the sampler and server code the core already runs
@@ -53,6 +55,7 @@ test: install prometheus
 	SHARDSERVE_CPU_NATIVE_HALF=1 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_TESTS)
 	SHARDSERVE_CPU_KERNELS=0 SHARDSERVE_CPU_NATIVE_HALF=0 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_CORE)
 	SHARDSERVE_CPU_KERNELS=0 SHARDSERVE_CPU_NATIVE_HALF=1 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_CORE)
+	SHARDSERVE_CPU_DECODER_STACK=0 $(PY) -m pytest -q -m "not gpu" tests/models tests/engine tests/test_cli.py
 	SHARDSERVE_CPU_ISA=scalar $(PY) -m pytest -q -m "not gpu" tests/quantization/test_gguf_quant.py -k "not smollm2"
 	SHARDSERVE_CPU_ISA=avx2 $(PY) -m pytest -q -m "not gpu" tests/quantization/test_gguf_quant.py -k "not smollm2"
 

@@ -29,6 +29,7 @@ PATHS = {   # name: environment
     "blocks, x to ~16 bits (int16; the default)": {},
     "blocks, x to 8 bits (int8, llama.cpp's numerics)": {"SHARDSERVE_GGUF_ACTIVATIONS": "int8"},
     "blocks, AVX2 kernels (int16)": {"SHARDSERVE_CPU_ISA": "avx2"},
+    "blocks, one kernel call at a time from Python (int16)": {"SHARDSERVE_CPU_DECODER_STACK": "0"},
     "dequantized at load (bf16 panels)": {"SHARDSERVE_GGUF_DEQUANTIZE": "1"},
 }
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -97,7 +98,7 @@ def main() -> None:
             if name not in paths:
                 results[name].append(llama_cpp())
                 continue
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDSERVE_GGUF", "SHARDSERVE_CPU_ISA"))}
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDSERVE_GGUF", "SHARDSERVE_CPU_"))}
             env = {**env, "OMP_NUM_THREADS": THREADS, **paths[name]}
             out = subprocess.run([sys.executable, __file__, "--child", args.dtype, str(r)], env=env,
                                  capture_output=True, text=True, check=True).stdout

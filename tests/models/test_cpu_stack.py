@@ -1,0 +1,90 @@
+"""The decoder layers as one native call (models/cpu_stack.py, kernels/cpu/csrc/decoder_stack.c)
+give the very bits of the per-module path (SHARDSERVE_CPU_DECODER_STACK=0): prompt log-probs over
+the whole vocabulary and greedy tokens, with chunked prefills beside decodes, for each kind of
+layer and matmul it takes (packed fp32 and bf16 panels, GGUF blocks with int8 and fp32
+activations, fp8 and bf16 KV pools, sliding windows, QKV bias); and it steps aside where it does
+not apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve.kernels.cpu import cpu_ops, quant_ops
+from shardserve.llm import LLM
+from shardserve.models import cpu_stack
+from shardserve.sampling_params import SamplingParams
+from tests.models.gguf_files import random_prompt, write_gguf
+from tests.tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels unavailable")
+
+PROMPTS = [random_prompt(s, n) for s, n in ((1, 40), (2, 5), (3, 70), (4, 17))]
+
+
+def _run(path: str, monkeypatch, stack: bool, **kwargs) -> tuple[list, object]:
+    """Greedy outputs of PROMPTS (whole-vocabulary log-probs) and the model's stack decision."""
+    monkeypatch.setenv(cpu_stack.SWITCH, "1" if stack else "0")
+    # A small token budget: prompts are chunked and their chunks share steps with other decodes.
+    llm = LLM(path, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1, max_num_batched_tokens=32,
+              enable_prefix_caching=False, **kwargs)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=-1, logprobs=-1)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        model = llm.engine.executor.worker.model_runner.model
+        used = model.model._cpu_stack is not None and model.model._cpu_stack.stack is not None
+        rows = [(o.outputs[0].token_ids,
+                 [{t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs[1:] + o.outputs[0].logprobs])
+                for o in outs]
+        return rows, used
+    finally:
+        llm.engine.shutdown()
+
+
+def _assert_same_bits(path: str, monkeypatch, **kwargs) -> None:
+    fused, used = _run(path, monkeypatch, True, **kwargs)
+    per_module, unused = _run(path, monkeypatch, False, **kwargs)
+    assert used and not unused
+    for (tokens_a, lps_a), (tokens_b, lps_b) in zip(fused, per_module):
+        assert tokens_a == tokens_b
+        for a, b in zip(lps_a, lps_b):
+            ids = sorted(a)
+            assert ids == sorted(b)
+            assert torch.equal(torch.tensor([a[i] for i in ids]), torch.tensor([b[i] for i in ids]))
+
+
+@pytest.mark.parametrize("arch,overrides,dtype,kv", [
+    ("llama", {}, "float32", "auto"),                       # fp32 panels, fp32 pool
+    ("llama", {}, "bfloat16", "fp8"),                       # bf16 panels, fp8 pool (k/v scales)
+    ("mistral", {"sliding_window": 8}, "bfloat16", "auto"),  # a window shorter than the prompts, bf16 pool
+    ("qwen2", {}, "float32", "auto"),                       # QKV bias, tied embeddings
+])
+def test_stack_gives_the_module_path_bits(tmp_path, monkeypatch, arch, overrides, dtype, kv):
+    path = make_tiny_checkpoint(str(tmp_path / arch), arch, **overrides)
+    _assert_same_bits(path, monkeypatch, dtype=dtype, kv_cache_dtype=kv)
+
+
+@pytest.mark.skipif(not quant_ops.available(), reason="GGUF CPU kernels unavailable")
+@pytest.mark.parametrize("act", ["int16", "fp32"])
+def test_stack_gives_the_module_path_bits_on_gguf_blocks(tmp_path, monkeypatch, act):
+    """Q8_0 blocks: the int8-activation kernels (plain and the gated gate/up) or the fp32 ones, called
+    from C through the quant library's function pointers."""
+    monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", "0")
+    monkeypatch.setenv(quant_ops.ACTIVATIONS_SWITCH, act)
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(make_tiny_checkpoint(str(tmp_path / "ckpt"), "smollm2"), path, "Q8_0")
+    _assert_same_bits(path, monkeypatch, dtype="float32")
+
+
+def test_stack_steps_aside_where_it_does_not_apply(tmp_path, monkeypatch):
+    """Qwen3's per-head q/k norms are not in the C stack: the modules run (and match HF, test_parity);
+    bf16 activations (native half precision) never reach it; a bad switch value is refused."""
+    qwen3 = make_tiny_checkpoint(str(tmp_path / "qwen3"), "qwen3")
+    _, used = _run(qwen3, monkeypatch, True)
+    assert not used
+    monkeypatch.setenv("SHARDSERVE_CPU_NATIVE_HALF", "1")
+    llama = make_tiny_checkpoint(str(tmp_path / "llama"), "llama")
+    _, used = _run(llama, monkeypatch, True, dtype="bfloat16")
+    assert not used
+    monkeypatch.setenv(cpu_stack.SWITCH, "2")
+    with pytest.raises(ValueError, match=cpu_stack.SWITCH):
+        cpu_stack.enabled()
