@@ -110,10 +110,13 @@ def _is_kept_linear(gguf_name: str) -> bool:
 
 def _is_kept_table(tensor) -> bool:
     """The token embedding or LM head, kept in its blocks where the int8-activation kernels take its
-    type (layers/vocab.py); SHARDSERVE_GGUF_ACTIVATIONS=fp32 dequantizes them as before."""
+    type and kept_types() names it (layers/vocab.py); SHARDSERVE_GGUF_ACTIVATIONS=fp32 dequantizes
+    them as before."""
     from shardserve.kernels.cpu import quant_ops
-    return (tensor.name in ("token_embd.weight", "output.weight") and tensor.tensor_type.name in quant_ops.INT8_TYPES
-            and quant_ops.activations() != "fp32" and quant_ops.available())
+    from shardserve.quantization.gguf import kept_types
+    kind = tensor.tensor_type.name
+    return (tensor.name in ("token_embd.weight", "output.weight") and kind in quant_ops.INT8_TYPES
+            and kind in kept_types() and quant_ops.activations() != "fp32" and quant_ops.available())
 
 
 def _keeps_quantized(reader) -> bool:

@@ -41,20 +41,22 @@ _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 
 
 DEQUANTIZE_SWITCH = "SHARDSERVE_GGUF_DEQUANTIZE"
+# Kept in their blocks by default: the types whose int8 dot-product kernels decode faster than the
+# dequantized bf16 panels (benchmarks/BENCHMARKS.md, issue 25).
+DEFAULT_KEPT = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def kept_types() -> tuple[str, ...]:
-    """The GGUF types whose linears stay in their blocks. SHARDSERVE_GGUF_DEQUANTIZE unset: those the
-    int8 dot-product kernels multiply (Q4_0, Q4_1, Q8_0; the K-quants' fp32-activation kernels are
-    slower than the dequantized bf16 panels, so those layers are dequantized); 0: every type the
-    kernels take; 1: none. None either without the kernels (no compiler, SHARDSERVE_CPU_KERNELS=0)."""
+    """The GGUF types whose linears (and token embedding / LM head) stay in their blocks.
+    SHARDSERVE_GGUF_DEQUANTIZE unset: DEFAULT_KEPT; 0: every type the kernels take; 1: none. None
+    either without the kernels (no compiler, SHARDSERVE_CPU_KERNELS=0)."""
     switch = os.environ.get(DEQUANTIZE_SWITCH)
     if switch not in (None, "", "0", "1"):
         raise ValueError(f"{DEQUANTIZE_SWITCH}={switch!r}: use 1 (dequantize GGUF weights at load) or 0 (keep them "
                          "in their blocks wherever the CPU kernels can; unset: where the int8 kernels can)")
     if switch == "1" or not quant_ops.available():
         return ()
-    return tuple(quant_ops.TYPES) if switch == "0" else quant_ops.INT8_TYPES
+    return tuple(quant_ops.TYPES) if switch == "0" else DEFAULT_KEPT
 
 
 _HOW = {"int16": "integer dot products with x rounded to ~16 bits per block of 32 (two int8 levels)",

@@ -61,6 +61,70 @@ def load_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def _k_scale_bytes(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K's 12 bytes of eight 6-bit (scale, min) pairs, [..., 8] each -> [..., 12]."""
+    out = np.zeros((*sc.shape[:-1], 12), dtype=np.uint8)
+    out[..., 0:4] = sc[..., :4] | (sc[..., 4:] >> 4) << 6
+    out[..., 4:8] = mn[..., :4] | (mn[..., 4:] >> 4) << 6
+    out[..., 8:12] = (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4
+    return out
+
+
+def quantize_k(w: np.ndarray, qtype_name: str) -> np.ndarray:
+    """A plain Q4_K / Q5_K / Q6_K quantizer (gguf-py has none): per 32 (Q6_K: 16) values a scale (and
+    a min) from the range, 6-bit (Q6_K: 8-bit) scales of a per-256 fp16 d, values rounded to nearest.
+    Not llama.cpp's search for the best scales, but the same format. w: [rows, K] -> uint8 [rows, bytes]."""
+    rows = w.shape[0]
+    x = w.astype(np.float32).reshape(rows, -1, 256)
+    f16 = lambda v: v.astype(np.float16)   # noqa: E731
+    if qtype_name == "Q6_K":
+        sub = x.reshape(*x.shape[:2], 16, 16)
+        scale = np.abs(sub).max(-1) / 31
+        d = f16(scale.max(-1) / 127)
+        df = d.astype(np.float32)[..., None]
+        sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 127).astype(np.int8)
+        step = (df * sc)[..., None]
+        q = np.clip(np.round(np.divide(sub, step, out=np.zeros_like(sub), where=step > 0)), -32, 31)
+        q = q.astype(np.int32) + 32
+        q = q.reshape(*x.shape[:2], 2, 128)   # [rows, blocks, h, r]
+        ql = np.zeros((*x.shape[:2], 2, 64), dtype=np.uint8)
+        ql[:] = (q[..., :64] & 15) | (q[..., 64:] & 15) << 4
+        qh = np.zeros((*x.shape[:2], 2, 32), dtype=np.uint8)
+        for part in range(4):
+            qh |= ((q[..., 32 * part:32 * part + 32] >> 4) << (2 * part)).astype(np.uint8)
+        parts = [ql.reshape(*x.shape[:2], 128), qh.reshape(*x.shape[:2], 64), sc.view(np.uint8),
+                 d[..., None].view(np.uint8)]
+        return np.concatenate(parts, -1).reshape(rows, -1)
+    top = 15 if qtype_name == "Q4_K" else 31
+    sub = x.reshape(*x.shape[:2], 8, 32)
+    lo = np.minimum(sub.min(-1), 0)
+    scale, mins = (sub.max(-1) - lo) / top, -lo
+    d, dmin = f16(scale.max(-1) / 63), f16(mins.max(-1) / 63)
+    df, dmf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(mins, dmf, out=np.zeros_like(mins), where=dmf > 0)), 0, 63).astype(np.uint8)
+    step = (df * sc)[..., None]
+    shifted = sub + (dmf * mn)[..., None]
+    q = np.clip(np.round(np.divide(shifted, step, out=np.zeros_like(sub), where=step > 0)), 0, top).astype(np.uint8)
+    qs = (q[:, :, 0::2] & 15) | (q[:, :, 1::2] & 15) << 4   # pair p: sub-blocks 2p (low), 2p + 1 (high)
+    parts = [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), _k_scale_bytes(sc, mn)]
+    if qtype_name == "Q5_K":
+        qh = np.zeros((*x.shape[:2], 32), dtype=np.uint8)
+        for j in range(8):
+            qh |= ((q[:, :, j] >> 4) & 1) << j
+        parts.append(qh)
+    parts.append(qs.reshape(*x.shape[:2], 128))
+    return np.concatenate(parts, -1).reshape(rows, -1)
+
+
+def quantize(w: np.ndarray, qtype_name: str) -> np.ndarray:
+    """gguf-py's quantizer, or quantize_k for the K-quants (blocks along the last axis)."""
+    import gguf
+    if qtype_name in ("Q4_K", "Q5_K", "Q6_K"):
+        return quantize_k(w.reshape(-1, w.shape[-1]), qtype_name).reshape(*w.shape[:-1], -1)
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype_name])
+
+
 def roundtrip(w: np.ndarray, qtype_name: str) -> np.ndarray:
     """What a reader gets back for a weight stored as qtype_name (norms stay F32; blocks run along rows)."""
     import gguf
@@ -69,7 +133,7 @@ def roundtrip(w: np.ndarray, qtype_name: str) -> np.ndarray:
     if qtype_name == "F16":
         return w.astype(np.float16).astype(np.float32)
     qtype = gguf.GGMLQuantizationType[qtype_name]
-    return gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(w.shape)
+    return gguf.quants.dequantize(quantize(w, qtype_name), qtype).reshape(w.shape)
 
 
 def _write_metadata(w, cfg: dict, qtype_name: str) -> None:
@@ -112,8 +176,7 @@ def _add_tensor(w, gname: str, data: np.ndarray, qtype_name: str) -> None:
     elif qtype_name == "F16":
         w.add_tensor(gname, data.astype(np.float16))
     else:
-        qtype = gguf.GGMLQuantizationType[qtype_name]
-        w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        w.add_tensor(gname, quantize(data, qtype_name), raw_dtype=gguf.GGMLQuantizationType[qtype_name])
 
 
 def _finish(w) -> None:

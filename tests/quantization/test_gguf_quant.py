@@ -99,10 +99,14 @@ _X_ROUNDING = {"int8": 3e-2, "int16": 3e-4}
 def test_int8_kernels_match_dequantize_then_matmul(type_name, isa, act):
     _isa_or_skip(isa)
     levels = {"int8": 1, "int16": 2}[act]
-    for n, k in ((37, 512), (16, 96)):   # rows not a multiple of the 8-row groups; an odd block count
+    # Rows not a multiple of the 8-row groups; an odd block count (super-blocks for the K-quants).
+    shapes = ((37, 512), (16, 768)) if type_name.endswith("_K") else ((37, 512), (16, 96))
+    for n, k in shapes:
         raw, ref = _weights(type_name, n, k)
         packed = quant_ops.repack(raw, type_name, k)
-        assert packed.numel() == (n + 7) // 8 * 8 * raw.shape[1]   # the file's bytes (+ padding rows)
+        # The file's bytes (+ padding rows); Q4_K / Q5_K's 12 bytes of 6-bit scales and mins as 16 bytes.
+        extra = {"Q4_K": 4, "Q5_K": 4}.get(type_name, 0) * (k // 256)
+        assert packed.numel() == (n + 7) // 8 * 8 * (raw.shape[1] + extra)
         ids = torch.tensor([[0, n - 1], [8, 3]])
         assert torch.equal(quant_ops.rows(packed, type_name, k, ids, n), ref[ids])   # embedding lookups
         bias = torch.randn(n)
@@ -127,22 +131,48 @@ def test_int8_kernels_match_dequantize_then_matmul(type_name, isa, act):
 
 
 @pytest.mark.parametrize("isa", quant_ops.ISAS)
-def test_int8_gated_matches_silu_of_the_two_halves(isa):
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_int8_k_quants_at_the_extremes(type_name, isa):
+    """Every weight and scale at its largest (Q6_K: -32 times scale -128) against x all at its block's
+    largest value: the integer sums at their widest (Q6_K's halves would pass 2^31 summed as one)."""
+    _isa_or_skip(isa)
+    import gguf
+    n, k = 8, 512
+    raw, _ = _weights(type_name, n, k)
+    blocks = raw.view(n, k // 256, -1)
+    if type_name == "Q6_K":
+        blocks[:, :, :192] = 0            # q = 0: weight -32
+        blocks[:, :, 192:208] = 128       # scale -128
+    else:
+        blocks[:, :, 4:16] = 255          # every 6-bit scale and min 63
+        blocks[:, :, 16:] = 255           # every value at its top (Q5_K: the fifth bits too)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[type_name]).reshape(n, k))
+    packed = quant_ops.repack(raw, type_name, k)
+    for act, levels in (("int8", 1), ("int16", 2)):
+        for x in (torch.full((2, k), 3.0), torch.full((2, k), -3.0)):
+            got = quant_ops.linear_int8(x, packed, type_name, n, isa_name=isa, act=act).double()
+            same_x = _quantized_x(x, levels) @ ref.double().T
+            assert ((got - same_x).abs().max() / same_x.abs().max()).item() < 1e-6, f"{type_name} {isa} {act}"
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("isa", quant_ops.ISAS)
+def test_int8_gated_matches_silu_of_the_two_halves(isa, type_name):
     """The merged [gate; up] form: silu(x gate^T) * (x up^T) from one kernel, as the plain kernel's two
     halves give it, for 1 and 5 rows (the MLP's gate_up_proj with quantization/gguf.py's apply_gated)."""
     _isa_or_skip(isa)
-    n, k = 32, 96
-    raw, _ = _weights("Q4_1", n, k)
-    packed = quant_ops.repack(raw, "Q4_1", k)
-    plain = quant_ops.int8_matmul(packed, "Q4_1", n, k, isa, "int16")
-    gated = quant_ops.int8_matmul(packed, "Q4_1", n, k, isa, "int16", gated=True)
+    n, k = 32, 256 if type_name.endswith("_K") else 96
+    raw, _ = _weights(type_name, n, k)
+    packed = quant_ops.repack(raw, type_name, k)
+    plain = quant_ops.int8_matmul(packed, type_name, n, k, isa, "int16")
+    gated = quant_ops.int8_matmul(packed, type_name, n, k, isa, "int16", gated=True)
     for m in (1, 5):
         x = torch.randn(m, k)
         both = plain(x)
         expected = torch.nn.functional.silu(both[:, :n // 2]) * both[:, n // 2:]
         torch.testing.assert_close(gated(x), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="8-row groups"):
-        quant_ops.int8_matmul(quant_ops.repack(raw[:24], "Q4_1", k), "Q4_1", 24, k, isa, "int16", gated=True)
+        quant_ops.int8_matmul(quant_ops.repack(raw[:24], type_name, k), type_name, 24, k, isa, "int16", gated=True)
 
 
 def test_isa_switch(monkeypatch):
@@ -164,12 +194,12 @@ def _kept_types(llm: LLM) -> dict[str, str | None]:
             if isinstance(getattr(module, "quant_method", None), GgufLinearMethod)}
 
 
-def _typed_add_tensor(original, qtype: str, mixed: bool):
+def _typed_add_tensor(original, qtype: str, mixed: str | None):
     """Every tensor stored as `qtype` (the writer's file-type metadata knows only F32/F16/Q8_0, so the
-    file is written as Q8_0 and the tensors retyped here); with `mixed`, v and up as Q8_0: fused
-    q/k/v and gate/up with parts of different types."""
+    file is written as Q8_0 and the tensors retyped here); with `mixed`, v and up as that type: fused
+    q/k/v and gate/up with parts of different types (Q4_K with Q6_K is what Q4_K_M files do)."""
     def add(w, gname, data, qtype_name):
-        original(w, gname, data, "Q8_0" if mixed and gname.endswith(("attn_v.weight", "ffn_up.weight")) else qtype)
+        original(w, gname, data, mixed if mixed and gname.endswith(("attn_v.weight", "ffn_up.weight")) else qtype)
     return add
 
 
@@ -179,12 +209,16 @@ _LOGPROB_TOL = {"fp32": 1e-4, "int16": 2e-3, "int8": 0.25}
 
 
 @pytest.mark.parametrize("act", ["fp32", "int16", "int8"])
-@pytest.mark.parametrize("arch,qtype,mixed", [("llama", "Q4_0", False), ("smollm2", "Q4_1", False),
-                                              ("llama", "Q8_0", False), ("llama", "Q4_1", True)])
+@pytest.mark.parametrize("arch,qtype,mixed", [("llama", "Q4_0", None), ("smollm2", "Q4_1", None),
+                                              ("llama", "Q8_0", None), ("llama", "Q4_1", "Q8_0"),
+                                              ("llama", "Q4_K", None), ("llama", "Q5_K", None),
+                                              ("llama", "Q6_K", None), ("llama", "Q4_K", "Q6_K")])
 def test_tiny_gguf_kept_quantized_matches_hf(tmp_path, monkeypatch, arch, qtype, mixed, act):
     monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", "0")
     monkeypatch.setenv(quant_ops.ACTIVATIONS_SWITCH, act)
-    ckpt_dir = make_tiny_checkpoint(str(tmp_path / "ckpt"), arch)
+    # The K-quants' super-blocks need every input width a multiple of 256 (embedding and LM head too).
+    widths = dict(hidden_size=256, intermediate_size=512) if qtype.endswith("_K") else {}
+    ckpt_dir = make_tiny_checkpoint(str(tmp_path / "ckpt"), arch, **widths)
     path = str(tmp_path / f"tiny-{qtype}.gguf")
     monkeypatch.setattr(gguf_files, "_add_tensor", _typed_add_tensor(gguf_files._add_tensor, qtype, mixed))
     write_gguf(ckpt_dir, path, "Q8_0")
@@ -203,7 +237,7 @@ def test_tiny_gguf_kept_quantized_matches_hf(tmp_path, monkeypatch, arch, qtype,
     hf = load_hf_model(ckpt_dir)
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            kind = "Q8_0" if mixed and name.endswith(("v_proj.weight", "up_proj.weight")) else qtype
+            kind = mixed if mixed and name.endswith(("v_proj.weight", "up_proj.weight")) else qtype
             p.copy_(torch.from_numpy(roundtrip(p.detach().numpy().copy(), kind)))
     exact = hf_logprobs(hf, prompt)[:len(prompt) - 1]
     diff = (ours - exact).abs().max().item()

@@ -2,10 +2,10 @@
 with W kept in the file's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), built and cached like
 cpu_ops.py's library.
 
-Two kinds of kernels: Q4_0, Q4_1 and Q8_0 quantize x to int8 blocks once per call and take integer
-dot products (quant_dot.c, llama.cpp's approach); the K-quants, and every type with
-`SHARDSERVE_GGUF_ACTIVATIONS=fp32`, expand the blocks and multiply fp32 activations (quant_ops.c,
-exact up to fp32 rounding).
+Two kinds of kernels: by default every type quantizes x to int8 blocks of 32 once per call and takes
+integer dot products (quant_dot.c, llama.cpp's approach; a K-quant's 256-value super-block spans 8
+blocks of x); with `SHARDSERVE_GGUF_ACTIVATIONS=fp32` the blocks are expanded and multiply fp32
+activations (quant_ops.c, exact up to fp32 rounding).
 
 One library holds a scalar, an AVX2, an AVX-512 and an AVX-512 VNNI path; the best one the CPU runs
 is used, and `SHARDSERVE_CPU_ISA=scalar|avx2|avx512|avx512_vnni` forces one (CI runs every path on
@@ -37,8 +37,11 @@ ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")   # each level implies the on
 ACTIVATIONS_SWITCH = "SHARDSERVE_GGUF_ACTIVATIONS"   # int16 | int8 | fp32, see activations()
 # GGML type ids (gguf.GGMLQuantizationType) the kernels multiply.
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")   # multiplied with int8 activations unless the switch says fp32
-_GROUP_BYTES = {"Q4_0": 8 * 18, "Q4_1": 8 * 20, "Q8_0": 8 * 34}   # one block of a group of 8 rows
+# Multiplied with int8 activations unless the switch says fp32 (all of them, K-quants included).
+INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# One block of a group of 8 rows as repack writes it: the file's 8 blocks (Q4_K / Q5_K: the 12 bytes
+# of 6-bit scales and mins per row unpacked to 16 bytes, csrc/quant_dot.c).
+_GROUP_BYTES = {"Q4_0": 8 * 18, "Q4_1": 8 * 20, "Q8_0": 8 * 34, "Q4_K": 1184, "Q5_K": 1440, "Q6_K": 8 * 210}
 
 
 @functools.cache
@@ -127,15 +130,16 @@ def _prepare(x: torch.Tensor, bias: torch.Tensor | None, isa_name: str | None):
 
 
 def repack(weight: torch.Tensor, type_name: str, k: int) -> torch.Tensor:
-    """A Q4_0/Q4_1/Q8_0 weight's file rows (uint8 [N, row bytes]) regrouped for linear_int8: groups of
-    8 rows (N padded with zero rows), block after block (csrc/quant_dot.c); the same bytes per block.
-    Returns uint8 [ceil(N / 8), blocks, 8 * block bytes]."""
+    """A weight's file rows (uint8 [N, row bytes]) regrouped for linear_int8: groups of 8 rows (N padded
+    with zero rows), block after block (csrc/quant_dot.c); the same bytes per block, but for Q4_K /
+    Q5_K's scales and mins, unpacked from 6 bits to bytes. Returns uint8 [ceil(N / 8), blocks, group
+    block bytes] (blocks of 32 values, or 256 for the K-quants)."""
     values, nbytes = block_info(type_name)
     weight = weight.contiguous()
     n = weight.shape[0]
     if type_name not in INT8_TYPES or k % values or weight.numel() != n * (k // values) * nbytes:
         raise ValueError(f"GGUF {type_name} weight of {tuple(weight.shape)} bytes cannot be regrouped for {k} inputs")
-    out = torch.empty((n + 7) // 8, k // values, 8 * nbytes, dtype=torch.uint8)
+    out = torch.empty((n + 7) // 8, k // values, _GROUP_BYTES[type_name], dtype=torch.uint8)
     _library().gguf_repack8(TYPES[type_name], weight.data_ptr(), n, k, out.data_ptr())
     return out
 
@@ -164,9 +168,10 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, type_name: str, n: int, b
         raise ValueError("linear_int8 quantizes x: act must be int16 or int8")
     k = x.shape[-1]
     x2, bias, level = _prepare(x, bias, isa_name)
-    if (packed.dtype != torch.uint8 or not packed.is_contiguous() or type_name not in INT8_TYPES or k % 32
+    unit = 256 if type_name.endswith("_K") else 32
+    if (packed.dtype != torch.uint8 or not packed.is_contiguous() or type_name not in INT8_TYPES or k % unit
             or packed.shape[0] != (n + 7) // 8
-            or packed.numel() != packed.shape[0] * (k // 32) * _GROUP_BYTES[type_name]):
+            or packed.numel() != packed.shape[0] * (k // unit) * _GROUP_BYTES[type_name]):
         raise ValueError(f"GGUF {type_name} regrouped weight of {tuple(packed.shape)} {packed.dtype} does not hold {n} "
                          f"rows of {k} values")
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)

@@ -1,5 +1,6 @@
-/* Integer dot products for GGUF's 32-value block formats (Q4_0, Q4_1, Q8_0) on the CPU, compiled
- * with quant_ops.c into one library by shardserve/kernels/cpu/quant_ops.py.
+/* Integer dot products for GGUF blocks on the CPU: the 32-value formats (Q4_0, Q4_1, Q8_0) and the
+ * K-quants' 256-value super-blocks (Q4_K, Q5_K, Q6_K), compiled with quant_ops.c into one library by
+ * shardserve/kernels/cpu/quant_ops.py.
  *
  *   y[M, N] = x[M, K] @ W^T (+ bias), x and y fp32, W [N, K] in blocks of 32 values.
  *
@@ -16,13 +17,29 @@
  * (no 16-bit step to overflow) and the sign trick on AVX2 (|w| times x carrying w's sign). A
  * correction is the initial value of the integer accumulator.
  *
- * Layout (gguf_repack8, once at load; the same bytes as the file, rows padded to a multiple of 8):
+ * Layout (gguf_repack8, once at load; the file's bytes, rows padded to a multiple of 8):
  * groups of 8 weight rows, block after block; one group-block holds the 8 rows' scales (fp16), for
  * Q4_1 their mins, then the values in 4-byte chunks: chunk c is bytes 4c..4c+3 of rows 0..7, one
  * 32-byte vector. A vector lane is then one weight row, and one vpdpbusd multiplies 4 values of 8
  * rows by the same 4 bytes of x broadcast: the lanes end the block as the 8 rows' dot products, one
  * scale vector (8 d_w times d_x) converts them, and y's 8 outputs are stored with no horizontal sum.
  * (In a 4-bit block byte j holds value j in its low nibble and value j + 16 in its high one.)
+ *
+ * K-quants: a super-block spans 8 blocks of x, and each block of x meets weights with scales of
+ * their own, so it is one integer dot product (two for Q6_K) scaled in fp32, as above:
+ *   Q4_K / Q5_K  sub-block j of 32: d sc_j q - dmin mn_j (q 4 or 5 bits, sc and mn 6 bits)
+ *                -> (d sc_j) d_x sum q x_q - (dmin mn_j) (d_x sum x_q): Q4_1 with per-block d and m
+ *   Q6_K         16 values: d sc (q - 32) (q 6 bits, sc int8), two per block of x
+ *                -> (d sc_h) d_x (sum q x_q - 32 sum x_q) per half h: q multiplies unsigned, the
+ *                   -32 sum x_q of each half is its integer correction (c16)
+ * d sc is formed in fp32 as gguf's dequantization forms it. A group-block holds one super-block of
+ * 8 rows: Q4_K / Q5_K: d[8], dmin[8] (fp16), sc[j][8] and mn[j][8] (the 6-bit values unpacked to a
+ * byte each: the only bytes not the file's, 16 per row instead of 12), then (Q5_K) the 32 bytes of
+ * fifth bits and the 128 bytes of nibbles in 4-byte chunks as above: chunk c of nibble pair p
+ * holds values 4c..4c+3 of sub-blocks 2p (low nibbles) and 2p + 1 (high); Q6_K (the file's bytes,
+ * 210 per row): d[8], scales[16][8], then ql's 128 and qh's 64 bytes in 4-byte chunks. x-block j's
+ * 8 weight vectors are shifted and masked out of those chunks as bytes (k_value says which bits).
+ * Q6_K's halves are scaled apart because 16 sc-weighted products of ~16-bit x can pass 2^31.
  *
  * The price is x's rounding: to 8 bits (one level, llama.cpp's numerics: an error up to 1/254 of
  * each block's largest value, enough to change the embedded model's answers), or to ~16 bits with two
@@ -43,13 +60,21 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+/* A K-quant group-block: one 256-value super-block of 8 rows (offsets; see the layout above). */
+enum {
+    K_D = 0, K_DMIN = 16, K_SC = 32, K_MN = 96, Q4K_QS = 160, Q4K_BYTES = 1184,   /* Q4_K */
+    Q5K_QH = 160, Q5K_QS = 416, Q5K_BYTES = 1440,                                  /* Q5_K (K_D .. K_MN too) */
+    Q6K_SC = 16, Q6K_QL = 144, Q6K_QH = 1168, Q6K_BYTES = 1680,                     /* Q6_K (K_D too) */
+};
 
 #define AI static inline __attribute__((always_inline))
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 float gguf_half_to_float(const uint8_t *p);   /* quant_ops.c */
+void gguf_k_scale_min(const uint8_t *s, int j, int *sc, int *mn);   /* quant_ops.c: Q4_K / Q5_K's 6-bit pairs */
 
 /* Bytes of one block of one row in the file, and where its values start; 0 for other types. */
 static int block_bytes(int type, int *values_at) {
@@ -57,21 +82,79 @@ static int block_bytes(int type, int *values_at) {
     return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0;
 }
 
-/* File rows [N][nb blocks] -> groups of 8 rows (see the layout above); `out` holds
- * ceil(N / 8) * nb * 8 * bytes bytes. Returns -1 for a type this file does not multiply. */
-int gguf_repack8(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
+static int is_k(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
+/* Values per block of the file (32, or 256 for a K-quant super-block) and the bytes of one block of
+ * a group of 8 rows as gguf_repack8 writes it; 0 for other types. */
+static int group_block(int type, int *values) {
     int at;
-    const int bytes = block_bytes(type, &at), chunks = type == Q8_0 ? 8 : 4, scales = at / 2;
-    if (!bytes || K % 32)
+    *values = is_k(type) ? 256 : 32;
+    switch (type) {
+    case Q4_K: return Q4K_BYTES;
+    case Q5_K: return Q5K_BYTES;
+    case Q6_K: return Q6K_BYTES;
+    default: return 8 * block_bytes(type, &at);
+    }
+}
+
+/* One row's super-block `src` (the file's bytes) into row r of group-block `dst`. */
+static void repack_k(int type, const uint8_t *src, uint8_t *dst, int r) {
+    if (type == Q6_K) {   /* ql[128], qh[64], scales[16], d */
+        memcpy(dst + K_D + 2 * r, src + 208, 2);
+        for (int s = 0; s < 16; s++) dst[Q6K_SC + 8 * s + r] = src[192 + s];
+        for (int c = 0; c < 32; c++) memcpy(dst + Q6K_QL + 32 * c + 4 * r, src + 4 * c, 4);
+        for (int c = 0; c < 16; c++) memcpy(dst + Q6K_QH + 32 * c + 4 * r, src + 128 + 4 * c, 4);
+        return;
+    }
+    /* d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: qh[32],) qs[128] */
+    memcpy(dst + K_D + 2 * r, src, 2);
+    memcpy(dst + K_DMIN + 2 * r, src + 2, 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        gguf_k_scale_min(src + 4, j, &sc, &mn);
+        dst[K_SC + 8 * j + r] = (uint8_t)sc;
+        dst[K_MN + 8 * j + r] = (uint8_t)mn;
+    }
+    const int qs = type == Q4_K ? Q4K_QS : Q5K_QS;
+    if (type == Q5_K)
+        for (int c = 0; c < 8; c++) memcpy(dst + Q5K_QH + 32 * c + 4 * r, src + 16 + 4 * c, 4);
+    for (int c = 0; c < 32; c++) memcpy(dst + qs + 32 * c + 4 * r, src + (type == Q4_K ? 16 : 48) + 4 * c, 4);
+}
+
+/* The unsigned integer of value i (0..31) of x-block j (0..7) of row r in a K group-block: Q4_K
+ * 0..15, Q5_K 0..31, Q6_K 0..63 (its weight is q - 32). */
+static int k_value(int type, const uint8_t *gb, int r, int j, int i) {
+    const int c = i / 4, t = i % 4;
+    if (type == Q6_K) {
+        const int lo = (gb[Q6K_QL + 32 * (16 * (j / 4) + 8 * (j % 2) + c) + 4 * r + t] >> (4 * ((j % 4) / 2))) & 15;
+        const int hi = (gb[Q6K_QH + 32 * (8 * (j / 4) + c) + 4 * r + t] >> (2 * (j % 4))) & 3;
+        return lo | hi << 4;
+    }
+    int q = (gb[(type == Q4_K ? Q4K_QS : Q5K_QS) + 256 * (j / 2) + 32 * c + 4 * r + t] >> (4 * (j & 1))) & 15;
+    if (type == Q5_K) q |= ((gb[Q5K_QH + 32 * c + 4 * r + t] >> j) & 1) << 4;
+    return q;
+}
+
+/* File rows [N][nb blocks] -> groups of 8 rows (see the layout above); `out` holds
+ * ceil(N / 8) * nb * group_block(type) bytes. Returns -1 for a type this file does not multiply. */
+int gguf_repack8(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
+    int at = 2, unit;
+    const int bytes = is_k(type) ? (type == Q4_K ? 144 : type == Q5_K ? 176 : 210) : block_bytes(type, &at);
+    const int gbytes = group_block(type, &unit), chunks = type == Q8_0 ? 8 : 4, scales = at / 2;
+    if (!gbytes || K % unit)
         return -1;
-    const int64_t nb = K / 32, groups = (N + 7) / 8;
-    memset(out, 0, (size_t)(groups * nb * 8 * bytes));
+    const int64_t nb = K / unit, groups = (N + 7) / 8;
+    memset(out, 0, (size_t)(groups * nb * gbytes));
 #pragma omp parallel for schedule(static) if (N * K > 65536)
     for (int64_t g = 0; g < groups; g++)
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *dst = out + (g * nb + b) * 8 * bytes;
+            uint8_t *dst = out + (g * nb + b) * gbytes;
             for (int r = 0; r < 8 && g * 8 + r < N; r++) {
                 const uint8_t *src = w + ((g * 8 + r) * nb + b) * bytes;
+                if (is_k(type)) {
+                    repack_k(type, src, dst, r);
+                    continue;
+                }
                 for (int s = 0; s < scales; s++) memcpy(dst + 16 * s + 2 * r, src + 2 * s, 2);
                 for (int c = 0; c < chunks; c++) memcpy(dst + 16 * scales + 32 * c + 4 * r, src + at + 4 * c, 4);
             }
@@ -79,17 +162,38 @@ int gguf_repack8(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out)
     return 0;
 }
 
+/* Row r of K group-block gb expanded to fp32 (256 values) as quant_ops.c's expansion does it. */
+static void rows_k(int type, const uint8_t *gb, int r, float *o) {
+    const float d = gguf_half_to_float(gb + K_D + 2 * r);
+    for (int j = 0; j < 8; j++) {
+        if (type == Q6_K) {
+            for (int i = 0; i < 32; i++)
+                o[32 * j + i] = (d * (float)(int8_t)gb[Q6K_SC + 8 * (2 * j + i / 16) + r]) *
+                                (float)(k_value(type, gb, r, j, i) - 32);
+            continue;
+        }
+        const float ds = d * (float)gb[K_SC + 8 * j + r];
+        const float dm = gguf_half_to_float(gb + K_DMIN + 2 * r) * (float)gb[K_MN + 8 * j + r];
+        for (int i = 0; i < 32; i++) o[32 * j + i] = ds * (float)k_value(type, gb, r, j, i) - dm;
+    }
+}
+
 /* Rows `ids` of a regrouped weight expanded to fp32 [n][K] (an embedding lookup), with the values
- * quant_ops.c's expansion gives: (q - 8) d, q d + m, q d. Returns -1 for another type. */
+ * quant_ops.c's expansion gives: (q - 8) d, q d + m, q d, and the K-quants' (rows_k). Returns -1
+ * for another type. */
 int gguf_rows8(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t n, float *out) {
-    int at;
-    const int bytes = block_bytes(type, &at), qs = 8 * at;
-    if (!bytes || K % 32)
+    int at = 2, unit;
+    const int bytes = block_bytes(type, &at), qs = 8 * at, gbytes = group_block(type, &unit);
+    if (!gbytes || K % unit)
         return -1;
-    const int64_t nb = K / 32;
+    const int64_t nb = K / unit;
 #pragma omp parallel for schedule(static) if (n * K > 65536)
     for (int64_t j = 0; j < n; j++) {
         const int r = (int)(ids[j] % 8);
+        if (is_k(type)) {
+            for (int64_t b = 0; b < nb; b++) rows_k(type, w + ((ids[j] / 8) * nb + b) * gbytes, r, out + j * K + 256 * b);
+            continue;
+        }
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w + ((ids[j] / 8) * nb + b) * 8 * bytes;
             const float d = gguf_half_to_float(blk + 2 * r), m = type == Q4_1 ? gguf_half_to_float(blk + 16 + 2 * r) : 0;
@@ -122,6 +226,7 @@ typedef struct {
     float *d;      /* [M][nb] the scale of one unit of the (combined) integer value */
     float *s;      /* [M][nb] d * sum of the block's (combined) values */
     int32_t *c;    /* [M][nb] */
+    int32_t *c16;  /* [M][nb][2] Q6_K: -32 times the (combined) sum of each half-block of 16 */
     int64_t K, nb;
     int levels;
 } Acts;
@@ -216,6 +321,18 @@ static void quantize_x(int isa, int type, const float *x, int64_t ldx, int64_t m
         a->s[b] = a->d[b] * (float)a->c[b];
         a->c[b] *= -offset;
     }
+    if (type != Q6_K)
+        return;
+    /* Q6_K multiplies q = w + 32 (unsigned): each 16-value half (its own scale) takes -32 sum x. */
+    const int8_t *q = a->q + m * a->K;
+    for (int64_t h = 0; h < 2 * a->nb; h++) {
+        int s1 = 0, s2 = 0;
+        for (int i = 0; i < 16; i++) {
+            s1 += q[16 * h + i];
+            if (q2) s2 += q2[16 * h + i];
+        }
+        a->c16[2 * o + h] = -32 * (q2 ? 254 * s1 + s2 : s1);
+    }
 }
 
 /* ---- scalar: one weight row r of group `grp` times row m of x ------------------------------------ */
@@ -243,6 +360,36 @@ static float dot_scalar(int type, const uint8_t *grp, int bytes, int r, const Ac
         }
         acc += (gguf_half_to_float(blk + 2 * r) * a->d[i]) * (float)dot;
         if (type == Q4_1) macc += gguf_half_to_float(blk + 16 + 2 * r) * a->s[i];
+    }
+    return acc + macc;
+}
+
+/* K-quants: per x-block j of a super-block, Q4_K / Q5_K as Q4_1 with scale d sc_j and min -dmin mn_j;
+ * Q6_K two halves of 16 with scales d sc (signed q - 32 here; the vector paths take q and c16). */
+static float dot_scalar_k(int type, const uint8_t *grp, int r, const Acts *a, int64_t m) {
+    const int gbytes = type == Q4_K ? Q4K_BYTES : type == Q5_K ? Q5K_BYTES : Q6K_BYTES;
+    float acc = 0.0f, macc = 0.0f;
+    for (int64_t sb = 0; sb < a->nb / 8; sb++) {
+        const uint8_t *gb = grp + sb * gbytes;
+        const float d = gguf_half_to_float(gb + K_D + 2 * r);
+        for (int j = 0; j < 8; j++) {
+            const int64_t b = 8 * sb + j, i = m * a->nb + b;
+            int dot[2] = {0, 0};
+            for (int level = 0; level < a->levels; level++) {
+                const int8_t *x = (level ? a->q2 : a->q) + m * a->K + 32 * b;
+                int part[2] = {0, 0};
+                for (int e = 0; e < 32; e++)
+                    part[e / 16] += (k_value(type, gb, r, j, e) - (type == Q6_K ? 32 : 0)) * x[e];
+                for (int h = 0; h < 2; h++) dot[h] = 254 * dot[h] + part[h];
+            }
+            if (type == Q6_K) {
+                for (int h = 0; h < 2; h++)
+                    acc += ((d * (float)(int8_t)gb[Q6K_SC + 8 * (2 * j + h) + r]) * a->d[i]) * (float)dot[h];
+            } else {
+                acc += ((d * (float)gb[K_SC + 8 * j + r]) * a->d[i]) * (float)(dot[0] + dot[1]);
+                macc -= (gguf_half_to_float(gb + K_DMIN + 2 * r) * (float)gb[K_MN + 8 * j + r]) * a->s[i];
+            }
+        }
     }
     return acc + macc;
 }
@@ -391,6 +538,132 @@ VNNI_TARGET AI void tile_vnni(const int MR, const int TYPE, const int LV, const 
     TILE(prep_vnni, block_vnni, 8)
 }
 
+/* K-quants. A super-block's x-block j: w[c] holds values 4c..4c+3 of the 8 rows as unsigned bytes
+ * (see k_value), and the 8 rows' dot products come out as two halves, values 0..15 (chunks 0..3)
+ * and 16..31 (4..7): Q6_K scales each half on its own. With two levels, 254 (x << 8 - x << 1)
+ * times the first level's dots plus the second's, the correction (Q6_K: c16) added once. */
+AVX2_TARGET AI __m256i times254(__m256i v) { return _mm256_sub_epi32(_mm256_slli_epi32(v, 8), _mm256_slli_epi32(v, 1)); }
+
+AVX2_TARGET AI void kdots_avx2(const __m256i *w, const int8_t *xb, __m256i *lo, __m256i *hi) {
+    for (int c = 0; c < 4; c++) {
+        *lo = _mm256_add_epi32(*lo, mul4_avx2(w[c], bcast4(xb + 4 * c)));
+        *hi = _mm256_add_epi32(*hi, mul4_avx2(w[4 + c], bcast4(xb + 16 + 4 * c)));
+    }
+}
+
+VNNI_TARGET AI void kdots_vnni(const __m256i *w, const int8_t *xb, __m256i *lo, __m256i *hi) {
+    for (int c = 0; c < 4; c++) {
+        *lo = _mm256_dpbusd_epi32(*lo, w[c], bcast4(xb + 4 * c));
+        *hi = _mm256_dpbusd_epi32(*hi, w[4 + c], bcast4(xb + 16 + 4 * c));
+    }
+}
+
+#define KBLOCK(NAME, TARGET, DOTS)                                                                   \
+    TARGET AI void NAME(const int LV, const __m256i *w, const int8_t *xb, const int8_t *xb2, int32_t c0, int32_t c1, \
+                        __m256i *lo, __m256i *hi) {                                                  \
+        if (LV == 1) {                                                                               \
+            *lo = _mm256_set1_epi32(c0);                                                             \
+            *hi = _mm256_set1_epi32(c1);                                                             \
+            DOTS(w, xb, lo, hi);                                                                     \
+            return;                                                                                  \
+        }                                                                                            \
+        *lo = *hi = _mm256_setzero_si256();                                                          \
+        DOTS(w, xb, lo, hi);                                                                         \
+        *lo = _mm256_add_epi32(times254(*lo), _mm256_set1_epi32(c0));                                \
+        *hi = _mm256_add_epi32(times254(*hi), _mm256_set1_epi32(c1));                                \
+        DOTS(w, xb2, lo, hi);                                                                        \
+    }
+KBLOCK(kblock_avx2, AVX2_TARGET, kdots_avx2)
+KBLOCK(kblock_vnni, VNNI_TARGET, kdots_vnni)
+#undef KBLOCK
+
+/* x-block j's weight bytes of group-block gb (the same instructions on both paths). */
+#define KPREP(NAME, TARGET)                                                                          \
+    TARGET AI void NAME(const int TYPE, const uint8_t *gb, int j, __m256i *w) {                      \
+        const __m256i low = _mm256_set1_epi8(15);                                                    \
+        if (TYPE == Q6_K) {                                                                          \
+            const uint8_t *ql = gb + Q6K_QL + 32 * (16 * (j / 4) + 8 * (j % 2)), *qh = gb + Q6K_QH + 256 * (j / 4); \
+            const int ls = 4 * ((j % 4) / 2), hs = 2 * (j % 4);                                      \
+            for (int c = 0; c < 8; c++) {                                                            \
+                const __m256i l = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32 * c)), ls), low); \
+                const __m256i h = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * c)), hs), \
+                                                   _mm256_set1_epi8(3));                             \
+                w[c] = _mm256_or_si256(l, _mm256_slli_epi16(h, 4));                                  \
+            }                                                                                        \
+            return;                                                                                  \
+        }                                                                                            \
+        const uint8_t *qs = gb + (TYPE == Q4_K ? Q4K_QS : Q5K_QS) + 256 * (j / 2);                  \
+        for (int c = 0; c < 8; c++) {                                                                \
+            w[c] = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)), 4 * (j & 1)), low); \
+            if (TYPE == Q5_K) {                                                                      \
+                const __m256i h = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(gb + Q5K_QH + 32 * c)), j), \
+                                                   _mm256_set1_epi8(1));                             \
+                w[c] = _mm256_or_si256(w[c], _mm256_slli_epi16(h, 4));                               \
+            }                                                                                        \
+        }                                                                                            \
+    }
+KPREP(kprep_avx2, AVX2_TARGET)
+KPREP(kprep_vnni, VNNI_TARGET)
+#undef KPREP
+
+/* The 8 rows' scale vectors as fp32: d * byte (Q4_K / Q5_K unsigned 6-bit, Q6_K signed int8). */
+AVX2_TARGET AI __m256 kscale(__m256 d, const uint8_t *p, int is_signed) {
+    const __m128i v = _mm_loadl_epi64((const __m128i *)p);
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v)));
+}
+
+/* Row r of the tile, x-block b: acc += float(dots) * (d sc * d_x) (Q6_K: per half), macc -= dmin mn * (d_x sum x_q). */
+#define KROW(r, BLOCK_FN)                                                                            \
+    if (MR > r) {                                                                                    \
+        const int64_t i = (m + r) * a->nb + b;                                                       \
+        const int64_t at = (m + r) * a->K + 32 * b;                                                  \
+        __m256i lo, hi;                                                                              \
+        BLOCK_FN(LV, w, a->q + at, LV == 2 ? a->q2 + at : 0, TYPE == Q6_K ? a->c16[2 * i] : 0,      \
+                 TYPE == Q6_K ? a->c16[2 * i + 1] : 0, &lo, &hi);                                    \
+        const __m256 dx = _mm256_set1_ps(a->d[i]);                                                   \
+        if (TYPE == Q6_K) {                                                                          \
+            acc##r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(ds, dx), acc##r);         \
+            acc##r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(dm, dx), acc##r);         \
+        } else {                                                                                     \
+            acc##r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(ds, dx), acc##r); \
+            macc##r = _mm256_fnmadd_ps(dm, _mm256_set1_ps(a->s[i]), macc##r);                        \
+        }                                                                                            \
+    }
+/* ds, dm: Q4_K / Q5_K the x-block's d sc and dmin mn; Q6_K the two halves' d sc. */
+#define KTILE(PREP_FN, BLOCK_FN)                                                                     \
+    const int gbytes = TYPE == Q4_K ? Q4K_BYTES : TYPE == Q5_K ? Q5K_BYTES : Q6K_BYTES;              \
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, macc0 = acc0, macc1 = acc0, \
+           macc2 = acc0, macc3 = acc0;                                                               \
+    (void)bytes;                                                                                     \
+    for (int64_t sb = 0; sb < a->nb / 8; sb++) {                                                     \
+        const uint8_t *gb = grp + sb * gbytes;                                                       \
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + K_D)));             \
+        const __m256 dmin = TYPE == Q6_K ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + K_DMIN))); \
+        for (int j = 0; j < 8; j++) {                                                                \
+            const int64_t b = 8 * sb + j;                                                            \
+            __m256i w[8];                                                                            \
+            PREP_FN(TYPE, gb, j, w);                                                                 \
+            const __m256 ds = TYPE == Q6_K ? kscale(d, gb + Q6K_SC + 16 * j, 1) : kscale(d, gb + K_SC + 8 * j, 0); \
+            const __m256 dm = TYPE == Q6_K ? kscale(d, gb + Q6K_SC + 16 * j + 8, 1) : kscale(dmin, gb + K_MN + 8 * j, 0); \
+            KROW(0, BLOCK_FN) KROW(1, BLOCK_FN) KROW(2, BLOCK_FN) KROW(3, BLOCK_FN)                  \
+        }                                                                                            \
+    }                                                                                                \
+    float bias8[8] = {0};                                                                            \
+    if (bias) memcpy(bias8, bias, sizeof(float) * cols);                                             \
+    STORE(0) STORE(1) STORE(2) STORE(3)
+
+AVX2_TARGET AI void ktile_avx2(const int MR, const int TYPE, const int LV, const uint8_t *grp, int bytes, const Acts *a,
+                               int64_t m, float *y, int64_t ldy, int cols, const float *bias) {
+    KTILE(kprep_avx2, kblock_avx2)
+}
+
+VNNI_TARGET AI void ktile_vnni(const int MR, const int TYPE, const int LV, const uint8_t *grp, int bytes, const Acts *a,
+                               int64_t m, float *y, int64_t ldy, int cols, const float *bias) {
+    KTILE(kprep_vnni, kblock_vnni)
+}
+
+#undef KROW
+#undef KTILE
 #undef ROW
 #undef STORE
 #undef TILE
@@ -416,6 +689,16 @@ VNNI_TARGET AI void group_vnni(const int TYPE, const int LV, const uint8_t *grp,
     GROUP(tile_vnni)
 }
 
+AVX2_TARGET AI void kgroup_avx2(const int TYPE, const int LV, const uint8_t *grp, int bytes, const Acts *a, int64_t M, float *y,
+                                int64_t ldy, int cols, const float *bias) {
+    GROUP(ktile_avx2)
+}
+
+VNNI_TARGET AI void kgroup_vnni(const int TYPE, const int LV, const uint8_t *grp, int bytes, const Acts *a, int64_t M, float *y,
+                                int64_t ldy, int cols, const float *bias) {
+    GROUP(ktile_vnni)
+}
+
 #undef GROUP
 
 AVX2_TARGET static void any_group_avx2(int type, const uint8_t *grp, int bytes, const Acts *a, int64_t M, float *y,
@@ -425,8 +708,14 @@ AVX2_TARGET static void any_group_avx2(int type, const uint8_t *grp, int bytes, 
                           : group_avx2(Q4_0, 1, grp, bytes, a, M, y, ldy, cols, bias);
     else if (type == Q4_1) two ? group_avx2(Q4_1, 2, grp, bytes, a, M, y, ldy, cols, bias)
                                : group_avx2(Q4_1, 1, grp, bytes, a, M, y, ldy, cols, bias);
-    else two ? group_avx2(Q8_0, 2, grp, bytes, a, M, y, ldy, cols, bias)
-             : group_avx2(Q8_0, 1, grp, bytes, a, M, y, ldy, cols, bias);
+    else if (type == Q8_0) two ? group_avx2(Q8_0, 2, grp, bytes, a, M, y, ldy, cols, bias)
+                               : group_avx2(Q8_0, 1, grp, bytes, a, M, y, ldy, cols, bias);
+    else if (type == Q4_K) two ? kgroup_avx2(Q4_K, 2, grp, bytes, a, M, y, ldy, cols, bias)
+                               : kgroup_avx2(Q4_K, 1, grp, bytes, a, M, y, ldy, cols, bias);
+    else if (type == Q5_K) two ? kgroup_avx2(Q5_K, 2, grp, bytes, a, M, y, ldy, cols, bias)
+                               : kgroup_avx2(Q5_K, 1, grp, bytes, a, M, y, ldy, cols, bias);
+    else two ? kgroup_avx2(Q6_K, 2, grp, bytes, a, M, y, ldy, cols, bias)
+             : kgroup_avx2(Q6_K, 1, grp, bytes, a, M, y, ldy, cols, bias);
 }
 
 VNNI_TARGET static void any_group_vnni(int type, const uint8_t *grp, int bytes, const Acts *a, int64_t M, float *y,
@@ -436,8 +725,14 @@ VNNI_TARGET static void any_group_vnni(int type, const uint8_t *grp, int bytes, 
                           : group_vnni(Q4_0, 1, grp, bytes, a, M, y, ldy, cols, bias);
     else if (type == Q4_1) two ? group_vnni(Q4_1, 2, grp, bytes, a, M, y, ldy, cols, bias)
                                : group_vnni(Q4_1, 1, grp, bytes, a, M, y, ldy, cols, bias);
-    else two ? group_vnni(Q8_0, 2, grp, bytes, a, M, y, ldy, cols, bias)
-             : group_vnni(Q8_0, 1, grp, bytes, a, M, y, ldy, cols, bias);
+    else if (type == Q8_0) two ? group_vnni(Q8_0, 2, grp, bytes, a, M, y, ldy, cols, bias)
+                               : group_vnni(Q8_0, 1, grp, bytes, a, M, y, ldy, cols, bias);
+    else if (type == Q4_K) two ? kgroup_vnni(Q4_K, 2, grp, bytes, a, M, y, ldy, cols, bias)
+                               : kgroup_vnni(Q4_K, 1, grp, bytes, a, M, y, ldy, cols, bias);
+    else if (type == Q5_K) two ? kgroup_vnni(Q5_K, 2, grp, bytes, a, M, y, ldy, cols, bias)
+                               : kgroup_vnni(Q5_K, 1, grp, bytes, a, M, y, ldy, cols, bias);
+    else two ? kgroup_vnni(Q6_K, 2, grp, bytes, a, M, y, ldy, cols, bias)
+             : kgroup_vnni(Q6_K, 1, grp, bytes, a, M, y, ldy, cols, bias);
 }
 
 /* ---- entry point ---------------------------------------------------------------------------------- */
@@ -452,7 +747,7 @@ static void one_group(int isa, int type, const uint8_t *grp, int bytes, const Ac
     else
         for (int64_t m = 0; m < M; m++)
             for (int r = 0; r < cols; r++) {
-                const float s = dot_scalar(type, grp, bytes, r, a, m);
+                const float s = is_k(type) ? dot_scalar_k(type, grp, r, a, m) : dot_scalar(type, grp, bytes, r, a, m);
                 y[m * ldy + r] = b ? s + b[r] : s;
             }
 }
@@ -462,17 +757,17 @@ static void one_group(int isa, int type, const uint8_t *grp, int bytes, const Ac
  * caller checks the CPU has it). gated: W is a merged [gate; up] pair of N / 2 rows each (N / 2 a
  * multiple of 8, no bias) and y[M, N / 2] = silu(x W_gate^T) * (x W_up^T), the two groups of each
  * output computed by one thread (the MLP without a pass over the [M, N] product). Returns -1 for a
- * type other than Q4_0 / Q4_1 / Q8_0, K not a multiple of 32, levels not 1 or 2 or a gated N that
- * does not split into groups, -2 when out of memory. */
+ * type other than Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K, K not a multiple of its block, levels
+ * not 1 or 2 or a gated N that does not split into groups, -2 when out of memory. */
 int gguf_linear_q8(int isa, int type, int levels, int gated, const float *x, int64_t ldx, const uint8_t *w,
                    const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    int at;
-    const int bytes = block_bytes(type, &at);
-    if (!bytes || K % 32 || (levels != 1 && levels != 2) || (gated && (N % 16 || bias)))
+    int unit;
+    const int gbytes = group_block(type, &unit), bytes = gbytes / 8;   /* bytes: a row's block (32-value types) */
+    if (!gbytes || K % unit || (levels != 1 && levels != 2) || (gated && (N % 16 || bias)))
         return -1;
-    const int64_t nb = K / 32, groups = gated ? N / 16 : (N + 7) / 8, up = gated ? N / 16 : 0;
+    const int64_t nb = K / 32, wblocks = K / unit, groups = gated ? N / 16 : (N + 7) / 8, up = gated ? N / 16 : 0;
     Acts a = {.K = K, .nb = nb, .levels = levels};
-    char *mem = malloc((size_t)(levels * M * K + M * nb * 12));
+    char *mem = malloc((size_t)(levels * M * K + M * nb * 20));
     if (!mem)
         return -2;
     a.q = (int8_t *)mem;
@@ -480,6 +775,7 @@ int gguf_linear_q8(int isa, int type, int levels, int gated, const float *x, int
     a.d = (float *)(mem + levels * M * K);
     a.s = a.d + M * nb;
     a.c = (int32_t *)(a.s + M * nb);
+    a.c16 = a.c + M * nb;
     int failed = 0;
 #pragma omp parallel if (M * N * K > 65536)
     {
@@ -492,13 +788,13 @@ int gguf_linear_q8(int isa, int type, int levels, int gated, const float *x, int
         for (int64_t m = 0; m < M; m++) quantize_x(isa, type, x, ldx, m, &a);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *grp = w + g * nb * 8 * bytes;
+            const uint8_t *grp = w + g * wblocks * gbytes;
             if (!gated) {
                 const int cols = N - 8 * g < 8 ? (int)(N - 8 * g) : 8;
                 one_group(isa, type, grp, bytes, &a, M, y + 8 * g, ldy, cols, bias ? bias + 8 * g : 0);
             } else if (pair) {
                 one_group(isa, type, grp, bytes, &a, M, pair, 16, 8, 0);
-                one_group(isa, type, grp + up * nb * 8 * bytes, bytes, &a, M, pair + 8, 16, 8, 0);
+                one_group(isa, type, grp + up * wblocks * gbytes, bytes, &a, M, pair + 8, 16, 8, 0);
                 for (int64_t m = 0; m < M; m++)
                     for (int j = 0; j < 8; j++) {
                         const float v = pair[16 * m + j];

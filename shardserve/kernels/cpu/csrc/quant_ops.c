@@ -111,6 +111,8 @@ AI void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
+void gguf_k_scale_min(const uint8_t *s, int j, int *sc, int *mn) { k_scale_min(s, j, sc, mn); }   /* for quant_dot.c */
+
 /* Q4_K: d, dmin (halves), 12 scale bytes, 128 bytes of nibbles; sub-block j (32 values) is the low
  * (even j) or high (odd j) nibbles of bytes 32 * (j / 2) ..; value = d * sc * q - dmin * mn. */
 AI void expand_q4_k(const uint8_t *b, float *out) {
