@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from shardserve.distributed import comm
+from shardserve.kernels.cpu import cpu_ops
 from shardserve.kernels.norm import reference
 from shardserve.layers.fused import ops_for
 
@@ -31,7 +32,7 @@ class RMSNorm(nn.Module):
             if out is not None:
                 return out, residual
             x = comm.tensor_model_parallel_all_reduce(x)
-        ops = ops_for(x, self.weight) if x.is_contiguous() else None
+        ops = ops_for(x, self.weight) if x.is_contiguous() or _heads_in_rows(x, residual) else None
         if ops is not None:
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.eps)
@@ -42,6 +43,13 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+def _heads_in_rows(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """x is [T, heads, D] with each row's heads packed (q or k inside a fused qkv row, Qwen3's per-head
+    norms), which the native CPU norm takes without a copy."""
+    return (residual is None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and x.device.type == "cpu" and cpu_ops.handles(x))
 
 
 class ShardedRMSNorm(nn.Module):

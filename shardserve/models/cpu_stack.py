@@ -5,7 +5,7 @@ same bits, without ~100 us of Python per layer. On by default where it applies;
 
 It applies to fp32 activations on the native CPU kernels (the default CPU path) with the native
 attention backend, one tensor-parallel rank, and layers the C side knows: the gated MLP without
-bias, no q/k norms or clipping, no bias on o_proj, every matmul one native kernel (packed panels,
+bias, per-head q/k norms (Qwen3) or none, no clipping, no bias on o_proj, every matmul one native kernel (packed panels,
 GGUF blocks). Anything else runs the modules, as before.
 """
 from __future__ import annotations
@@ -40,20 +40,28 @@ def _parts(layer: nn.Module) -> LayerParts | str:
         return "tensor parallelism"
     if not isinstance(mlp, GatedMLP) or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
         return "an MLP other than the gated one without bias"
-    if attn.qk_norm is not None or attn.clip_qkv is not None or attn.o_proj.bias is not None:
-        return "q/k norms, clipping or an o_proj bias"
+    if attn.qk_norm not in (None, "head") or attn.clip_qkv is not None or attn.o_proj.bias is not None:
+        return "q/k norms over all heads, clipping or an o_proj bias"
     gate_up = mlp.gate_up_proj.stack_linear(gated=True) or mlp.gate_up_proj.stack_linear()
     linears = (attn.qkv_proj.stack_linear(), attn.o_proj.stack_linear(), gate_up, mlp.down_proj.stack_linear())
     if any(m is None for m in linears):
         return "a matmul that is not one native kernel"
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
+    head_norms = (attn.q_norm, attn.k_norm) if attn.qk_norm == "head" else ()
+    if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms + head_norms):
         return "norm weights not fp32"
     kv, spec = attn.attn.kv_cache, attn.attn.spec
     if kv.dim() != 5 or kv.dtype not in cpu_ops.KV_KINDS or not kv.is_contiguous():
         return "no native KV pool bound"
-    return LayerParts(norms[0].weight, norms[1].weight, *linears, kv_cache=kv, window=spec.sliding_window or 0,
-                      k_scale=spec.k_scale, v_scale=spec.v_scale)
+    q_norm, k_norm = (n.weight for n in head_norms) if head_norms else (None, None)
+    return LayerParts(norms[0].weight, norms[1].weight, q_norm, k_norm, *linears, kv_cache=kv,
+                      window=spec.sliding_window or 0, k_scale=spec.k_scale, v_scale=spec.v_scale)
+
+
+def _norms(layer: nn.Module) -> list[nn.Module]:
+    attn = layer.self_attn
+    heads = [attn.q_norm, attn.k_norm] if attn.qk_norm == "head" else []
+    return [layer.input_layernorm, layer.post_attention_layernorm, *heads]
 
 
 class CpuDecoderStack:
@@ -68,8 +76,7 @@ class CpuDecoderStack:
         parts = [_parts(layer) for layer in self.layers]
         why = next((p for p in parts if isinstance(p, str)), None)
         first = self.layers[0]
-        if why is None and any(layer.input_layernorm.eps != self.eps or layer.post_attention_layernorm.eps != self.eps
-                               for layer in self.layers):
+        if why is None and any(norm.eps != self.eps for layer in self.layers for norm in _norms(layer)):
             why = "norms with different eps"
         if why is not None:
             logger.debug("CPU: decoder layers called one kernel at a time (%s)", why)

@@ -90,6 +90,14 @@ def test_small_layers_match_torch():
     got, new_res = norm(x, res.clone())
     assert torch.allclose(got, want, atol=1e-5) and torch.allclose(new_res, x + res)
     assert torch.allclose(norm(x), norm_reference.rms_norm(x, norm.weight, 1e-5), atol=1e-5)
+    # Per-head norms on q inside fused qkv rows (Qwen3): strided rows, no copy in, a packed result.
+    head_norm = RMSNorm(16, eps=1e-6)
+    head_norm.weight.data.normal_()
+    qkv = torch.randn(5, 5 * 16)
+    q = qkv[:, :48].view(5, 3, 16)
+    got = head_norm(q)
+    assert got.is_contiguous() and torch.allclose(got, norm_reference.rms_norm(q, head_norm.weight, 1e-6), atol=1e-5)
+    assert torch.equal(got[2:3], head_norm(qkv[2:3, :48].contiguous().view(1, 3, 16)))   # the rows' kernel's bits
     gate_up = torch.randn(3, 2 * 20) * 4
     assert torch.allclose(SiluAndMul()(gate_up), activation_reference.silu_and_mul(gate_up), atol=1e-5)
     rope = RotaryEmbedding(16, 64, 10000.0)

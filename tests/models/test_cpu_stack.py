@@ -2,7 +2,7 @@
 give the very bits of the per-module path (SHARDSERVE_CPU_DECODER_STACK=0): prompt log-probs over
 the whole vocabulary and greedy tokens, with chunked prefills beside decodes, for each kind of
 layer and matmul it takes (packed fp32 and bf16 panels, GGUF blocks with int8 and fp32
-activations, fp8 and bf16 KV pools, sliding windows, QKV bias); and it steps aside where it does
+activations, fp8 and bf16 KV pools, sliding windows, QKV bias, per-head q/k norms); and it steps aside where it does
 not apply."""
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ def _assert_same_bits(path: str, monkeypatch, **kwargs) -> None:
     ("llama", {}, "bfloat16", "fp8"),                       # bf16 panels, fp8 pool (k/v scales)
     ("mistral", {"sliding_window": 8}, "bfloat16", "auto"),  # a window shorter than the prompts, bf16 pool
     ("qwen2", {}, "float32", "auto"),                       # QKV bias, tied embeddings
+    ("qwen3", {}, "bfloat16", "auto"),                      # per-head q/k norms
 ])
 def test_stack_gives_the_module_path_bits(tmp_path, monkeypatch, arch, overrides, dtype, kv):
     path = make_tiny_checkpoint(str(tmp_path / arch), arch, **overrides)
@@ -76,10 +77,11 @@ def test_stack_gives_the_module_path_bits_on_gguf_blocks(tmp_path, monkeypatch, 
 
 
 def test_stack_steps_aside_where_it_does_not_apply(tmp_path, monkeypatch):
-    """Qwen3's per-head q/k norms are not in the C stack: the modules run (and match HF, test_parity);
-    bf16 activations (native half precision) never reach it; a bad switch value is refused."""
-    qwen3 = make_tiny_checkpoint(str(tmp_path / "qwen3"), "qwen3")
-    _, used = _run(qwen3, monkeypatch, True)
+    """OLMoE's q/k norms over all heads (and its experts) are not in the C stack: the modules run (and
+    match HF, test_parity); bf16 activations (native half precision) never reach it; a bad switch
+    value is refused."""
+    olmoe = make_tiny_checkpoint(str(tmp_path / "olmoe"), "olmoe")
+    _, used = _run(olmoe, monkeypatch, True)
     assert not used
     monkeypatch.setenv("SHARDSERVE_CPU_NATIVE_HALF", "1")
     llama = make_tiny_checkpoint(str(tmp_path / "llama"), "llama")

@@ -92,6 +92,8 @@ def _library() -> ctypes.CDLL | None:
                                     i64, i64, i64, i64, i64, i64, f32, i64, f32, f32]
     lib.rms_norm.restype = lib.silu_and_mul.restype = lib.rotary_neox.restype = None
     lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.rms_norm_heads.restype = None
+    lib.rms_norm_heads.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_float]
     lib.silu_and_mul.argtypes = [ptr, ptr, i64, i64]
     lib.rotary_neox.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
     lib.decoder_stack.restype = ctypes.c_int
@@ -145,9 +147,16 @@ def handles(*tensors: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """rmsnorm(x) * weight over the last dim; with residual, residual += x (in place) and that sum is
-    normalised. x, residual: contiguous fp32."""
+    normalised. x, residual: contiguous fp32; without residual x may also be [T, heads, D] heads
+    packed in strided rows (q or k inside a fused qkv row: Qwen3's per-head norms), out contiguous."""
     h = x.shape[-1]
     out = torch.empty(x.shape, dtype=torch.float32)
+    if not x.is_contiguous():
+        _check_rows(x, "x")
+        assert residual is None
+        _library().rms_norm_heads(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), weight.data_ptr(),
+                                  x.shape[0], x.shape[1], h, eps)
+        return out
     _library().rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                         out.data_ptr(), x.numel() // h, h, eps)
     return out

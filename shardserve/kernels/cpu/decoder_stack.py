@@ -26,9 +26,9 @@ class StackLinear(ctypes.Structure):
 
 
 class StackLayer(ctypes.Structure):
-    _fields_ = [("ln1", _ptr), ("ln2", _ptr), ("qkv", StackLinear), ("o", StackLinear), ("gate_up", StackLinear),
-                ("down", StackLinear), ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64),
-                ("k_scale", _f32), ("v_scale", _f32)]
+    _fields_ = [("ln1", _ptr), ("ln2", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("qkv", StackLinear),
+                ("o", StackLinear), ("gate_up", StackLinear), ("down", StackLinear), ("k_cache", _ptr),
+                ("v_cache", _ptr), ("window", _i64), ("k_scale", _f32), ("v_scale", _f32)]
 
 
 class StackModel(ctypes.Structure):
@@ -53,6 +53,8 @@ class LayerParts:
 
     ln1: torch.Tensor
     ln2: torch.Tensor
+    q_norm: torch.Tensor | None     # per-head q and k norms (Qwen3), or None
+    k_norm: torch.Tensor | None
     qkv: StackLinear
     o: StackLinear
     gate_up: StackLinear            # gated=1: the kernel returns silu(gate) * up itself
@@ -70,11 +72,13 @@ class DecoderStack:
     def __init__(self, parts: list[LayerParts], hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate: int, eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
         pool = parts[0].kv_cache
-        self.keep = [p.kv_cache for p in parts] + [p.ln1 for p in parts] + [p.ln2 for p in parts] + [cos, sin]
+        self.keep = [cos, sin] + [t for p in parts for t in (p.kv_cache, p.ln1, p.ln2, p.q_norm, p.k_norm)]
         layers = (StackLayer * len(parts))()
         for i, p in enumerate(parts):
-            layers[i] = StackLayer(ln1=p.ln1.data_ptr(), ln2=p.ln2.data_ptr(), qkv=p.qkv, o=p.o, gate_up=p.gate_up,
-                                   down=p.down, k_cache=p.kv_cache[0].data_ptr(), v_cache=p.kv_cache[1].data_ptr(),
+            q_norm, k_norm = (None, None) if p.q_norm is None else (p.q_norm.data_ptr(), p.k_norm.data_ptr())
+            layers[i] = StackLayer(ln1=p.ln1.data_ptr(), ln2=p.ln2.data_ptr(), q_norm=q_norm, k_norm=k_norm,
+                                   qkv=p.qkv, o=p.o, gate_up=p.gate_up, down=p.down,
+                                   k_cache=p.kv_cache[0].data_ptr(), v_cache=p.kv_cache[1].data_ptr(),
                                    window=p.window, k_scale=p.k_scale, v_scale=p.v_scale)
         _, _, blocks, block_size, _ = pool.shape
         self.layers = layers

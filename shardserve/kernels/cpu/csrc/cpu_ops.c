@@ -472,25 +472,40 @@ void paged_attention(const float *q, int64_t q_stride, const void *k_cache, cons
 
 /* ---- element-wise layers (rows of H contiguous floats) ----------------------------------------- */
 
+/* o = rmsnorm(x) * weight over one row of H values (o may be x). */
+static inline void norm_row(const float *x, const float *weight, float *o, int64_t H, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= H; i += 8) { __m256 v = _mm256_loadu_ps(x + i); acc = _mm256_fmadd_ps(v, v, acc); }
+    float ss = hsum(acc);
+    for (; i < H; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+    for (i = 0; i < H; i++) o[i] = weight[i] * (x[i] * inv);
+}
+
 /* out = rmsnorm(x) * weight; with residual: residual = x + residual first, normalising that. */
 void rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t T, int64_t H, float eps) {
 #pragma omp parallel for schedule(static) if (T * H > 32768)
     for (int64_t t = 0; t < T; t++) {
         const float *xr = x + t * H;
-        float *o = out + t * H;
         if (residual) {
             float *r = residual + t * H;
             for (int64_t i = 0; i < H; i++) r[i] += xr[i];
             xr = r;
         }
-        __m256 acc = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= H; i += 8) { __m256 v = _mm256_loadu_ps(xr + i); acc = _mm256_fmadd_ps(v, v, acc); }
-        float ss = hsum(acc);
-        for (; i < H; i++) ss += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
-        for (i = 0; i < H; i++) o[i] = weight[i] * (xr[i] * inv);
+        norm_row(xr, weight, out + t * H, H, eps);
     }
+}
+
+/* Per-head RMSNorm (Qwen3's q/k norms): row t of x holds `heads` heads of D values at x + t * stride;
+ * out[t, h] = rmsnorm(x[t, h]) * weight, out packed [T, heads, D] (out may be x with out_stride =
+ * stride, normalising in place). */
+void rms_norm_heads(const float *x, int64_t stride, float *out, int64_t out_stride, const float *weight, int64_t T,
+                    int64_t heads, int64_t D, float eps) {
+#pragma omp parallel for schedule(static) if (T * heads * D > 32768)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++)
+            norm_row(x + t * stride + h * D, weight, out + t * out_stride + h * D, D, eps);
 }
 
 /* out[t] = silu(x[t, :d]) * x[t, d:] for a fused [T, 2d] gate/up projection. */

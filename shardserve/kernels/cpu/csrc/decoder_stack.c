@@ -21,6 +21,8 @@ void paged_attention(const float *q, int64_t q_stride, const void *k_cache, cons
                      int64_t out_stride, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size,
                      int64_t pool_slots, float scale, int64_t window, float k_scale, float v_scale);
 void rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t T, int64_t H, float eps);
+void rms_norm_heads(const float *x, int64_t stride, float *out, int64_t out_stride, const float *weight, int64_t T,
+                    int64_t heads, int64_t D, float eps);
 void silu_and_mul(const float *x, float *out, int64_t T, int64_t d);
 void rotary_neox(const int64_t *positions, float *q, int64_t q_stride, int64_t Hq, float *k, int64_t k_stride,
                  int64_t Hk, const float *cos_table, const float *sin_table, int64_t T, int64_t D);
@@ -46,6 +48,7 @@ typedef struct {
 
 typedef struct {
     const float *ln1, *ln2;                 /* input_layernorm, post_attention_layernorm weights */
+    const float *q_norm, *k_norm;           /* per-head q and k norm weights [D] (Qwen3), or NULL */
     StackLinear qkv, o, gate_up, down;
     void *k_cache, *v_cache;                /* [Hk, blocks, block_size, D] each */
     int64_t window;                         /* sliding window (0: none) */
@@ -99,6 +102,10 @@ int decoder_stack(const StackModel *m, int64_t T, float *hidden, float *residual
         if (rc)
             return rc;
         float *q = qkv, *k = qkv + Hq * D, *v = k + Hk * D;
+        if (L->q_norm) {   /* in place: the modules write a copy, with the same values */
+            rms_norm_heads(q, W, q, W, L->q_norm, T, Hq, D, m->eps);
+            rms_norm_heads(k, W, k, W, L->k_norm, T, Hk, D, m->eps);
+        }
         rotary_neox(positions, q, W, Hq, k, W, Hk, m->cos, m->sin, T, D);
         write_kv(k, W, v, W, L->k_cache, L->v_cache, (int)m->kv_kind, slots, T, Hk, D, m->pool_slots, L->k_scale,
                  L->v_scale);
