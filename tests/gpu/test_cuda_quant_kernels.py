@@ -2,8 +2,10 @@
 (kernels/quant/reference.py) on a GPU: the FP8 GEMV's two inner loops, the W4A16 FMA GEMV, the
 tensor-core W4A16 kernel and the dequantize kernel; the decode GEMVs of session 16 (the FP8 "runs"
 loop, the tensor-core W4A16 GEMV, both with split-K, whose counters must be back at zero after each
-call: each setting runs twice), over Llama-3-8B shapes and sizes that are no
-multiple of any block, plain, with a bias and in the gated gate_up form."""
+call: each setting runs twice) and session 17's loops (FP8 "runs8", the W4A16 "mmak" loop, the
+scales and zeros spread by a tensor-core product, fp32 scales on the per-run fold), over
+Llama-3-8B shapes and sizes that are no multiple of any block, plain, with a bias and in the
+gated gate_up form."""
 from __future__ import annotations
 
 import pytest
@@ -104,7 +106,8 @@ def test_fp8_runs_gemv_matches_dequantized_reference(rows, n, k, gated, bias):
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     want = reference.matmul(x.float(), reference.fp8_weight(w, scale, torch.float32),
                             b.float() if b is not None else None, gated)
-    for tiles in (None, ("runs", 16, 128, 1, 3, 3), ("runs", 64, 64, 4, 3, 2)):
+    for tiles in (None, ("runs", 16, 128, 1, 3, 3), ("runs", 64, 64, 4, 3, 2), ("runs8", 32, 64, 2, 3, 1),
+                  ("runs8", 16, 64, 1, 4, 2)):
         for _ in range(2):
             _close(triton_fp8_gemv.gemv(x, w, scale, b, gated, tiles=tiles), want, rows, n)
 
@@ -122,7 +125,8 @@ def test_w4a16_gemv_matches_dequantized_reference(rows, n, k, group, gated, bias
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     full = reference.int4_weight(words, scales, zeros, k, group, run, torch.float32)
     want = reference.matmul(x.float(), full, b.float() if b is not None else None, gated)
-    for tiles in (None, ("mma", 16, 64, 3, 1, 3), ("mma", 64, 32, 2, 4, 3), ("fma", 8, 2)):
+    for tiles in (None, ("mma", 16, 64, 3, 1, 3), ("mma", 64, 32, 2, 4, 3), ("fma", 8, 2), ("mmak", 16, 64, 1, 2, 3),
+                  ("mmak", 32, 32, 3, 4, 3)):
         for _ in range(2):
             _close(triton_w4a16_gemv.gemv(x, words, scales, zeros, k, g, run, b, gated, tiles=tiles), want, rows, n)
 
@@ -136,7 +140,22 @@ def test_w4a16_gemv_with_fp16_activations(rows):
     words, scales, zeros = _int4_weight(n, k, 128, 128)
     x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
     want = reference.matmul(x.float(), reference.int4_weight(words, scales, zeros, k, 128, 128, torch.float32))
-    for tiles in (("mma", 32, 32, 1, 2, 3), ("mma", 16, 64, 2, 1, 3)):
+    for tiles in (("mma", 32, 32, 1, 2, 3), ("mma", 16, 64, 2, 1, 3), ("mmak", 16, 64, 1, 2, 3)):
+        _close(triton_w4a16_gemv.gemv(x, words, scales, zeros, k, 128, 128, tiles=tiles), want, rows, n)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_w4a16_gemv_with_fp32_scales(rows):
+    """Scales that fp16 does not hold (int4_layout.compact_scales keeps them fp32): the per-run
+    fold, and "mmak" falls back to the "mma" loop."""
+    from shardserve.kernels.quant import triton_w4a16_gemv
+    torch.manual_seed(rows)
+    n, k = 1000, 2048
+    words, scales, zeros = _int4_weight(n, k, 128, 128)
+    scales = scales.float() * (1 + 2 ** -13)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    want = reference.matmul(x.float(), reference.int4_weight(words, scales, zeros, k, 128, 128, torch.float32))
+    for tiles in (("mma", 32, 32, 1, 2, 3), ("mmak", 16, 64, 2, 2, 3)):
         _close(triton_w4a16_gemv.gemv(x, words, scales, zeros, k, 128, 128, tiles=tiles), want, rows, n)
 
 

@@ -6,7 +6,7 @@ streams their weight rows once, start to end (no split-K, no partial sums in mem
 per weight. The weights are widened in registers (exact: every E4M3 value is an fp16, a bf16 and an
 fp32) and the activations stay 16-bit (W8A16: no per-token FP8 rounding, no quantization kernel
 before the matmul); the channel's scale multiplies the fp32 sum once, before the one rounding.
-Three inner loops (`tiles`' first field):
+The inner loops (`tiles`' first field):
 - "fma": fp32 multiply-adds on CUDA cores, loading the next K step before it works on the current
   one (the compiler pipelines only loads that feed a dot);
 - "dot": the rows ride along as one tensor-core tile of 16, the weights widened to the activations'
@@ -18,6 +18,10 @@ Three inner loops (`tiles`' first field):
   the weights): a step's K range is cut into 8 runs and the tile's columns are runs x rows, so
   each run's product fills every column and keeps its own (kernels/quant/triton_w4a16_gemv.py
   does the same for INT4); split-K (kernels/quant/splitk.py) for layers with few output strips.
+  "runs8" (fp8_runs8_kernel): one accumulator per run, kept over every step, so each product
+  accumulates in the tensor cores and the columns are picked once, at the end (the runs loop picks
+  them after every product); more registers, faster on the large layers.
+  Both let the next kernel launch only after their loads (kernels/pdl.py, late release).
 The gated form computes silu(x Wg^T) * (x Wu^T) for a stacked gate_up weight in the same pass.
 Tile settings: kernels/quant/tuned.py.
 """
@@ -115,6 +119,84 @@ if triton is not None:
         return out
 
     @triton.jit
+    def runs8_step(y0, y1, y2, y3, y4, y5, y6, y7, w_rows, X, k0, k, col_ok, j, C: tl.constexpr):
+        """The 8 runs of C inputs at k0 against X, each into its own accumulator (kept over every
+        step, its columns picked once at the end: no select per step)."""
+        m = col_ok[:, None]
+        y0 = tl.dot(tl.load(w_rows + k0, mask=m & (k0 + j < k)[None, :], other=0.0,
+                            eviction_policy="evict_first").to(tl.float16), X, y0)
+        y1 = tl.dot(tl.load(w_rows + k0 + C, mask=m & (k0 + C + j < k)[None, :], other=0.0,
+                            eviction_policy="evict_first").to(tl.float16), X, y1)
+        y2 = tl.dot(tl.load(w_rows + k0 + 2 * C, mask=m & (k0 + 2 * C + j < k)[None, :], other=0.0,
+                            eviction_policy="evict_first").to(tl.float16), X, y2)
+        y3 = tl.dot(tl.load(w_rows + k0 + 3 * C, mask=m & (k0 + 3 * C + j < k)[None, :], other=0.0,
+                            eviction_policy="evict_first").to(tl.float16), X, y3)
+        y4 = tl.dot(tl.load(w_rows + k0 + 4 * C, mask=m & (k0 + 4 * C + j < k)[None, :], other=0.0,
+                            eviction_policy="evict_first").to(tl.float16), X, y4)
+        y5 = tl.dot(tl.load(w_rows + k0 + 5 * C, mask=m & (k0 + 5 * C + j < k)[None, :], other=0.0,
+                            eviction_policy="evict_first").to(tl.float16), X, y5)
+        y6 = tl.dot(tl.load(w_rows + k0 + 6 * C, mask=m & (k0 + 6 * C + j < k)[None, :], other=0.0,
+                            eviction_policy="evict_first").to(tl.float16), X, y6)
+        y7 = tl.dot(tl.load(w_rows + k0 + 7 * C, mask=m & (k0 + 7 * C + j < k)[None, :], other=0.0,
+                            eviction_policy="evict_first").to(tl.float16), X, y7)
+        return y0, y1, y2, y3, y4, y5, y6, y7
+
+    @triton.jit
+    def pick_runs(y0, y1, y2, y3, y4, y5, y6, y7, lanes):
+        """Column c of the result from accumulator lanes[c] (padding columns: y0's, whose X column is 0)."""
+        t = tl.where(lanes[None, :] == 1, y1, y0)
+        t = tl.where(lanes[None, :] == 2, y2, t)
+        t = tl.where(lanes[None, :] == 3, y3, t)
+        t = tl.where(lanes[None, :] == 4, y4, t)
+        t = tl.where(lanes[None, :] == 5, y5, t)
+        t = tl.where(lanes[None, :] == 6, y6, t)
+        return tl.where(lanes[None, :] == 7, y7, t)
+
+    @triton.jit
+    def fp8_runs8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, stride_x, stride_w,
+                         stride_o, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+        """fp8_runs_kernel with one accumulator per run (the "runs8" loop)."""
+        pdl.start(PDL)
+        COLS: tl.constexpr = 16 if 8 * ROWS < 16 else 8 * ROWS
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        j = tl.arange(0, C)
+        c = tl.arange(0, COLS)
+        lanes = c // ROWS
+        c_row = c % ROWS
+        x_k = (C * lanes)[None, :] + j[:, None]
+        x_cols = x_ptr + c_row[None, :] * stride_x + x_k
+        x_ok = (c_row < rows)[None, :] & (lanes < 8)[None, :]
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w + j[None, :]
+        w_up = w_ptr + (n + cols[:, None]).to(tl.int64) * stride_w + j[None, :]
+        steps = tl.cdiv(k, 8 * C)
+        per = tl.cdiv(steps, SPLIT)
+        first = tl.program_id(1) * per
+        last = tl.minimum(first + per, steps)
+        z = tl.zeros([BLOCK_N, COLS], tl.float32)
+        y0, y1, y2, y3, y4, y5, y6, y7 = z, z, z, z, z, z, z, z
+        u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
+        for st in range(first, last):
+            k0 = st * 8 * C
+            X = tl.load(x_cols + k0, mask=x_ok & (k0 + x_k < k), other=0.0)
+            X = tl.clamp(X.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            y0, y1, y2, y3, y4, y5, y6, y7 = runs8_step(y0, y1, y2, y3, y4, y5, y6, y7, w_rows, X, k0, k, col_ok, j, C)
+            if GATED:
+                u0, u1, u2, u3, u4, u5, u6, u7 = runs8_step(u0, u1, u2, u3, u4, u5, u6, u7, w_up, X, k0, k, col_ok,
+                                                            j, C)
+        pdl.release(PDL)
+        r = tl.arange(0, ROWS)
+        y = tl.sum(tl.reshape(pick_runs(y0, y1, y2, y3, y4, y5, y6, y7, lanes), [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
+        y = y * tl.load(s_ptr + cols, mask=col_ok, other=0.0)[:, None]
+        y_up = tl.sum(tl.reshape(pick_runs(u0, u1, u2, u3, u4, u5, u6, u7, lanes), [BLOCK_N, COLS // ROWS, ROWS]),
+                      axis=1)
+        if GATED:
+            y_up = y_up * tl.load(s_ptr + n + cols, mask=col_ok, other=0.0)[:, None]
+        splitk.reduce_and_finish(y, y_up, ws_ptr, cnt_ptr, n, out_ptr, b_ptr, cols, col_ok, r, rows, stride_o,
+                                 SPLIT, HAS_BIAS, GATED)
+
+    @triton.jit
     def fp8_runs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, stride_x, stride_w, stride_o,
                         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr,
                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
@@ -144,6 +226,7 @@ if triton is not None:
             y = runs_step(y, w_rows, X, k0, k, col_ok, lanes, j, C)
             if GATED:
                 y_up = runs_step(y_up, w_up, X, k0, k, col_ok, lanes, j, C)
+        pdl.release(PDL)
         r = tl.arange(0, ROWS)
         y = tl.sum(tl.reshape(y, [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
         y = y * tl.load(s_ptr + cols, mask=col_ok, other=0.0)[:, None]
@@ -170,8 +253,8 @@ def handles(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
 
 
 def _tiles(x: torch.Tensor, n: int, k: int, gated: bool) -> tuple:
-    """(loop, BLOCK_N, BLOCK_K, warps, stages), or for "runs" (loop, BLOCK_N, run length, warps,
-    stages, SPLIT): tuned for this GPU and shape, else a default."""
+    """(loop, BLOCK_N, BLOCK_K, warps, stages), or for "runs" / "runs8" (loop, BLOCK_N, run length,
+    warps, stages, SPLIT): tuned for this GPU and shape, else a default."""
     found = tuned.lookup("fp8", n, k, gated, x.shape[0], x.device)
     if found:
         return tuple(found)
@@ -189,8 +272,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     loop, block_n, block_k, warps, stages, *split = tiles or _tiles(x, n, k, gated)
-    if loop == "runs":
-        return _runs(x, weight, scale, bias, gated, n, block_n, block_k, warps, stages, split[0] if split else 1)
+    if loop in ("runs", "runs8"):
+        return _runs(x, weight, scale, bias, gated, n, block_n, block_k, warps, stages, split[0] if split else 1,
+                     loop)
     block_m = max(1, 1 << (rows - 1).bit_length()) if loop == "fma" else MAX_ROWS
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     fp8_gemv_kernel[(cdiv(n, block_n),)](
@@ -201,7 +285,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch
 
 
 def _runs(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, gated: bool, n: int,
-          block_n: int, run: int, warps: int, stages: int, split: int) -> torch.Tensor:
+          block_n: int, run: int, warps: int, stages: int, split: int, loop: str = "runs") -> torch.Tensor:
     rows, k = x.shape
     if rows > RUNS_ROWS:
         raise ValueError(f"the runs loop takes up to {RUNS_ROWS} rows, not {rows}")
@@ -210,8 +294,8 @@ def _runs(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torc
     grid = (cdiv(n, block_n), split)
     ws, counters = splitk.buffers(x.device, split * padded * 2 * n, grid[0])
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    fp8_runs_kernel[grid](
+    (fp8_runs8_kernel if loop == "runs8" else fp8_runs_kernel)[grid](
         x, weight, scale, bias if bias is not None else scale, out, ws, counters, rows, n, k, x.stride(0),
         weight.stride(0), out.stride(0), ROWS=padded, BLOCK_N=block_n, C=run, SPLIT=split, HAS_BIAS=bias is not None,
-        GATED=gated, num_warps=warps, num_stages=stages, **pdl.launch_args(x))
+        GATED=gated, num_warps=warps, num_stages=stages, **pdl.launch_args(x, late=True))
     return out

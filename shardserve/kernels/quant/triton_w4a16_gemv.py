@@ -13,9 +13,20 @@ four on each weight alone. Here:
 - The activations: a tensor-core tile has at least 16 columns, and one row padded to 16 would move
   16x the activation bytes through shared memory. So the tile's columns are the block's 8 runs
   times the rows (column c = run c // ROWS, row c % ROWS): each run's product fills all columns and
-  only its own are kept (the scale times a one-hot mask), summed per row at the end. Wasted
-  multiplies cost nothing here; shared-memory traffic would.
-Split-K (grid axis 1, kernels/quant/splitk.py) gives small layers enough programs.
+  only its own are kept, summed per row at the end. Wasted multiplies cost nothing here;
+  shared-memory traffic would.
+- Scales and zeros (fp16 scales, the usual case; `fold_all`): once per block, one more small
+  tensor-core product with a one-hot matrix E spreads each run's scale and zero over that run's
+  columns (exact), then one select chain and s * (sum - (MAGIC + z) sum x) per accumulator element.
+  Triton's pipeliner prefetches loads that feed a dot, so these loads now ride ahead with the
+  words (session 16 loaded them per run, after the block's products, and waited on them). fp32
+  scales keep the per-run `fold`.
+- Two loops (the tiles' first field): "mma", one warp per 16 output rows walking each block's
+  words STEP at a time; "mmak" (w4a16_gemvk_kernel, fp16 scales), the block's RUN // STEP chunks
+  side by side on a batch axis of the products, one warp each, so a strip of outputs gets that
+  many warps to hide its loads' latency (the parts summed once, at the end, in the program).
+Split-K (grid axis 1, kernels/quant/splitk.py) gives small layers enough programs. Both loops let
+the next kernel launch only after their loads (kernels/pdl.py, late release).
 """
 from __future__ import annotations
 
@@ -74,9 +85,43 @@ if triton is not None:
         return y + tl.where(lanes[None, :] == a, s[:, None], 0.0) * (acc - (z + MAGIC)[:, None] * xs)
 
     @triton.jit
-    def block_sum(y, w_rows, x_cols, x_ok, s_ptr, z_ptr, blk, k, rows_total, cols, col_ok, lanes, x_k,
+    def spread(s_ptr, z_ptr, off, ok, E, MAGIC: tl.constexpr):
+        """(S, MAGIC + Z) per accumulator element: the fp16 scales and zeros at off [..., 16] (column
+        i: run i of the block; 8 and up masked) times the one-hot E [..., 16, COLS], exact."""
+        s = tl.load(s_ptr + off, mask=ok, other=0.0)
+        zm = (tl.load(z_ptr + off, mask=ok, other=0).to(tl.float16) + MAGIC).to(tl.float16)
+        return tl.dot(s, E), tl.dot(zm, E)
+
+    @triton.jit
+    def pick(a0, a1, a2, a3, a4, a5, a6, a7, sel):
+        """Each column from the accumulator of its run (sel: the run of each column, broadcast)."""
+        t = tl.where(sel == 1, a1, a0)
+        t = tl.where(sel == 2, a2, t)
+        t = tl.where(sel == 3, a3, t)
+        t = tl.where(sel == 4, a4, t)
+        t = tl.where(sel == 5, a5, t)
+        t = tl.where(sel == 6, a6, t)
+        return tl.where(sel == 7, a7, t)
+
+    @triton.jit
+    def fold_all(y, a0, a1, a2, a3, a4, a5, a6, a7, xs, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, E,
+                 GROUP: tl.constexpr, RUN: tl.constexpr, MAGIC: tl.constexpr):
+        """y += the block's 8 runs at once, fp16 scales: S [BLOCK_N, COLS] = s_tile @ E puts each
+        column's run's scale in that column (E one-hot: E[i, c] = 1 where column c holds run i), and
+        (MAGIC + z) likewise, exact on the tensor cores; loads that feed a dot are the ones Triton's
+        pipeliner prefetches, so these no longer wait in the loop. Each column keeps its own run's
+        sums (a select chain), then s * (sum (MAGIC + q) x - (MAGIC + z) sum x) once per element."""
+        i = tl.arange(0, 16)
+        g = (k0 + RUN * i) // GROUP
+        ok = col_ok[:, None] & ((i < 8) & (k0 + RUN * i < k))[None, :]
+        S, ZM = spread(s_ptr, z_ptr, g[None, :] * rows_total + cols[:, None], ok, E, MAGIC)
+        t = pick(a0, a1, a2, a3, a4, a5, a6, a7, lanes[None, :])
+        return y + S * (t - ZM * xs)
+
+    @triton.jit
+    def block_sum(y, w_rows, x_cols, x_ok, s_ptr, z_ptr, blk, k, rows_total, cols, col_ok, lanes, x_k, E,
                   GROUP: tl.constexpr, RUN: tl.constexpr, STEP: tl.constexpr, MAGIC: tl.constexpr,
-                  BF16: tl.constexpr):
+                  BF16: tl.constexpr, SZ_DOT: tl.constexpr):
         """y += one block (8 runs of RUN inputs) of the weight rows at w_rows, STEP words at a time;
         each run's sums gather in their own accumulator (the tensor cores' adds), folded at the end."""
         k0 = blk * 8 * RUN
@@ -105,21 +150,25 @@ if triton is not None:
             a5 = tl.dot(w5, X, a5)
             a6 = tl.dot(w6, X, a6)
             a7 = tl.dot(w7, X, a7)
-        y = fold(y, a0, xs, 0, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
-        y = fold(y, a1, xs, 1, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
-        y = fold(y, a2, xs, 2, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
-        y = fold(y, a3, xs, 3, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
-        y = fold(y, a4, xs, 4, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
-        y = fold(y, a5, xs, 5, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
-        y = fold(y, a6, xs, 6, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
-        y = fold(y, a7, xs, 7, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
+        if SZ_DOT:
+            y = fold_all(y, a0, a1, a2, a3, a4, a5, a6, a7, xs, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok,
+                         lanes, E, GROUP, RUN, MAGIC)
+        else:
+            y = fold(y, a0, xs, 0, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
+            y = fold(y, a1, xs, 1, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
+            y = fold(y, a2, xs, 2, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
+            y = fold(y, a3, xs, 3, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
+            y = fold(y, a4, xs, 4, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
+            y = fold(y, a5, xs, 5, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
+            y = fold(y, a6, xs, 6, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
+            y = fold(y, a7, xs, 7, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, lanes, GROUP, RUN, MAGIC)
         return y
 
     @triton.jit
     def w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, words, stride_x,
                           stride_o, GROUP: tl.constexpr, RUN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                           STEP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                          PDL: tl.constexpr):
+                          SZ_DOT: tl.constexpr, PDL: tl.constexpr):
         pdl.start(PDL)
         COLS: tl.constexpr = 16 if 8 * ROWS < 16 else 8 * ROWS   # a tensor-core tile is 16 wide at least
         BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
@@ -134,6 +183,8 @@ if triton is not None:
         x_k = (RUN * lanes)[None, :] + j[:, None]                        # [STEP, COLS]: input - k0 - h * STEP
         x_cols = x_ptr + c_row[None, :] * stride_x + x_k
         x_ok = (c_row < rows)[None, :] & (lanes < 8)[None, :]
+        i = tl.arange(0, 16)
+        E = ((i[:, None] == lanes[None, :]) & (i < 8)[:, None]).to(tl.float16)   # [16, COLS]: run i -> its columns
         w_rows = w_ptr + cols[:, None].to(tl.int64) * words + j[None, :]
         w_up = w_ptr + (n + cols[:, None]).to(tl.int64) * words + j[None, :]
         blocks = tl.cdiv(k, 8 * RUN)
@@ -143,12 +194,12 @@ if triton is not None:
         y = tl.zeros([BLOCK_N, COLS], tl.float32)
         y_up = tl.zeros([BLOCK_N, COLS], tl.float32)
         for blk in range(first, last):
-            y = block_sum(y, w_rows, x_cols, x_ok, s_ptr, z_ptr, blk, k, rows_total, cols, col_ok, lanes, x_k,
-                          GROUP, RUN, STEP, MAGIC, BF16)
+            y = block_sum(y, w_rows, x_cols, x_ok, s_ptr, z_ptr, blk, k, rows_total, cols, col_ok, lanes, x_k, E,
+                          GROUP, RUN, STEP, MAGIC, BF16, SZ_DOT)
             if GATED:
                 y_up = block_sum(y_up, w_up, x_cols, x_ok, s_ptr, z_ptr, blk, k, rows_total, n + cols, col_ok, lanes,
-                                 x_k, GROUP, RUN, STEP, MAGIC, BF16)
-        # column c holds row c % ROWS: fold the runs
+                                 x_k, E, GROUP, RUN, STEP, MAGIC, BF16, SZ_DOT)
+        pdl.release(PDL)   # column c holds row c % ROWS: fold the runs
         out = tl.sum(tl.reshape(y, [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
         out_up = tl.sum(tl.reshape(y_up, [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
         r = tl.arange(0, ROWS)
@@ -156,14 +207,95 @@ if triton is not None:
                                  SPLIT, HAS_BIAS, GATED)
 
 
+    @triton.jit
+    def block_sum3(y, w_rows, x_cols, x_ok, s_ptr, z_ptr, blk, k, rows_total, cols, col_ok, lanes, x_k, E, ones,
+                   GROUP: tl.constexpr, RUN: tl.constexpr, MAGIC: tl.constexpr, BF16: tl.constexpr):
+        """block_sum with the block's RUN // STEP chunks of words side by side on a batch axis (one
+        warp each) instead of one after the other: y, the words [H, BLOCK_N, STEP] at w_rows and the
+        activations [H, STEP, COLS] at x_cols all carry it; fp16 scales (fold_all's dot) only."""
+        k0 = blk * 8 * RUN
+        dt = tl.bfloat16 if BF16 else tl.float16
+        P = tl.load(w_rows + blk * RUN, mask=col_ok[None, :, None], other=0, eviction_policy="evict_first")
+        X = tl.load(x_cols + k0, mask=x_ok & (k0 + x_k < k), other=0.0).to(dt)
+        xs = tl.dot(ones, X)
+        w0, w1, w2, w3, w4, w5, w6, w7 = unpack(P, BF16)
+        a0 = tl.dot(w0, X)
+        a1 = tl.dot(w1, X)
+        a2 = tl.dot(w2, X)
+        a3 = tl.dot(w3, X)
+        a4 = tl.dot(w4, X)
+        a5 = tl.dot(w5, X)
+        a6 = tl.dot(w6, X)
+        a7 = tl.dot(w7, X)
+        H: tl.constexpr = y.shape[0]
+        i = tl.arange(0, 16)
+        g = (k0 + RUN * i) // GROUP
+        ok = (col_ok[None, :, None] & ((i < 8) & (k0 + RUN * i < k))[None, None, :]
+              & (tl.arange(0, H) >= 0)[:, None, None])
+        S, ZM = spread(s_ptr, z_ptr, g[None, None, :] * rows_total + cols[None, :, None], ok, E, MAGIC)
+        t = pick(a0, a1, a2, a3, a4, a5, a6, a7, lanes[None, None, :])
+        return y + S * (t - ZM * xs)
+
+    @triton.jit
+    def w4a16_gemvk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, words, stride_x,
+                           stride_o, GROUP: tl.constexpr, RUN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                           STEP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                           PDL: tl.constexpr):
+        """w4a16_gemv_kernel with each block's RUN // STEP chunks on their own warps (the "mmak" loop,
+        fp16 scales): a strip of outputs gets that many warps to hide its loads' latency."""
+        pdl.start(PDL)
+        H: tl.constexpr = RUN // STEP
+        COLS: tl.constexpr = 16 if 8 * ROWS < 16 else 8 * ROWS
+        BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+        MAGIC: tl.constexpr = 128.0 if BF16 else 1024.0
+        dt = tl.bfloat16 if BF16 else tl.float16
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        rows_total = 2 * n if GATED else n
+        h = tl.arange(0, H)
+        j = tl.arange(0, STEP)
+        c = tl.arange(0, COLS)
+        lanes = c // ROWS
+        c_row = c % ROWS
+        x_k = (h * STEP)[:, None, None] + (RUN * lanes)[None, None, :] + j[None, :, None]    # [H, STEP, COLS]
+        x_cols = x_ptr + c_row[None, None, :] * stride_x + x_k
+        x_ok = ((c_row < rows) & (lanes < 8))[None, None, :]
+        w_j = (h * STEP)[:, None, None] + j[None, None, :]                                    # [H, 1, STEP]
+        w_rows = w_ptr + cols[None, :, None].to(tl.int64) * words + w_j
+        w_up = w_ptr + (n + cols[None, :, None]).to(tl.int64) * words + w_j
+        i = tl.arange(0, 16)
+        E2 = ((i[:, None] == lanes[None, :]) & (i < 8)[:, None]).to(tl.float16)
+        E = tl.broadcast_to(E2[None, :, :], [H, 16, COLS])
+        ones = tl.full([H, BLOCK_N, STEP], 1.0, dt)
+        blocks = tl.cdiv(k, 8 * RUN)
+        per = tl.cdiv(blocks, SPLIT)
+        first = tl.program_id(1) * per
+        last = tl.minimum(first + per, blocks)
+        y = tl.zeros([H, BLOCK_N, COLS], tl.float32)
+        y_up = tl.zeros([H, BLOCK_N, COLS], tl.float32)
+        for blk in range(first, last):
+            y = block_sum3(y, w_rows, x_cols, x_ok, s_ptr, z_ptr, blk, k, rows_total, cols, col_ok, lanes, x_k, E,
+                           ones, GROUP, RUN, MAGIC, BF16)
+            if GATED:
+                y_up = block_sum3(y_up, w_up, x_cols, x_ok, s_ptr, z_ptr, blk, k, rows_total, n + cols, col_ok, lanes,
+                                  x_k, E, ones, GROUP, RUN, MAGIC, BF16)
+        pdl.release(PDL)
+        out = tl.sum(tl.reshape(tl.sum(y, axis=0), [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
+        out_up = tl.sum(tl.reshape(tl.sum(y_up, axis=0), [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
+        r = tl.arange(0, ROWS)
+        splitk.reduce_and_finish(out, out_up, ws_ptr, cnt_ptr, n, out_ptr, b_ptr, cols, col_ok, r, rows, stride_o,
+                                 SPLIT, HAS_BIAS, GATED)
+
+
 def _tiles(x: torch.Tensor, n: int, k: int, gated: bool) -> tuple:
-    """("mma", BLOCK_N, STEP, SPLIT, warps, stages), or ("fma", BLOCK_N, warps) where the tuned
-    table found triton_w4a16.gemv_fma faster: tuned for this GPU and shape, else a default (16 rows
-    a warp: the tensor-core tile's height)."""
+    """("mma" | "mmak", BLOCK_N, STEP, SPLIT, warps, stages), or ("fma", BLOCK_N, warps) where the
+    tuned table found triton_w4a16.gemv_fma faster: tuned for this GPU and shape, else a default.
+    "mma": 16 output rows a warp (the tensor-core tile's height); "mmak": RUN // STEP warps a
+    program, whatever the warps field says."""
     found = tuned.lookup("int4_mma", n, k, gated, x.shape[0], x.device)
     if found:
         return tuple(found)
-    return ("mma", 32, 32, 1, 2, 3) if n >= 8192 else ("mma", 32, 32, 2, 2, 3)
+    return "mmak", 16, 64, 1, 2, 3   # the fastest or near it on every 8B shape at 1 row (H100, session 17)
 
 
 def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int, group: int,
@@ -181,13 +313,25 @@ def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
         return triton_w4a16.gemv_fma(x, words, scales, zeros, k, group, run, bias, gated, tiles=tuple(tiles))
     block_n, step, split, warps, stages = tiles
     step = min(step, run)
+    if loop == "mmak" and scales.dtype != torch.float16:   # fp32 scales: the one-warp-per-strip loop
+        loop, warps = "mma", max(1, block_n // 16)
+    if loop not in ("mma", "mmak"):
+        raise ValueError(f"unknown W4A16 GEMV loop {loop!r}: 'mma', 'mmak' or 'fma'")
     split = max(1, min(split, cdiv(k, 8 * run)))
     padded = max(1, 1 << (rows - 1).bit_length())
     grid = (cdiv(n, block_n), split)
     ws, counters = splitk.buffers(x.device, split * padded * 2 * n, grid[0])
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if loop == "mmak":
+        w4a16_gemvk_kernel[grid](
+            x, words, scales, zeros, bias if bias is not None else scales, out, ws, counters, rows, n, k,
+            words.shape[1], x.stride(0), out.stride(0), GROUP=group, RUN=run, ROWS=padded, BLOCK_N=block_n, STEP=step,
+            SPLIT=split, HAS_BIAS=bias is not None, GATED=gated, num_warps=run // step, num_stages=stages,
+            **pdl.launch_args(x, late=True))
+        return out
     w4a16_gemv_kernel[grid](
         x, words, scales, zeros, bias if bias is not None else scales, out, ws, counters, rows, n, k, words.shape[1],
         x.stride(0), out.stride(0), GROUP=group, RUN=run, ROWS=padded, BLOCK_N=block_n, STEP=step, SPLIT=split,
-        HAS_BIAS=bias is not None, GATED=gated, num_warps=warps, num_stages=stages, **pdl.launch_args(x))
+        HAS_BIAS=bias is not None, GATED=gated, SZ_DOT=scales.dtype == torch.float16,
+        num_warps=warps, num_stages=stages, **pdl.launch_args(x, late=True))
     return out
