@@ -3,11 +3,11 @@
 Decode (1-16 rows): per layer shape, the time of one matmul inside a CUDA graph of back-to-back
 calls that rotate over enough weight copies to miss the L2 cache, for bf16 (cuBLAS and the Triton
 GEMV), FP8 (`torch._scaled_mm` with its per-token activation quantization, the FP8 GEMV's loops:
-"runs" and, for comparison, session 15's best "dot16" and "fma" settings) and INT4 W4A16 (the
-tensor-core GEMV of triton_w4a16_gemv.py, the FMA GEMV, the tensor-core kernel for 4-16 rows),
-with the achieved weight bandwidth. `--sweep` also tries the kernels' tile settings; `--warm`
-only compiles them (run one process per shape and row count side by side to fill Triton's cache
-before a timed sweep). Prefill (64-8192 rows): the tensor-core
+"runs", "runs8" and, for comparison, session 15's best "dot16" and "fma" settings) and INT4 W4A16
+(the tensor-core GEMV of triton_w4a16_gemv.py with its "mma" and "mmak" loops, the FMA GEMV, the
+tensor-core kernel for 4-16 rows), with the achieved weight bandwidth. `--sweep` also tries the
+kernels' tile settings; `--warm` only compiles them (run one process per shape and row count side
+by side to fill Triton's cache before a timed sweep). Prefill (64-8192 rows): the tensor-core
 W4A16 kernel against dequantize-then-cuBLAS, FP8 `_scaled_mm` and bf16 cuBLAS.
 
     python3 benchmarks/quant_gemv.py [--sweep [--write-configs]] [--json out.json] [--shapes qkv,o] [--warm]
@@ -83,11 +83,13 @@ def nbytes(w) -> int:
 FP8_OLD = [("fma", 8, 512, 4, 1), ("dot16", 32, 512, 4, 4), ("dot16", 32, 256, 4, 4), ("dot16", 64, 256, 4, 4)]
 # (loop, BLOCK_N, run length, warps, stages, split-K parts); 16 rows a warp
 FP8_RUNS = [("runs", 32, 64, 2, 3, 1), ("runs", 32, 64, 2, 3, 2), ("runs", 32, 128, 2, 3, 1), ("runs", 16, 64, 1, 4, 1),
-            ("runs", 16, 128, 1, 3, 2), ("runs", 64, 64, 4, 3, 2), ("runs", 64, 128, 4, 3, 4)]
+            ("runs8", 32, 64, 2, 3, 1), ("runs8", 32, 64, 2, 4, 1), ("runs8", 16, 64, 1, 4, 1),
+            ("runs8", 32, 128, 2, 3, 1), ("runs8", 16, 128, 1, 3, 1)]
 INT4_FMA = [(4, 1), (8, 2)]
-# (loop, BLOCK_N, words a step, split-K parts, warps, stages)
-INT4_MMA = [("mma", 32, 32, 1, 2, 3), ("mma", 32, 32, 2, 2, 3), ("mma", 32, 64, 1, 2, 3), ("mma", 16, 64, 1, 1, 4),
-            ("mma", 16, 32, 2, 1, 3), ("mma", 64, 32, 2, 4, 3), ("mma", 64, 32, 4, 4, 2)]
+# (loop, BLOCK_N, words a step, split-K parts, warps, stages); "mmak": RUN // STEP warps
+INT4_MMA = [("mma", 32, 32, 1, 2, 3), ("mma", 16, 32, 1, 1, 3), ("mma", 32, 64, 1, 2, 3), ("mma", 16, 32, 2, 1, 3),
+            ("mma", 64, 32, 4, 4, 2), ("mmak", 16, 64, 1, 2, 3), ("mmak", 16, 64, 1, 2, 4), ("mmak", 16, 64, 2, 2, 3),
+            ("mmak", 16, 32, 1, 4, 3), ("mmak", 32, 32, 1, 4, 3), ("mmak", 16, 32, 2, 4, 3), ("mmak", 32, 64, 1, 2, 2)]
 INT4_DOT = [(16, 64, 4, 2), (16, 64, 4, 3)]
 
 
