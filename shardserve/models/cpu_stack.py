@@ -33,8 +33,9 @@ def enabled() -> bool:
     return value == "1"
 
 
-def _parts(layer: nn.Module) -> LayerParts | str:
-    """What the C stack needs of one LlamaDecoderLayer, or why it cannot take it."""
+def _parts(layer: nn.Module, eps: float) -> LayerParts | str:
+    """What the C stack needs of one LlamaDecoderLayer, or why it cannot take it (eps: the stack's,
+    which every norm must share)."""
     attn, mlp = layer.self_attn, layer.mlp
     if layer.partial_sums or layer.output_partial_sum:
         return "tensor parallelism"
@@ -46,22 +47,16 @@ def _parts(layer: nn.Module) -> LayerParts | str:
     linears = (attn.qkv_proj.stack_linear(), attn.o_proj.stack_linear(), gate_up, mlp.down_proj.stack_linear())
     if any(m is None for m in linears):
         return "a matmul that is not one native kernel"
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    head_norms = (attn.q_norm, attn.k_norm) if attn.qk_norm == "head" else ()
-    if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms + head_norms):
-        return "norm weights not fp32"
+    head_norms = [attn.q_norm, attn.k_norm] if attn.qk_norm == "head" else [None, None]
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, *head_norms]
+    if any(n is not None and (n.weight.dtype != torch.float32 or not n.weight.is_contiguous() or n.eps != eps)
+           for n in norms):
+        return "norm weights not fp32, or norms with different eps"
     kv, spec = attn.attn.kv_cache, attn.attn.spec
     if kv.dim() != 5 or kv.dtype not in cpu_ops.KV_KINDS or not kv.is_contiguous():
         return "no native KV pool bound"
-    q_norm, k_norm = (n.weight for n in head_norms) if head_norms else (None, None)
-    return LayerParts(norms[0].weight, norms[1].weight, q_norm, k_norm, *linears, kv_cache=kv,
+    return LayerParts(*(None if n is None else n.weight for n in norms), *linears, kv_cache=kv,
                       window=spec.sliding_window or 0, k_scale=spec.k_scale, v_scale=spec.v_scale)
-
-
-def _norms(layer: nn.Module) -> list[nn.Module]:
-    attn = layer.self_attn
-    heads = [attn.q_norm, attn.k_norm] if attn.qk_norm == "head" else []
-    return [layer.input_layernorm, layer.post_attention_layernorm, *heads]
 
 
 class CpuDecoderStack:
@@ -73,11 +68,9 @@ class CpuDecoderStack:
         self.pool_ptr: int | None = None   # the pool the decision was made for
 
     def _build(self) -> DecoderStack | None:
-        parts = [_parts(layer) for layer in self.layers]
+        parts = [_parts(layer, self.eps) for layer in self.layers]
         why = next((p for p in parts if isinstance(p, str)), None)
         first = self.layers[0]
-        if why is None and any(norm.eps != self.eps for layer in self.layers for norm in _norms(layer)):
-            why = "norms with different eps"
         if why is not None:
             logger.debug("CPU: decoder layers called one kernel at a time (%s)", why)
             return None
