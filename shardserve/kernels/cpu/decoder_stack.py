@@ -72,7 +72,8 @@ class DecoderStack:
     def __init__(self, parts: list[LayerParts], hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate: int, eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
         pool = parts[0].kv_cache
-        self.keep = [cos, sin] + [t for p in parts for t in (p.kv_cache, p.ln1, p.ln2, p.q_norm, p.k_norm)]
+        self.keep = [cos, sin] + [t for p in parts for t in (p.kv_cache, p.ln1, p.ln2, p.q_norm, p.k_norm)
+                                  if t is not None]
         layers = (StackLayer * len(parts))()
         for i, p in enumerate(parts):
             q_norm, k_norm = (None, None) if p.q_norm is None else (p.q_norm.data_ptr(), p.k_norm.data_ptr())
@@ -86,8 +87,8 @@ class DecoderStack:
                                 inter=intermediate, kv_kind=cpu_ops.KV_KINDS[pool.dtype], block_size=block_size,
                                 pool_slots=blocks * block_size, eps=eps, scale=scale, cos=cos.data_ptr(),
                                 sin=sin.data_ptr(), layer=layers)
+        # scratch floats per token (decoder_stack.c): normed rows, qkv, attention out, activation, gate_up
         self.width = hidden + (num_heads + 2 * num_kv_heads) * head_dim + num_heads * head_dim + 3 * intermediate
-        self.pool_ptr = pool.data_ptr()
 
     def run(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, slots: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +102,8 @@ class DecoderStack:
         rc = cpu_ops.decoder_stack(ctypes.byref(self.model), t, hidden.data_ptr(), residual.data_ptr(),
                                    int(has_residual), positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
                                    block_tables.stride(0), seq_lens.data_ptr(), scratch.data_ptr())
+        if rc == -2:
+            raise MemoryError(f"decoder stack: no memory for a GGUF kernel's int8 activations ({t} tokens)")
         if rc:
-            raise MemoryError(f"decoder stack: a GGUF kernel failed ({rc}) on {t} tokens")
+            raise RuntimeError(f"decoder stack: a GGUF kernel refused its arguments ({rc})")
         return hidden, residual
