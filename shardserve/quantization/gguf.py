@@ -4,13 +4,14 @@ SHARDSERVE_GGUF_DEQUANTIZE=1). The default since the int8 dot-product kernels: o
 model they decode faster than the dequantized bf16 panels (and llama.cpp), batch faster, and hold a
 third of the bytes (benchmarks/BENCHMARKS.md, issue 25 session 16).
 
-- What stays quantized: the decoder's linear layers (q/k/v, o, gate/up, down) whose GGUF type the
-  native CPU kernels multiply (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; kernels/cpu/quant_ops.py). Q4_0,
-  Q4_1 and Q8_0 are regrouped into 8-row groups (the same bytes) for the int8-activation kernels
-  (`linear_int8`); the K-quants, and every type under SHARDSERVE_GGUF_ACTIVATIONS=fp32, hold the
-  file's rows, uint8 [N, row bytes], multiplied with fp32 activations. The token embedding (and an
-  untied LM head) stays in its blocks too where its type takes the int8 kernels
-  (layers/vocab.py); norms, MoE routers and experts are dequantized at load as before.
+- What stays quantized: the decoder's linear layers (q/k/v, o, gate/up, down) whose GGUF type
+  `kept_types()` names, of those the native CPU kernels multiply (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+  Q6_K; kernels/cpu/quant_ops.py). They are regrouped into 8-row groups (the file's bytes; Q4_K /
+  Q5_K's 6-bit scales and mins unpacked to bytes) for the int8-activation kernels (`linear_int8`);
+  under SHARDSERVE_GGUF_ACTIVATIONS=fp32 they hold the file's rows, uint8 [N, row bytes],
+  multiplied with fp32 activations. The token embedding (and an untied LM head) stays in its
+  blocks too where its type is kept and takes the int8 kernels (layers/vocab.py); norms, MoE
+  routers and experts are dequantized at load as before.
 - Dequantized after loading (into the layer's dtype), per layer: other GGUF types (F32, F16, BF16,
   Q5_0, ...), a fused layer whose parts have different types (q/k Q4_K with v Q6_K, as Q4_K_M files
   do; a debug log line says which), every layer on CUDA (the blocks are expanded once after loading:

@@ -577,28 +577,35 @@ KBLOCK(kblock_avx2, AVX2_TARGET, kdots_avx2)
 KBLOCK(kblock_vnni, VNNI_TARGET, kdots_vnni)
 #undef KBLOCK
 
-/* x-block j's weight bytes of group-block gb (the same instructions on both paths). */
+/* The weight bytes of two x-blocks of group-block gb, ja into wa and jb into wb (kpair says which),
+ * from one load of the chunks they share (the same instructions on both paths). */
 #define KPREP(NAME, TARGET)                                                                          \
-    TARGET AI void NAME(const int TYPE, const uint8_t *gb, int j, __m256i *w) {                      \
+    TARGET AI void NAME(const int TYPE, const uint8_t *gb, int p, __m256i *wa, __m256i *wb) {        \
         const __m256i low = _mm256_set1_epi8(15);                                                    \
-        if (TYPE == Q6_K) {                                                                          \
-            const uint8_t *ql = gb + Q6K_QL + 32 * (16 * (j / 4) + 8 * (j % 2)), *qh = gb + Q6K_QH + 256 * (j / 4); \
-            const int ls = 4 * ((j % 4) / 2), hs = 2 * (j % 4);                                      \
+        if (TYPE == Q6_K) {   /* p = 2h + s: x-blocks 4h + s (low nibbles) and 4h + s + 2 (high) */  \
+            const int h = p / 2, s = p % 2;                                                          \
+            const uint8_t *ql = gb + Q6K_QL + 32 * (16 * h + 8 * s), *qh = gb + Q6K_QH + 256 * h;    \
+            const __m256i three = _mm256_set1_epi8(3);                                               \
             for (int c = 0; c < 8; c++) {                                                            \
-                const __m256i l = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32 * c)), ls), low); \
-                const __m256i h = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * c)), hs), \
-                                                   _mm256_set1_epi8(3));                             \
-                w[c] = _mm256_or_si256(l, _mm256_slli_epi16(h, 4));                                  \
+                const __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 32 * c));                \
+                const __m256i u = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * c)), 2 * s); \
+                wa[c] = _mm256_or_si256(_mm256_and_si256(l, low), _mm256_slli_epi16(_mm256_and_si256(u, three), 4)); \
+                wb[c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), low),              \
+                                        _mm256_and_si256(u, _mm256_set1_epi8(48)));                  \
             }                                                                                        \
             return;                                                                                  \
         }                                                                                            \
-        const uint8_t *qs = gb + (TYPE == Q4_K ? Q4K_QS : Q5K_QS) + 256 * (j / 2);                  \
+        /* Q4_K / Q5_K: x-blocks 2p (low nibbles) and 2p + 1 (high) */                               \
+        const uint8_t *qs = gb + (TYPE == Q4_K ? Q4K_QS : Q5K_QS) + 256 * p;                         \
         for (int c = 0; c < 8; c++) {                                                                \
-            w[c] = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)), 4 * (j & 1)), low); \
-            if (TYPE == Q5_K) {                                                                      \
-                const __m256i h = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(gb + Q5K_QH + 32 * c)), j), \
-                                                   _mm256_set1_epi8(1));                             \
-                w[c] = _mm256_or_si256(w[c], _mm256_slli_epi16(h, 4));                               \
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));                    \
+            wa[c] = _mm256_and_si256(v, low);                                                        \
+            wb[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                                  \
+            if (TYPE == Q5_K) {   /* fifth bits 2p and 2p + 1 of each byte, to bit 4 */              \
+                const __m256i u = _mm256_loadu_si256((const __m256i *)(gb + Q5K_QH + 32 * c));       \
+                const __m256i sixteen = _mm256_set1_epi8(16);                                        \
+                wa[c] = _mm256_or_si256(wa[c], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(u, 2 * p), 4), sixteen)); \
+                wb[c] = _mm256_or_si256(wb[c], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(u, 2 * p + 1), 4), sixteen)); \
             }                                                                                        \
         }                                                                                            \
     }
@@ -629,7 +636,17 @@ AVX2_TARGET AI __m256 kscale(__m256 d, const uint8_t *p, int is_signed) {
             macc##r = _mm256_fnmadd_ps(dm, _mm256_set1_ps(a->s[i]), macc##r);                        \
         }                                                                                            \
     }
-/* ds, dm: Q4_K / Q5_K the x-block's d sc and dmin mn; Q6_K the two halves' d sc. */
+/* x-block j of the super-block with weight vectors w. ds, dm: Q4_K / Q5_K the x-block's d sc and
+ * dmin mn; Q6_K its two halves' d sc. */
+#define KSTEP(J, W, BLOCK_FN)                                                                        \
+    {                                                                                                \
+        const int j = J;                                                                             \
+        const __m256i *w = W;                                                                        \
+        const int64_t b = 8 * sb + j;                                                                \
+        const __m256 ds = TYPE == Q6_K ? kscale(d, gb + Q6K_SC + 16 * j, 1) : kscale(d, gb + K_SC + 8 * j, 0); \
+        const __m256 dm = TYPE == Q6_K ? kscale(d, gb + Q6K_SC + 16 * j + 8, 1) : kscale(dmin, gb + K_MN + 8 * j, 0); \
+        KROW(0, BLOCK_FN) KROW(1, BLOCK_FN) KROW(2, BLOCK_FN) KROW(3, BLOCK_FN)                      \
+    }
 #define KTILE(PREP_FN, BLOCK_FN)                                                                     \
     const int gbytes = TYPE == Q4_K ? Q4K_BYTES : TYPE == Q5_K ? Q5K_BYTES : Q6K_BYTES;              \
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, macc0 = acc0, macc1 = acc0, \
@@ -639,13 +656,11 @@ AVX2_TARGET AI __m256 kscale(__m256 d, const uint8_t *p, int is_signed) {
         const uint8_t *gb = grp + sb * gbytes;                                                       \
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + K_D)));             \
         const __m256 dmin = TYPE == Q6_K ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + K_DMIN))); \
-        for (int j = 0; j < 8; j++) {                                                                \
-            const int64_t b = 8 * sb + j;                                                            \
-            __m256i w[8];                                                                            \
-            PREP_FN(TYPE, gb, j, w);                                                                 \
-            const __m256 ds = TYPE == Q6_K ? kscale(d, gb + Q6K_SC + 16 * j, 1) : kscale(d, gb + K_SC + 8 * j, 0); \
-            const __m256 dm = TYPE == Q6_K ? kscale(d, gb + Q6K_SC + 16 * j + 8, 1) : kscale(dmin, gb + K_MN + 8 * j, 0); \
-            KROW(0, BLOCK_FN) KROW(1, BLOCK_FN) KROW(2, BLOCK_FN) KROW(3, BLOCK_FN)                  \
+        for (int p = 0; p < 4; p++) {                                                                \
+            __m256i wa[8], wb[8];                                                                    \
+            PREP_FN(TYPE, gb, p, wa, wb);                                                            \
+            KSTEP(TYPE == Q6_K ? 4 * (p / 2) + p % 2 : 2 * p, wa, BLOCK_FN)                          \
+            KSTEP(TYPE == Q6_K ? 4 * (p / 2) + p % 2 + 2 : 2 * p + 1, wb, BLOCK_FN)                  \
         }                                                                                            \
     }                                                                                                \
     float bias8[8] = {0};                                                                            \
@@ -663,6 +678,7 @@ VNNI_TARGET AI void ktile_vnni(const int MR, const int TYPE, const int LV, const
 }
 
 #undef KROW
+#undef KSTEP
 #undef KTILE
 #undef ROW
 #undef STORE
