@@ -6,7 +6,8 @@ GGUF blocks: when a GGUF file is kept quantized, models/gguf_loader.py hands the
 untied LM head) its raw blocks if their type is kept (quantization/gguf.py `kept_types`) and takes
 the int8-activation CPU kernels (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K). The table then stays in its
 blocks, regrouped once (kernels/cpu/quant_ops.py `repack`) into the parameter itself, so a tied LM
-head shares the one copy: a lookup expands its rows, the LM head multiplies the blocks. Off the CPU the blocks are dequantized into the dense table instead."""
+head shares the one copy: a lookup expands its rows, the LM head multiplies the blocks. Off the CPU
+the blocks are dequantized into the dense table instead."""
 from __future__ import annotations
 
 import torch
