@@ -12,8 +12,9 @@ Kept quantized (the default; SHARDSERVE_GGUF_DEQUANTIZE=1 dequantizes at load, q
 `kept_types` says which types stay): where the decoder's linear weights use such a type, the config
 gets `quantization_config: {"quant_method": "gguf"}` and those linears receive their raw blocks
 (quantization/gguf.py keeps or dequantizes them per layer), as do the token embedding and LM head
-where their type takes the int8-activation kernels (layers/vocab.py). Norms and MoE experts are
-dequantized as before."""
+where their type takes the int8-activation kernels (layers/vocab.py), and the stacked MoE experts of a
+kept type, as uint8 [experts, rows, blocks, bytes] (quantization/gguf_moe.py). Norms and routers are
+dequantized."""
 from __future__ import annotations
 
 import re
@@ -39,6 +40,7 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
                  "output.weight": "lm_head.weight"}
 # Decoder linears whose weights stay in their GGUF blocks when the file is kept quantized.
 _KEPT_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+_EXPERTS = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -106,6 +108,13 @@ def gguf_to_hf_config(reader) -> dict[str, Any]:
 def _is_kept_linear(gguf_name: str) -> bool:
     m = _BLOCK_RE.match(gguf_name)
     return bool(m) and m.group(2) in _KEPT_LINEARS and m.group(3) == "weight"
+
+
+def _is_kept_experts(tensor) -> bool:
+    """A stacked experts tensor (ffn_{gate,up,down}_exps) of a type kept_types() names."""
+    from shardserve.quantization.gguf import kept_types
+    m = _BLOCK_RE.match(tensor.name)
+    return bool(m) and m.group(2) in _EXPERTS and tensor.tensor_type.name in kept_types()
 
 
 def _is_kept_table(tensor) -> bool:
@@ -211,8 +220,11 @@ def iter_gguf_weights(reader, hf_config: dict[str, Any],
         name = hf_name(tensor.name)
         if name is None or not wanted(name):   # skipped before dequantizing
             continue
-        kept = keep and (_is_kept_linear(tensor.name) or _is_kept_table(tensor))
+        experts = keep and _is_kept_experts(tensor)
+        kept = experts or (keep and (_is_kept_linear(tensor.name) or _is_kept_table(tensor)))
         weight = raw_blocks(tensor) if kept else dequantize(tensor)
+        if experts:   # [experts x rows, ...] -> [experts, rows, blocks, bytes]
+            weight = weight.view(int(tensor.shape[-1]), -1, *weight.shape[1:])
         # Blocks run along K, so permuting rows works on raw blocks as on values.
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _reverse_llama_permute(weight, heads)

@@ -12,6 +12,7 @@ from shardserve.layers.moe import FusedMoE, MoEMethod
 from shardserve.quantization.fp8 import Fp8Config
 from shardserve.quantization.fp8_moe import Fp8MoEMethod
 from shardserve.quantization.gguf import GgufConfig
+from shardserve.quantization.gguf_moe import GgufMoEMethod
 from shardserve.quantization.int4 import AwqConfig, GptqConfig
 from shardserve.quantization.int4_moe import Int4MoEMethod
 
@@ -54,15 +55,15 @@ def check_device(config: QuantConfig | None, device: torch.device, dtype: torch.
 
 
 def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
-    """The experts' method for a format: FP8 and GPTQ / AWQ (INT4) have one; GGUF experts arrive
-    dequantized (models/gguf_loader.py) and run unquantized. A format without one would be refused
-    here, while the model is built, before any weight loads."""
+    """The experts' method for a format: FP8, GPTQ / AWQ (INT4) and GGUF have one (GGUF experts of a
+    type not kept arrive dequantized, models/gguf_loader.py, and run unquantized). A format without
+    one would be refused here, while the model is built, before any weight loads."""
     if config.name == "fp8":
         return Fp8MoEMethod(config.from_checkpoint)
     if config.name in ("gptq", "awq"):
         return Int4MoEMethod(config)
     if config.name == "gguf":
-        return None
+        return GgufMoEMethod()
     raise ValueError(f"{config.name.upper()} weights for the experts of a mixture-of-experts layer "
                      f"({layer.prefix}) are not supported")
 

@@ -157,10 +157,11 @@ def rows(packed: torch.Tensor, type_name: str, k: int, ids: torch.Tensor, n: int
 
 
 def linear_int8(x: torch.Tensor, packed: torch.Tensor, type_name: str, n: int, bias: torch.Tensor | None = None,
-                isa_name: str | None = None, act: str | None = None) -> torch.Tensor:
+                isa_name: str | None = None, act: str | None = None, gated: bool = False) -> torch.Tensor:
     """x ([..., K], widened to fp32) @ W^T (+ bias, fp32 [N]) -> fp32 [..., n], W regrouped by repack:
     x quantized to int8 blocks of 32, one level (act "int8") or two ("int16"; default: activations()),
-    integer dot products (csrc/quant_dot.c)."""
+    integer dot products (csrc/quant_dot.c). gated: W is a merged [gate; up] pair (n / 2 rows each, a
+    multiple of 8; no bias) and the result silu(x gate^T) * (x up^T), [..., n / 2]."""
     # Called ~120 times per decode step: the checks stay cheap (no environment reads when the
     # caller passes isa_name and act, as quantization/gguf.py does with what it resolved at load).
     levels = ACTIVATIONS[act or activations()]
@@ -174,11 +175,15 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, type_name: str, n: int, b
             or packed.numel() != packed.shape[0] * (k // unit) * _GROUP_BYTES[type_name]):
         raise ValueError(f"GGUF {type_name} regrouped weight of {tuple(packed.shape)} {packed.dtype} does not hold {n} "
                          f"rows of {k} values")
-    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    if _library().gguf_linear_q8(level, TYPES[type_name], levels, 0, x2.data_ptr(), x2.stride(0), packed.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), y.data_ptr(), n, x2.shape[0], n, k):
+    if gated and (n % 16 or bias is not None):
+        raise ValueError(f"a gated GGUF matmul needs gate and up parts of whole 8-row groups and no bias, got {n} rows")
+    out = n // 2 if gated else n
+    y = torch.empty(x2.shape[0], out, dtype=torch.float32)
+    if _library().gguf_linear_q8(level, TYPES[type_name], levels, int(gated), x2.data_ptr(), x2.stride(0),
+                                 packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), out,
+                                 x2.shape[0], n, k):
         raise MemoryError(f"GGUF {type_name} linear: no memory for {x2.shape[0]} x {k} int8 activations")
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
 
 
 def int8_matmul(packed: torch.Tensor, type_name: str, n: int, k: int, isa_name: str, act: str, gated: bool = False

@@ -15,6 +15,9 @@ copy at a time, instead of a full-precision copy of every expert held up front.
 INT4 experts (GPTQ / AWQ, `Int4Experts` of kernels/moe/int4_experts.py in place of w13 / w2): the
 same, one expert dequantized to the activations' dtype for its own matmul (group scales and zeros
 applied first), so memory stays at 4 bits plus one expert's width.
+
+GGUF experts kept in their blocks (`GgufExperts`, kernels/moe/gguf_experts.py): each expert's matmul
+is the CPU block kernel on that expert's blocks (fp32 out), w13 with its SiLU-and-mul in the kernel.
 """
 from __future__ import annotations
 
@@ -23,11 +26,15 @@ import torch.nn.functional as F
 
 from shardserve.kernels.activation.reference import silu_and_mul
 from shardserve.kernels.cpu import cpu_ops
+from shardserve.kernels.moe.gguf_experts import GgufExperts
 from shardserve.kernels.moe.int4_experts import Int4Experts
 
+Experts = torch.Tensor | Int4Experts | GgufExperts
 
-def _matmul(x: torch.Tensor, weights: torch.Tensor | Int4Experts, expert: int,
-            scale: torch.Tensor | None) -> torch.Tensor:
+
+def _matmul(x: torch.Tensor, weights: Experts, expert: int, scale: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(weights, GgufExperts):   # the block kernel on this expert's blocks
+        return weights.matmul(x, expert)
     if isinstance(weights, Int4Experts):   # dequantized for this matmul only
         return F.linear(x, weights.dequantize(expert, x.dtype))
     if scale is not None:    # FP8: widened for this matmul only, row scales on the output
@@ -37,7 +44,7 @@ def _matmul(x: torch.Tensor, weights: torch.Tensor | Int4Experts, expert: int,
     return F.linear(x.to(weights.dtype), weights[expert])
 
 
-def fused_moe(hidden: torch.Tensor, w13: torch.Tensor | Int4Experts, w2: torch.Tensor | Int4Experts,
+def fused_moe(hidden: torch.Tensor, w13: Experts, w2: Experts,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     num_experts = w13.shape[0]
@@ -56,7 +63,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor | Int4Experts, w2: torch.T
         picks = order[start:start + count]
         start += count
         tokens = picks // top_k
-        h = silu_and_mul(_matmul(hidden[tokens], w13, expert, w13_scale))
+        if isinstance(w13, GgufExperts):
+            h = w13.gated(hidden[tokens], expert)
+        else:
+            h = silu_and_mul(_matmul(hidden[tokens], w13, expert, w13_scale))
         y = _matmul(h, w2, expert, w2_scale).float() * weights[picks].float().unsqueeze(1)
         out.index_add_(0, tokens, y)
     return out.to(hidden.dtype)

@@ -1,0 +1,105 @@
+"""GGUF mixture-of-experts weights kept in their blocks on the CPU (quantization/gguf_moe.py,
+kernels/moe/gguf_experts.py): the stacked experts of a tiny Qwen3-MoE / Mixtral GGUF stay in blocks
+and give HF's log-probs on the file's weights (within the activation rounding), HF's greedy tokens,
+fewer bytes than dequantized experts, and, cut over two tensor-parallel ranks or held whole by two
+expert-parallel ranks, one rank's tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve.kernels.cpu import quant_ops
+from shardserve.kernels.moe.gguf_experts import GgufExperts
+from shardserve.layers.moe import FusedMoE
+from shardserve.llm import LLM
+from shardserve.quantization.gguf_moe import GgufMoEMethod
+from shardserve.sampling_params import SamplingParams
+from tests.models.gguf_files import (
+    hf_logprobs,
+    hf_with_roundtripped_weights,
+    prompt_logprobs,
+    random_prompt,
+    write_moe_gguf,
+)
+from tests.tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(not quant_ops.available(), reason="GGUF CPU kernels unavailable (no C compiler)")
+
+_TOL = {"fp32": 1e-4, "int16": 2e-3}   # as tests/quantization/test_gguf_quant.py's linears
+
+
+def _experts(llm: LLM) -> list[FusedMoE]:
+    model = llm.engine.executor.worker.model_runner.model
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+def _held_bytes(llm: LLM) -> int:
+    model = llm.engine.executor.worker.model_runner.model
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _moe_file(tmp, arch: str) -> tuple[str, str]:
+    ckpt = make_tiny_checkpoint(str(tmp / "ckpt"), arch)
+    path = str(tmp / "tiny.gguf")
+    write_moe_gguf(ckpt, path, "Q8_0")
+    return ckpt, path
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe_file(request, tmp_path_factory):
+    return _moe_file(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.mark.parametrize("act", ["int16", "fp32"])
+def test_experts_kept_in_blocks_match_hf(moe_file, monkeypatch, act):
+    ckpt, path = moe_file
+    monkeypatch.setenv(quant_ops.ACTIVATIONS_SWITCH, act)
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
+    try:
+        experts = _experts(llm)
+        assert experts and all(isinstance(m.quant_method, GgufMoEMethod) for m in experts)
+        for m in experts:
+            assert m.w13_weight.dtype == torch.uint8 and m.w2_weight.dtype == torch.uint8
+            assert isinstance(m.quant_method.kept["w13"], GgufExperts)
+            assert m.quant_method.kept["w13"].act == act
+        prompt = random_prompt(11, 40)
+        ours = prompt_logprobs(llm, prompt)
+        kept_bytes = _held_bytes(llm)
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    finally:
+        llm.engine.shutdown()
+    hf = hf_with_roundtripped_weights(ckpt, "Q8_0")
+    diff = (ours - hf_logprobs(hf, prompt)[:len(prompt) - 1]).abs().max().item()
+    assert diff <= _TOL[act], f"log-probs differ from HF on the file's weights by {diff:.2e}"
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.outputs[0].token_ids == want
+    # The same file with the experts dequantized at load holds more bytes.
+    monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", "1")
+    dense = LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False)
+    try:
+        assert all(m.w13_weight.dtype == torch.float32 for m in _experts(dense))
+        assert _held_bytes(dense) > 2 * kept_bytes
+    finally:
+        dense.engine.shutdown()
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
+                                    dict(tensor_parallel_size=2, enable_expert_parallel=True)])
+def test_experts_in_blocks_sharded_give_one_ranks_tokens(tmp_path, layout):
+    """TP=2 cuts each expert's down inputs in whole blocks (the tiny intermediate of 64: one block of
+    32 per rank); EP=2 holds whole experts. (Qwen3-MoE: tiny Mixtral's o_proj has 96 inputs, which
+    two ranks cannot split into whole Q8_0 blocks.)"""
+    _, path = _moe_file(tmp_path, "qwen3_moe")
+    prompt = random_prompt(5, 30)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for kwargs in (dict(), layout):
+        llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False, **kwargs)
+        try:
+            tokens.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
+        finally:
+            llm.engine.shutdown()
+    assert tokens[0] == tokens[1]
