@@ -40,6 +40,8 @@ chat: install  ## interactive chat with the embedded model
 CPU_PATH_CORE := tests/models tests/layers tests/engine tests/test_cli.py tests/server/test_openai_api.py
 CPU_PATH_TESTS := $(CPU_PATH_CORE) tests/spec_decode tests/server/test_structured_outputs.py \
 	tests/server/test_tool_calling.py
+# The GGUF block kernels' tests on the ISA paths the machine would not take by itself.
+GGUF_ISA_TESTS := tests/quantization/test_gguf_quant.py tests/quantization/test_gguf_moe_quant.py -k "not smollm2 and not sharded"
 # A real Prometheus for tests/server/test_prometheus.py: Debian's package, installed when apt-get can
 # (as root); where it cannot, that test is skipped and says why.
 prometheus:
@@ -56,8 +58,8 @@ test: install prometheus
 	SHARDSERVE_CPU_KERNELS=0 SHARDSERVE_CPU_NATIVE_HALF=0 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_CORE)
 	SHARDSERVE_CPU_KERNELS=0 SHARDSERVE_CPU_NATIVE_HALF=1 $(PY) -m pytest -q -m "not gpu" $(CPU_PATH_CORE)
 	SHARDSERVE_CPU_DECODER_STACK=0 $(PY) -m pytest -q -m "not gpu" tests/models tests/engine tests/test_cli.py
-	SHARDSERVE_CPU_ISA=scalar $(PY) -m pytest -q -m "not gpu" tests/quantization/test_gguf_quant.py -k "not smollm2"
-	SHARDSERVE_CPU_ISA=avx2 $(PY) -m pytest -q -m "not gpu" tests/quantization/test_gguf_quant.py -k "not smollm2"
+	SHARDSERVE_CPU_ISA=scalar $(PY) -m pytest -q -m "not gpu" $(GGUF_ISA_TESTS)
+	SHARDSERVE_CPU_ISA=avx2 $(PY) -m pytest -q -m "not gpu" $(GGUF_ISA_TESTS)
 
 test-gpu:  ## on a GPU machine with torch, transformers installed
 	NCCL_NVLS_ENABLE=0 PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu tests/gpu tests/doctor tests/quantization/test_int4.py
