@@ -37,9 +37,12 @@
  * byte each: the only bytes not the file's, 16 per row instead of 12), then (Q5_K) the 32 bytes of
  * fifth bits and the 128 bytes of nibbles in 4-byte chunks as above: chunk c of nibble pair p
  * holds values 4c..4c+3 of sub-blocks 2p (low nibbles) and 2p + 1 (high); Q6_K (the file's bytes,
- * 210 per row): d[8], scales[16][8], then ql's 128 and qh's 64 bytes in 4-byte chunks. x-block j's
- * 8 weight vectors are shifted and masked out of those chunks as bytes (k_value says which bits).
- * Q6_K's halves are scaled apart because 16 sc-weighted products of ~16-bit x can pass 2^31.
+ * 210 per row): d[8], scales[16][8], then ql's 128 and qh's 64 bytes in 4-byte chunks, in the
+ * order the kernel reads them (Q6K_QL / Q6K_QH: each half of the super-block's ql chunks 0-7, its
+ * qh chunks, its ql chunks 8-15; read in file order, the jumps between ql and qh cost half the
+ * speed when the weights stream from memory). Two x-blocks' 8 weight vectors each are shifted and
+ * masked out of one load of the chunks they share (k_value says which bits). Q6_K's halves are
+ * scaled apart because 16 sc-weighted products of ~16-bit x can pass 2^31.
  *
  * The price is x's rounding: to 8 bits (one level, llama.cpp's numerics: an error up to 1/254 of
  * each block's largest value, enough to change the embedded model's answers), or to ~16 bits with two
@@ -66,8 +69,12 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 enum {
     K_D = 0, K_DMIN = 16, K_SC = 32, K_MN = 96, Q4K_QS = 160, Q4K_BYTES = 1184,   /* Q4_K */
     Q5K_QH = 160, Q5K_QS = 416, Q5K_BYTES = 1440,                                  /* Q5_K (K_D .. K_MN too) */
-    Q6K_SC = 16, Q6K_QL = 144, Q6K_QH = 1168, Q6K_BYTES = 1680,                     /* Q6_K (K_D too) */
+    Q6K_SC = 16, Q6K_Q = 144, Q6K_BYTES = 1680,                                      /* Q6_K (K_D too) */
 };
+/* Q6_K's values in the order the kernels read them: per half h of the super-block, ql's chunks
+ * 16h..16h + 7, qh's chunks 8h..8h + 7, ql's chunks 16h + 8..16h + 15 (see the layout above). */
+#define Q6K_QL(k) (Q6K_Q + 768 * ((k) / 16) + 512 * (((k) / 8) % 2) + 32 * ((k) % 8))
+#define Q6K_QH(k) (Q6K_Q + 768 * ((k) / 8) + 256 + 32 * ((k) % 8))
 
 #define AI static inline __attribute__((always_inline))
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
@@ -102,8 +109,8 @@ static void repack_k(int type, const uint8_t *src, uint8_t *dst, int r) {
     if (type == Q6_K) {   /* ql[128], qh[64], scales[16], d */
         memcpy(dst + K_D + 2 * r, src + 208, 2);
         for (int s = 0; s < 16; s++) dst[Q6K_SC + 8 * s + r] = src[192 + s];
-        for (int c = 0; c < 32; c++) memcpy(dst + Q6K_QL + 32 * c + 4 * r, src + 4 * c, 4);
-        for (int c = 0; c < 16; c++) memcpy(dst + Q6K_QH + 32 * c + 4 * r, src + 128 + 4 * c, 4);
+        for (int c = 0; c < 32; c++) memcpy(dst + Q6K_QL(c) + 4 * r, src + 4 * c, 4);
+        for (int c = 0; c < 16; c++) memcpy(dst + Q6K_QH(c) + 4 * r, src + 128 + 4 * c, 4);
         return;
     }
     /* d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: qh[32],) qs[128] */
@@ -126,8 +133,8 @@ static void repack_k(int type, const uint8_t *src, uint8_t *dst, int r) {
 static int k_value(int type, const uint8_t *gb, int r, int j, int i) {
     const int c = i / 4, t = i % 4;
     if (type == Q6_K) {
-        const int lo = (gb[Q6K_QL + 32 * (16 * (j / 4) + 8 * (j % 2) + c) + 4 * r + t] >> (4 * ((j % 4) / 2))) & 15;
-        const int hi = (gb[Q6K_QH + 32 * (8 * (j / 4) + c) + 4 * r + t] >> (2 * (j % 4))) & 3;
+        const int lo = (gb[Q6K_QL(16 * (j / 4) + 8 * (j % 2) + c) + 4 * r + t] >> (4 * ((j % 4) / 2))) & 15;
+        const int hi = (gb[Q6K_QH(8 * (j / 4) + c) + 4 * r + t] >> (2 * (j % 4))) & 3;
         return lo | hi << 4;
     }
     int q = (gb[(type == Q4_K ? Q4K_QS : Q5K_QS) + 256 * (j / 2) + 32 * c + 4 * r + t] >> (4 * (j & 1))) & 15;
@@ -584,7 +591,7 @@ KBLOCK(kblock_vnni, VNNI_TARGET, kdots_vnni)
         const __m256i low = _mm256_set1_epi8(15);                                                    \
         if (TYPE == Q6_K) {   /* p = 2h + s: x-blocks 4h + s (low nibbles) and 4h + s + 2 (high) */  \
             const int h = p / 2, s = p % 2;                                                          \
-            const uint8_t *ql = gb + Q6K_QL + 32 * (16 * h + 8 * s), *qh = gb + Q6K_QH + 256 * h;    \
+            const uint8_t *ql = gb + Q6K_QL(16 * h + 8 * s), *qh = gb + Q6K_QH(8 * h);              \
             const __m256i three = _mm256_set1_epi8(3);                                               \
             for (int c = 0; c < 8; c++) {                                                            \
                 const __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 32 * c));                \
