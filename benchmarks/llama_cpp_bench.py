@@ -66,9 +66,11 @@ def embedded_gguf() -> str:
     return default_model_path()
 
 
-def run(threads: int = 2, prompt: int = 128, gen: int = 128, reps: int = 3) -> dict[str, float]:
-    """{"pp_tok_s": prompt processing, "tg_tok_s": generation} of one llama-bench run (mean of its reps)."""
-    cmd = [build(), "-m", embedded_gguf(), "-t", str(threads), "-p", str(prompt), "-n", str(gen),
+def run(threads: int = 2, prompt: int = 128, gen: int = 128, reps: int = 3,
+        model: str | None = None) -> dict[str, float]:
+    """{"pp_tok_s": prompt processing, "tg_tok_s": generation} of one llama-bench run (mean of its reps)
+    on `model` (default: the embedded GGUF)."""
+    cmd = [build(), "-m", model or embedded_gguf(), "-t", str(threads), "-p", str(prompt), "-n", str(gen),
            "-r", str(reps), "-o", "json"]
     rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     result: dict[str, float] = {}

@@ -1,0 +1,164 @@
+"""GGUF mixture-of-experts on the CPU (issue 25): the experts kept in their blocks
+(quantization/gguf_moe.py) against the same file's experts dequantized at load, in one run.
+
+    .venv/bin/python benchmarks/gguf_moe_cpu.py [--rounds 2] [--experts-type Q4_0] [--json out.json]
+
+No MoE GGUF ships with the repository, so the file is a random-weight Qwen3-MoE-shaped model written
+here (cached under ~/.cache/shardserve/bench): hidden 1024, 8 layers, 16 heads (4 KV) of 64, 32
+experts of width 512, top-8, vocabulary 32000; attention and the LM head Q8_0, the experts
+`--experts-type` (Q4_0 by default: kept in blocks by default; a K-quant needs
+SHARDSERVE_GGUF_DEQUANTIZE=0, which the kept contender then sets).
+
+Per contender (as benchmarks/gguf_cpu.py measures): weights held, a fresh 128-token prompt's prefill
+(best of 2) and single-stream decode (128 new tokens after a fresh 128-token prompt less a 1-token
+request on another; best of 3), 2 threads, `--dtype bfloat16`; llama.cpp's `llama-bench -t 2 -p 128
+-n 128` on the same file (benchmarks/llama_cpp_bench.py builds it). The contenders alternate over
+`--rounds`, ours each in a fresh process; the best round of each is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+THREADS = "2"
+SHAPE = dict(hidden=1024, layers=8, heads=16, kv_heads=4, head_dim=64, experts=32, top_k=8, inter=512, vocab=32000)
+
+
+def write_file(experts_type: str) -> str:
+    """The random-weight Qwen3-MoE GGUF (cached)."""
+    import gguf
+
+    from tests.models import gguf_files
+    root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardserve", "bench")
+    path = os.path.join(root, f"qwen3moe-{'-'.join(str(v) for v in SHAPE.values())}-{experts_type}.gguf")
+    if os.path.exists(path):
+        return path
+    os.makedirs(root, exist_ok=True)
+    h, hd, e, inter, vocab = SHAPE["hidden"], SHAPE["head_dim"], SHAPE["experts"], SHAPE["inter"], SHAPE["vocab"]
+    cfg = {"num_attention_heads": SHAPE["heads"], "num_key_value_heads": SHAPE["kv_heads"], "hidden_size": h,
+           "head_dim": hd, "intermediate_size": inter, "num_hidden_layers": SHAPE["layers"],
+           "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 1000000.0},
+           "vocab_size": vocab, "bos_token_id": 256, "eos_token_id": 257}
+    gguf_files.VOCAB = vocab   # the token list padded to this vocabulary
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(path + ".tmp", "qwen3moe")
+    w.add_name(f"random-qwen3moe-{experts_type}")
+    gguf_files._write_metadata(w, cfg, "Q8_0")
+    w.add_expert_count(e)
+    w.add_expert_used_count(SHAPE["top_k"])
+    w.add_expert_feed_forward_length(inter)
+
+    def add(name: str, shape: tuple[int, ...], qtype: str) -> None:
+        data = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(np.float32)
+        if qtype == "F32":
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, gguf_files.quantize(data, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
+
+    add("token_embd.weight", (vocab, h), "Q8_0")
+    w.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    add("output.weight", (vocab, h), "Q8_0")
+    q, kv = SHAPE["heads"] * hd, SHAPE["kv_heads"] * hd
+    for i in range(SHAPE["layers"]):
+        for name in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ones(h, dtype=np.float32))
+        for name in ("attn_q_norm", "attn_k_norm"):
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ones(hd, dtype=np.float32))
+        add(f"blk.{i}.attn_q.weight", (q, h), "Q8_0")
+        add(f"blk.{i}.attn_k.weight", (kv, h), "Q8_0")
+        add(f"blk.{i}.attn_v.weight", (kv, h), "Q8_0")
+        add(f"blk.{i}.attn_output.weight", (h, q), "Q8_0")
+        add(f"blk.{i}.ffn_gate_inp.weight", (e, h), "F32")
+        add(f"blk.{i}.ffn_gate_exps.weight", (e, inter, h), experts_type)
+        add(f"blk.{i}.ffn_up_exps.weight", (e, inter, h), experts_type)
+        add(f"blk.{i}.ffn_down_exps.weight", (e, h, inter), experts_type)
+    gguf_files._finish(w)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def measure(path: str, dtype: str, seed: int) -> dict:
+    """Runs in the child process."""
+    import torch
+
+    from shardserve import LLM, SamplingParams
+    torch.set_num_threads(int(THREADS))
+    llm = LLM(path, dtype=dtype, kv_cache_memory="1GiB", max_model_len=1024, show_progress=False, max_num_seqs=4)
+    model = llm.engine.executor.worker.model_runner.model
+    held = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:   # fresh tokens each time: no prefix-cache hit
+        return [rng.randrange(300, SHAPE["vocab"]) for _ in range(n)]
+
+    def timed(ids: list[int], n: int) -> float:
+        t = time.perf_counter()
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t
+
+    timed(prompt(16), 4)   # warm-up
+    first = min(timed(prompt(128), 1) for _ in range(2))
+    decode = max(127 / (timed(prompt(128), 128) - first) for _ in range(3))
+    return {"weights_gib": sum(held.values()) / (1 << 30), "prefill_tok_s": 128 / first, "decode_tok_s": decode}
+
+
+def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        print("RESULT " + json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--experts-type", default="Q4_0")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    path = write_file(args.experts_type)
+    kept_env = {} if args.experts_type in ("Q4_0", "Q4_1", "Q8_0") else {"SHARDSERVE_GGUF_DEQUANTIZE": "0"}
+    # Dequantizing only the experts: their type taken out of the kept ones would need a switch of its
+    # own, so the peer dequantizes the whole file (its Q8_0 attention too, a few percent of the bytes).
+    paths = {f"experts kept in blocks ({args.experts_type})": kept_env,
+             "dequantized at load (bf16)": {"SHARDSERVE_GGUF_DEQUANTIZE": "1"}}
+    names = list(paths) + ([] if args.no_llama_cpp else ["llama.cpp (llama-bench), same file"])
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    loads = []
+    for r in range(args.rounds):
+        loads.append(os.getloadavg()[0])
+        for name in names:
+            if name not in paths:
+                sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+                import llama_cpp_bench
+                got = llama_cpp_bench.run(int(THREADS), 128, 128, reps=3, model=path)
+                results[name].append({"weights_gib": os.path.getsize(path) / (1 << 30),
+                                      "prefill_tok_s": got["pp_tok_s"], "decode_tok_s": got["tg_tok_s"]})
+                continue
+            extra = paths[name]
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDSERVE_GGUF", "SHARDSERVE_CPU_"))}
+            env = {**env, "OMP_NUM_THREADS": THREADS, **extra}
+            out = subprocess.run([sys.executable, __file__, "--child", path, args.dtype, str(r)], env=env,
+                                 capture_output=True, text=True, check=True).stdout
+            results[name].append(json.loads(out.split("RESULT ", 1)[1]))
+    print(f"{args.dtype}, {THREADS} threads, best of {args.rounds} rounds; 1-minute load average at each round's "
+          f"start: {', '.join(f'{x:.2f}' for x in loads)}")
+    print("| contender | weights GiB | 128-token prefill tok/s | decode tok/s |")
+    print("| --- | --- | --- | --- |")
+    best = {name: rounds[0] | {key: max(x[key] for x in rounds) for key in ("prefill_tok_s", "decode_tok_s")}
+            for name, rounds in results.items()}
+    for name, x in best.items():
+        print(f"| {name} | {x['weights_gib']:.3f} | {x['prefill_tok_s']:.0f} | {x['decode_tok_s']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": SHAPE, "rounds": results, "best": best, "load_average": loads}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
