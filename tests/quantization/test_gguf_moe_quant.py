@@ -50,6 +50,38 @@ def moe_file(request, tmp_path_factory):
     return _moe_file(tmp_path_factory.mktemp(request.param), request.param)
 
 
+def _stack(type_name: str, e: int, n: int, k: int, seed: int) -> torch.Tensor:
+    """e experts' [n, k] random weights in `type_name` blocks, regrouped for the int8 kernels."""
+    import numpy as np
+
+    from tests.models.gguf_files import quantize
+    rng = np.random.default_rng(seed)
+    raw = quantize(rng.standard_normal((e, n, k)).astype(np.float32) / np.sqrt(k), type_name)
+    rows = torch.from_numpy(np.ascontiguousarray(raw)).view(e, n, -1)
+    return torch.stack([quant_ops.repack(rows[i], type_name, k) for i in range(e)])
+
+
+@pytest.mark.parametrize("act", ["int16", "int8"])
+@pytest.mark.parametrize("type13,type2", [("Q4_0", "Q8_0"), ("Q4_1", "Q4_1"), ("Q4_K", "Q6_K")])
+def test_one_call_per_layer_gives_one_call_per_experts_bits(act, type13, type2):
+    """quant_ops.moe_int8 (every pick in one kernel call) against torch_moe's one call per expert:
+    the same bits, with picks held elsewhere (-1) skipped and tokens of every pick count."""
+    from shardserve.kernels.moe import gguf_experts, torch_moe
+    e, h, inter, top_k, t = 6, 256, 256, 3, 9
+    isa = quant_ops.isa()
+    w13 = GgufExperts(_stack(type13, e, 2 * inter, h, 0), type13, 2 * inter, h, isa, act)
+    w2 = GgufExperts(_stack(type2, e, h, inter, 1), type2, h, inter, isa, act)
+    torch.manual_seed(0)
+    x = torch.randn(t, h)
+    ids = torch.stack([torch.randperm(e)[:top_k] for _ in range(t)])
+    ids[2, 1] = ids[5, 0] = -1   # held by another expert-parallel rank
+    weights = torch.rand(t, top_k)
+    want = torch_moe.fused_moe(x, w13, w2, weights, ids)
+    got = gguf_experts.fused_moe(x, w13, w2, weights, ids)
+    assert torch.equal(got, want)
+    assert torch.equal(gguf_experts.fused_moe(x[4:5], w13, w2, weights[4:5], ids[4:5]), want[4:5])   # alone
+
+
 @pytest.mark.parametrize("act", ["int16", "fp32"])
 def test_experts_kept_in_blocks_match_hf(moe_file, monkeypatch, act):
     ckpt, path = moe_file

@@ -63,6 +63,8 @@ def _library() -> ctypes.CDLL | None:
     lib.gguf_linear_q8.restype = lib.gguf_repack8.restype = c_int
     lib.gguf_linear_q8.argtypes = [c_int, c_int, c_int, c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.gguf_repack8.argtypes = [c_int, ptr, i64, i64, ptr]
+    lib.gguf_moe_q8.restype = c_int
+    lib.gguf_moe_q8.argtypes = [c_int, c_int, c_int, c_int, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, i64, ptr]
     lib.gguf_rows8.restype = c_int
     lib.gguf_rows8.argtypes = [c_int, ptr, i64, ptr, i64, ptr]
     lib.gguf_dequantize.argtypes = [c_int, ptr, i64, ptr, i64, i64]
@@ -184,6 +186,29 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, type_name: str, n: int, b
                                  x2.shape[0], n, k):
         raise MemoryError(f"GGUF {type_name} linear: no memory for {x2.shape[0]} x {k} int8 activations")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
+
+
+def moe_int8(x: torch.Tensor, w13: torch.Tensor, type13: str, w2: torch.Tensor, type2: str, inter: int,
+             topk_ids: torch.Tensor, topk_weights: torch.Tensor, isa_name: str, act: str) -> torch.Tensor:
+    """A MoE layer's picked experts in one kernel call (csrc/quant_dot.c's gguf_moe_q8): x [T, H] (fp32)
+    -> fp32 [T, H], the sum over each token's picks of weight * down(silu(gate) * up). w13 [E, ...]
+    each expert's [gate; up] (2 * inter rows of H) and w2 [E, ...] its down (H rows of inter), as
+    repack regroups them; topk_ids [T, k] local expert ids (-1: held elsewhere), topk_weights [T, k].
+    The same bits as one linear_int8 call per expert (gated, then plain) summed in expert order."""
+    x = x.to(torch.float32).contiguous()
+    t, h = x.shape
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    assert w13.dtype == w2.dtype == torch.uint8 and w13.is_contiguous() and w2.is_contiguous()
+    y = torch.empty(t, h, dtype=torch.float32)
+    rc = _library().gguf_moe_q8(_isa_from_env(isa_name), TYPES[type13], TYPES[type2], ACTIVATIONS[act], x.data_ptr(),
+                                t, h, inter, ids.data_ptr(), weights.data_ptr(), ids.shape[1], w13.data_ptr(),
+                                w13[0].numel(), w2.data_ptr(), w2[0].numel(), y.data_ptr())
+    if rc == -2:
+        raise MemoryError(f"GGUF experts: no memory for {t} tokens' activations")
+    if rc:
+        raise ValueError(f"GGUF experts of types {type13} / {type2} cannot run {h} x {inter} with act={act}")
+    return y
 
 
 def int8_matmul(packed: torch.Tensor, type_name: str, n: int, k: int, isa_name: str, act: str, gated: bool = False

@@ -39,13 +39,31 @@ class GgufExperts:
 
     def matmul(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """x [T, K] (widened to fp32) @ expert's W^T -> fp32 [T, N]."""
-        if self.act == "fp32":
+        if not self.int8:
             return quant_ops.linear(x, self.blocks[expert], self.type_name, isa_name=self.isa)
         return quant_ops.linear_int8(x, self.blocks[expert], self.type_name, self.n, isa_name=self.isa, act=self.act)
 
+    @property
+    def int8(self) -> bool:
+        """Regrouped for the int8-activation kernels (else the file's rows, fp32 activations)."""
+        return self.act != "fp32"
+
     def gated(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """silu(x gate^T) * (x up^T) of a w13 stack: fp32 [T, N / 2]."""
-        if self.act == "fp32" or self.n % 16:
+        if not self.int8 or self.n % 16:
             return silu_and_mul(self.matmul(x, expert))
         return quant_ops.linear_int8(x, self.blocks[expert], self.type_name, self.n, isa_name=self.isa, act=self.act,
                                      gated=True)
+
+
+def fused_moe(hidden: torch.Tensor, w13: GgufExperts, w2: GgufExperts, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Every pick of a MoE layer in one kernel call where both stacks take the int8 kernels and the
+    gated form (quant_ops.moe_int8: the bits of torch_moe.fused_moe's one call per expert, without
+    its Python per expert); otherwise that path."""
+    if w13.int8 and w2.int8 and w13.n % 16 == 0:
+        out = quant_ops.moe_int8(hidden, w13.blocks, w13.type_name, w2.blocks, w2.type_name, w2.k, topk_ids,
+                                 topk_weights, w13.isa, w13.act)
+        return out.to(hidden.dtype)
+    from shardserve.kernels.moe import torch_moe
+    return torch_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)

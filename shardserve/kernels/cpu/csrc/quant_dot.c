@@ -830,3 +830,115 @@ int gguf_linear_q8(int isa, int type, int levels, int gated, const float *x, int
     free(mem);
     return failed ? -2 : 0;
 }
+
+/* ---- a MoE layer's experts in one call ------------------------------------------------------------ */
+
+/* Row m of `a` as a one-row Acts (the group kernels address rows from their Acts). */
+static Acts acts_row(const Acts *a, int64_t m) {
+    Acts r = *a;
+    r.q = a->q + m * a->K;
+    r.q2 = a->q2 ? a->q2 + m * a->K : 0;
+    r.d = a->d + m * a->nb;
+    r.s = a->s + m * a->nb;
+    r.c = a->c + m * a->nb;
+    r.c16 = a->c16 + 2 * m * a->nb;
+    return r;
+}
+
+/* Acts for M rows of K values in one allocation (free(acts.q) releases it), or q == NULL. */
+static Acts acts_alloc(int64_t M, int64_t K, int levels) {
+    const int64_t nb = K / 32;
+    Acts a = {.K = K, .nb = nb, .levels = levels};
+    char *mem = malloc((size_t)(levels * M * K + M * nb * 20));
+    if (!mem)
+        return a;
+    a.q = (int8_t *)mem;
+    a.q2 = levels == 2 ? a.q + M * K : 0;
+    a.d = (float *)(mem + levels * M * K);
+    a.s = a.d + M * nb;
+    a.c = (int32_t *)(a.s + M * nb);
+    a.c16 = a.c + M * nb;
+    return a;
+}
+
+/* y[T, H] = sum over each token's picks, in ascending expert id, of weight * down(silu(gate) * up)
+ * for experts kept as gguf_linear_q8 weights: w13 (gate rows then up rows, 2I of H inputs) and w2
+ * (H rows of I inputs) regrouped by gguf_repack8, expert e's at w13 + e * w13_bytes and w2 + e *
+ * w2_bytes. ids / weights: [T, top_k] picks (int64; -1: an expert held elsewhere, skipped) and their
+ * fp32 routing weights. x is quantized once per token, each pick's activation once; every (pick,
+ * 8-row group) is one task of one parallel region. Per pick, the same operations as gguf_linear_q8
+ * gated then plain on that pick's row, and the sum is torch_moe.fused_moe's (zero, then each
+ * expert's y * weight added in expert order): the same bits as one call per expert, batch invariant.
+ * Returns -1 for shapes or types the kernels do not take, -2 when out of memory. */
+int gguf_moe_q8(int isa, int type13, int type2, int levels, const float *x, int64_t T, int64_t H, int64_t I,
+                const int64_t *ids, const float *weights, int64_t top_k, const uint8_t *w13, int64_t w13_bytes,
+                const uint8_t *w2, int64_t w2_bytes, float *y) {
+    int unit13, unit2;
+    const int gb13 = group_block(type13, &unit13), gb2 = group_block(type2, &unit2);
+    if (!gb13 || !gb2 || H % unit13 || I % unit2 || I % 8 || (levels != 1 && levels != 2))
+        return -1;
+    const int64_t P = T * top_k, groups13 = I / 8, groups2 = (H + 7) / 8;
+    const int64_t wb13 = H / unit13, wb2 = I / unit2;
+    Acts ax = acts_alloc(T, H, levels), aa = acts_alloc(P, I, levels);
+    float *act = malloc(sizeof(float) * P * I), *out = malloc(sizeof(float) * P * H);
+    int failed = !ax.q || !aa.q || !act || !out;
+#pragma omp parallel if (!failed && P * (2 * I * H + H * I) > 65536)
+    if (!failed) {
+        float pair[16];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) quantize_x(isa, type13, x, H, t, &ax);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < P * groups13; task++) {
+            const int64_t p = task / groups13, g = task % groups13, e = ids[p];
+            if (e < 0)
+                continue;
+            const Acts row = acts_row(&ax, p / top_k);
+            const uint8_t *grp = w13 + e * w13_bytes + g * wb13 * gb13;
+            one_group(isa, type13, grp, gb13 / 8, &row, 1, pair, 16, 8, 0);
+            one_group(isa, type13, grp + groups13 * wb13 * gb13, gb13 / 8, &row, 1, pair + 8, 16, 8, 0);
+            for (int j = 0; j < 8; j++) {
+                const float v = pair[j];
+                act[p * I + 8 * g + j] = v / (1.0f + expf(-v)) * pair[8 + j];
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++)
+            if (ids[p] >= 0)
+                quantize_x(isa, type2, act, I, p, &aa);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < P * groups2; task++) {
+            const int64_t p = task / groups2, g = task % groups2, e = ids[p];
+            if (e < 0)
+                continue;
+            const Acts row = acts_row(&aa, p);
+            const int cols = H - 8 * g < 8 ? (int)(H - 8 * g) : 8;
+            one_group(isa, type2, w2 + e * w2_bytes + g * wb2 * gb2, gb2 / 8, &row, 1, out + p * H + 8 * g, H, cols,
+                      0);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float *yt = y + t * H;
+            for (int64_t h = 0; h < H; h++) yt[h] = 0.0f;
+            int64_t done = -1;   /* the last expert id added: picks are added in ascending id */
+            for (int64_t n = 0; n < top_k; n++) {
+                int64_t best = -1;
+                for (int64_t j = 0; j < top_k; j++) {
+                    const int64_t e = ids[t * top_k + j];
+                    if (e > done && (best < 0 || e < ids[t * top_k + best]))
+                        best = j;
+                }
+                if (best < 0)
+                    break;
+                const int64_t p = t * top_k + best;
+                done = ids[p];
+                const float w = weights[p];
+                for (int64_t h = 0; h < H; h++) yt[h] += out[p * H + h] * w;
+            }
+        }
+    }
+    free(ax.q);
+    free(aa.q);
+    free(act);
+    free(out);
+    return failed ? -2 : 0;
+}
