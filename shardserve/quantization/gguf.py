@@ -43,8 +43,8 @@ _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 
 DEQUANTIZE_SWITCH = "SHARDSERVE_GGUF_DEQUANTIZE"
 # Kept in their blocks by default: the types whose int8 dot-product kernels decode faster than the
-# dequantized bf16 panels (benchmarks/BENCHMARKS.md, issue 25).
-DEFAULT_KEPT = ("Q4_0", "Q4_1", "Q8_0")
+# dequantized bf16 panels, which is all of them (K-quants 1.9-2.4x; benchmarks/BENCHMARKS.md, issue 25).
+DEFAULT_KEPT = quant_ops.INT8_TYPES
 
 
 def kept_types() -> tuple[str, ...]:

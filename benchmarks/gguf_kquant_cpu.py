@@ -1,0 +1,165 @@
+"""GGUF K-quants on the CPU (issue 25): Q4_K / Q5_K / Q6_K linears kept in their blocks (integer dot
+products, quant_dot.c) against the same file dequantized at load (bf16 panels), in one run.
+
+    .venv/bin/python benchmarks/gguf_kquant_cpu.py [--rounds 2] [--files q4_k,q4_k_m,q6_k] [--threads 2]
+        [--json out.json]
+
+No K-quant model ships with the repository and gguf-py cannot write K-quants, so the files are
+random-weight Llama models written here (tests/models/gguf_files.py's plain K-quantizer, cached
+under ~/.cache/shardserve/bench): hidden 1024, 16 layers, 16 heads (4 KV), FFN 2816, vocabulary
+32000, untied. Files: `q4_k` (every linear and the embedding Q4_K, the LM head Q6_K), `q5_k`,
+`q6_k` (all of that type) and `q4_k_m` (Q4_K with attn_v and ffn_down in Q6_K in every third
+layer and the LM head Q6_K, as llama.cpp's Q4_K_M mixes them: those layers' fused q/k/v and the
+down projections of other types are dequantized, see quantization/gguf.py).
+
+Per contender, much as benchmarks/gguf_cpu.py measures: weights held, a fresh 128-token prompt's
+prefill (the least of 3 times) and single-stream decode (127 over the least of 3 times of 128 new
+tokens after a fresh 128-token prompt, less the least of 3 1-token requests), 2 threads,
+`--dtype bfloat16`. Contenders alternate over `--rounds`,
+each in a fresh process; the best round of each is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+THREADS = "2"
+SHAPE = dict(hidden=1024, layers=16, heads=16, kv_heads=4, ffn=2816, vocab=32000)
+FILES = ("q4_k", "q4_k_m", "q5_k", "q6_k")
+PATHS = {   # name: environment
+    "blocks, x to ~16 bits (int16, default activations)": {"SHARDSERVE_GGUF_DEQUANTIZE": "0"},
+    "blocks, x to 8 bits (int8)": {"SHARDSERVE_GGUF_DEQUANTIZE": "0", "SHARDSERVE_GGUF_ACTIVATIONS": "int8"},
+    "dequantized at load (bf16 panels)": {"SHARDSERVE_GGUF_DEQUANTIZE": "1"},
+}
+
+
+def _tensor_type(kind: str, gname: str, layer: int) -> str:
+    if gname == "output.weight":
+        return "Q6_K" if kind in ("q4_k", "q4_k_m") else kind.upper()
+    if kind == "q4_k_m":
+        return "Q6_K" if layer % 3 == 0 and gname.endswith(("attn_v.weight", "ffn_down.weight")) else "Q4_K"
+    return kind.upper()
+
+
+def write_file(kind: str) -> str:
+    """The random-weight model of `kind` (cached)."""
+    import gguf
+
+    from tests.models import gguf_files
+    root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardserve", "bench")
+    path = os.path.join(root, f"llama-{'-'.join(str(v) for v in SHAPE.values())}-{kind}.gguf")
+    if os.path.exists(path):
+        return path
+    os.makedirs(root, exist_ok=True)
+    h, ffn, vocab = SHAPE["hidden"], SHAPE["ffn"], SHAPE["vocab"]
+    hd = h // SHAPE["heads"]
+    cfg = {"num_attention_heads": SHAPE["heads"], "num_key_value_heads": SHAPE["kv_heads"], "hidden_size": h,
+           "intermediate_size": ffn, "num_hidden_layers": SHAPE["layers"], "max_position_embeddings": 4096,
+           "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 10000.0}, "vocab_size": vocab,
+           "bos_token_id": 256, "eos_token_id": 257}
+    gguf_files.VOCAB = vocab   # the token list padded to this vocabulary
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(path + ".tmp", "llama")
+    w.add_name(f"random-llama-{kind}")
+    gguf_files._write_metadata(w, cfg, "Q8_0")
+    tensors = [("token_embd.weight", vocab, h, -1), ("output_norm.weight", h, 0, -1), ("output.weight", vocab, h, -1)]
+    for i in range(SHAPE["layers"]):
+        tensors += [(f"blk.{i}.{name}", rows, cols, i) for name, rows, cols in (
+            ("attn_norm.weight", h, 0), ("attn_q.weight", h, h), ("attn_k.weight", SHAPE["kv_heads"] * hd, h),
+            ("attn_v.weight", SHAPE["kv_heads"] * hd, h), ("attn_output.weight", h, h), ("ffn_norm.weight", h, 0),
+            ("ffn_gate.weight", ffn, h), ("ffn_up.weight", ffn, h), ("ffn_down.weight", h, ffn))]
+    for gname, rows, cols, layer in tensors:
+        if not cols:
+            w.add_tensor(gname, np.ones(rows, dtype=np.float32))
+            continue
+        qtype = _tensor_type(kind, gname, layer)
+        data = (rng.standard_normal((rows, cols), dtype=np.float32) * (1.0 / np.sqrt(cols))).astype(np.float32)
+        w.add_tensor(gname, gguf_files.quantize(data, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
+    gguf_files._finish(w)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def measure(path: str, dtype: str, seed: int) -> dict:
+    """Runs in the child process."""
+    import torch
+
+    from shardserve import LLM, SamplingParams
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    t = time.perf_counter()
+    llm = LLM(path, dtype=dtype, kv_cache_memory="1GiB", max_model_len=1024, show_progress=False, max_num_seqs=4)
+    load_s = time.perf_counter() - t
+    model = llm.engine.executor.worker.model_runner.model
+    held = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:   # fresh tokens each time: no prefix-cache hit
+        return [rng.randrange(300, SHAPE["vocab"]) for _ in range(n)]
+
+    def timed(ids: list[int], n: int) -> float:
+        t = time.perf_counter()
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t
+
+    timed(prompt(16), 4)   # warm-up
+    # The least of 3 each: a neighbour's burst on this shared machine only ever adds time.
+    first = min(timed(prompt(128), 1) for _ in range(3))
+    decode = 127 / (min(timed(prompt(128), 128) for _ in range(3)) - first)
+    return {"weights_gib": sum(held.values()) / (1 << 30), "load_s": load_s, "prefill_tok_s": 128 / first,
+            "decode_tok_s": decode}
+
+
+def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        print("RESULT " + json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--files", default="q4_k,q4_k_m,q6_k", help=f"comma-separated, of {', '.join(FILES)}")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", default=THREADS, help="1 where another job holds a core: OpenMP's barriers "
+                   "stall on a busy one")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    from shardserve.kernels.cpu import quant_ops
+    kinds = args.files.split(",")
+    paths = {kind: write_file(kind) for kind in kinds}
+    results: dict[str, dict[str, list[dict]]] = {kind: {name: [] for name in PATHS} for kind in kinds}
+    loads = []
+    for r in range(args.rounds):
+        loads.append(os.getloadavg()[0])
+        for kind in kinds:
+            for name, extra in PATHS.items():
+                env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDSERVE_GGUF", "SHARDSERVE_CPU_"))}
+                env = {**env, "OMP_NUM_THREADS": args.threads, **extra}
+                out = subprocess.run([sys.executable, __file__, "--child", paths[kind], args.dtype, str(r)], env=env,
+                                     capture_output=True, text=True, check=True).stdout
+                results[kind][name].append(json.loads(out.split("RESULT ", 1)[1]))
+    print(f"{args.dtype}, {args.threads} threads, ISA: {quant_ops.isa()}, best of {args.rounds} rounds; 1-minute load "
+          f"average at each round's start: {', '.join(f'{x:.2f}' for x in loads)}")
+    print("| file | contender | weights GiB | 128-token prefill tok/s | decode tok/s | decode vs dequantized |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    best: dict[str, dict[str, dict]] = {}
+    for kind in kinds:
+        best[kind] = {name: rounds[0] | {key: max(x[key] for x in rounds) for key in ("prefill_tok_s", "decode_tok_s")}
+                      for name, rounds in results[kind].items()}
+        base = best[kind]["dequantized at load (bf16 panels)"]["decode_tok_s"]
+        for name, x in best[kind].items():
+            print(f"| {kind} | {name} | {x['weights_gib']:.3f} | {x['prefill_tok_s']:.0f} | {x['decode_tok_s']:.1f} "
+                  f"| {x['decode_tok_s'] / base:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": SHAPE, "rounds": results, "best": best, "load_average": loads}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
