@@ -36,8 +36,10 @@ class GgufMoEMethod(MoEMethod):
 
     def create_weights(self, layer: FusedMoE) -> None:
         self.dtype = torch.get_default_dtype()   # the model is built under its dtype
-        for name in ("w13_weight", "w2_weight"):   # placeholders: the blocks' widths come with the tensors
-            param = layer.register_expert_param(name, torch.empty(layer.num_local_experts, 0, dtype=torch.uint8))
+        # Placeholders (the blocks' widths come with the tensors) of the model's dtype: the loader casts
+        # experts that arrive as values (a type not kept) to it, and hands tagged blocks over as they are.
+        for name in ("w13_weight", "w2_weight"):
+            param = layer.register_expert_param(name, torch.empty(layer.num_local_experts, 0, dtype=self.dtype))
             param.weight_loader = lambda p, loaded, shard_id: self._load(layer, loaded, shard_id)
 
     def _load(self, layer: FusedMoE, loaded: torch.Tensor, shard_id: tuple[int | None, str]) -> None:

@@ -21,7 +21,7 @@ from tests.models.gguf_files import (
     random_prompt,
     write_moe_gguf,
 )
-from tests.tiny_models import make_tiny_checkpoint
+from tests.tiny_models import load_hf_model, make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not quant_ops.available(), reason="GGUF CPU kernels unavailable (no C compiler)")
 
@@ -135,3 +135,40 @@ def test_experts_in_blocks_sharded_give_one_ranks_tokens(tmp_path, layout):
         finally:
             llm.engine.shutdown()
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("experts", [{"up": "Q4_0"}, {"gate": "F16", "up": "F16", "down": "F16"}])
+def test_experts_not_kept_are_dequantized(tmp_path, monkeypatch, experts):
+    """Experts the block kernels cannot keep (gate and up of different types; a float type) load as
+    float experts, as before, and match HF on the file's weights."""
+    from tests.models import gguf_files
+    original = gguf_files._add_tensor
+
+    def add(w, gname, data, qtype_name):
+        kind = gname.split(".")[-2]   # blk.N.ffn_{gate,up,down}_exps.weight
+        part = kind[len("ffn_"):-len("_exps")] if kind.endswith("_exps") else None
+        original(w, gname, data, experts.get(part, qtype_name))
+    monkeypatch.setattr(gguf_files, "_add_tensor", add)
+    ckpt, path = _moe_file(tmp_path, "qwen3_moe")
+    monkeypatch.setenv(quant_ops.ACTIVATIONS_SWITCH, "fp32")
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
+    try:
+        for m in _experts(llm):
+            assert not m.quant_method.kept and m.w13_weight.dtype == torch.float32
+        prompt = random_prompt(3, 30)
+        ours = prompt_logprobs(llm, prompt)
+    finally:
+        llm.engine.shutdown()
+    hf = hf_with_roundtripped_weights(ckpt, "Q8_0")
+    fresh = load_hf_model(ckpt).state_dict()
+    with torch.no_grad():   # the experts as this file holds them (HF stacks gate and up as one tensor)
+        for name, p in hf.named_parameters():
+            if name.endswith("experts.gate_up_proj"):
+                half = p.shape[1] // 2
+                for part, rows in (("gate", slice(0, half)), ("up", slice(half, None))):
+                    values = fresh[name][:, rows].numpy().copy()
+                    p[:, rows] = torch.from_numpy(gguf_files.roundtrip(values, experts.get(part, "Q8_0")))
+            elif name.endswith("experts.down_proj"):
+                p.copy_(torch.from_numpy(gguf_files.roundtrip(fresh[name].numpy().copy(), experts.get("down", "Q8_0"))))
+    diff = (ours - hf_logprobs(hf, prompt)[:len(prompt) - 1]).abs().max().item()
+    assert diff <= 1e-4, f"log-probs differ from HF on the file's weights by {diff:.2e}"
