@@ -6,24 +6,22 @@
 No MoE GGUF ships with the repository, so the file is a random-weight Qwen3-MoE-shaped model written
 here (cached under ~/.cache/shardserve/bench): hidden 1024, 8 layers, 16 heads (4 KV) of 64, 32
 experts of width 512, top-8, vocabulary 32000; attention and the LM head Q8_0, the experts
-`--experts-type` (Q4_0 by default: kept in blocks by default; a K-quant needs
-SHARDSERVE_GGUF_DEQUANTIZE=0, which the kept contender then sets).
+`--experts-type` (Q4_0 by default; any type kept in blocks by default).
 
-Per contender (as benchmarks/gguf_cpu.py measures): weights held, a fresh 128-token prompt's prefill
-(best of 2) and single-stream decode (128 new tokens after a fresh 128-token prompt less a 1-token
-request on another; best of 3), 2 threads, `--dtype bfloat16`; llama.cpp's `llama-bench -t 2 -p 128
--n 128` on the same file (benchmarks/llama_cpp_bench.py builds it). The contenders alternate over
-`--rounds`, ours each in a fresh process; the best round of each is reported.
+Per contender (benchmarks/gguf_kquant_cpu.py's `measure`, as benchmarks/gguf_cpu.py measures): weights
+held, a fresh 128-token prompt's prefill (best of 2) and single-stream decode (128 new tokens after a
+fresh 128-token prompt less a 1-token request on another; best of 3), 2 threads, `--dtype
+bfloat16`; llama.cpp's `llama-bench -t 2 -p 128 -n 128` on the same file (benchmarks/llama_cpp_bench.py
+builds it). The contenders alternate over `--rounds`, ours each in a fresh process; the best round
+of each is reported.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -86,34 +84,10 @@ def write_file(experts_type: str) -> str:
     return path
 
 
-def measure(path: str, dtype: str, seed: int) -> dict:
-    """Runs in the child process."""
-    import torch
-
-    from shardserve import LLM, SamplingParams
-    torch.set_num_threads(int(THREADS))
-    llm = LLM(path, dtype=dtype, kv_cache_memory="1GiB", max_model_len=1024, show_progress=False, max_num_seqs=4)
-    model = llm.engine.executor.worker.model_runner.model
-    held = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
-    rng = random.Random(seed)
-
-    def prompt(n: int) -> list[int]:   # fresh tokens each time: no prefix-cache hit
-        return [rng.randrange(300, SHAPE["vocab"]) for _ in range(n)]
-
-    def timed(ids: list[int], n: int) -> float:
-        t = time.perf_counter()
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t
-
-    timed(prompt(16), 4)   # warm-up
-    first = min(timed(prompt(128), 1) for _ in range(2))
-    decode = max(127 / (timed(prompt(128), 128) - first) for _ in range(3))
-    return {"weights_gib": sum(held.values()) / (1 << 30), "prefill_tok_s": 128 / first, "decode_tok_s": decode}
-
-
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
-        print("RESULT " + json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":   # measured as gguf_kquant_cpu.py measures (same vocabulary)
+        import gguf_kquant_cpu
+        print("RESULT " + json.dumps(gguf_kquant_cpu.measure(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2)
@@ -123,10 +97,9 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     path = write_file(args.experts_type)
-    kept_env = {} if args.experts_type in ("Q4_0", "Q4_1", "Q8_0") else {"SHARDSERVE_GGUF_DEQUANTIZE": "0"}
     # Dequantizing only the experts: their type taken out of the kept ones would need a switch of its
     # own, so the peer dequantizes the whole file (its Q8_0 attention too, a few percent of the bytes).
-    paths = {f"experts kept in blocks ({args.experts_type})": kept_env,
+    paths = {f"experts kept in blocks ({args.experts_type})": {},
              "dequantized at load (bf16)": {"SHARDSERVE_GGUF_DEQUANTIZE": "1"}}
     names = list(paths) + ([] if args.no_llama_cpp else ["llama.cpp (llama-bench), same file"])
     results: dict[str, list[dict]] = {name: [] for name in names}
