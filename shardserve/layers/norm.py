@@ -49,7 +49,7 @@ def _heads_in_rows(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
     """x is [T, heads, D] with each row's heads packed (q or k inside a fused qkv row, Qwen3's per-head
     norms), which the native CPU norm takes without a copy."""
     return (residual is None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-            and x.device.type == "cpu" and cpu_ops.handles(x))
+            and cpu_ops.handles(x))
 
 
 class ShardedRMSNorm(nn.Module):

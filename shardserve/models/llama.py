@@ -26,7 +26,6 @@ from shardserve.layers.norm import RMSNorm, ShardedRMSNorm
 from shardserve.layers.rotary import RotaryEmbedding
 from shardserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from shardserve.models import cpu_stack
-from shardserve.models.cpu_stack import CpuDecoderStack
 from shardserve.models.spec import LlamaSpec
 from shardserve.quantization.kv_scales import kv_scale_targets
 
@@ -124,7 +123,7 @@ class LlamaModel(nn.Module):
             self.layers[self.end - 1].output_partial_sum = False
         # The layers as one native call on the CPU where they qualify (models/cpu_stack.py); not a
         # submodule (it holds the same layers), decided once the KV pool is bound.
-        self._cpu_stack = (CpuDecoderStack(list(self.layers[self.start:self.end]), rotary, spec.rms_norm_eps)
+        self._cpu_stack = (cpu_stack.CpuDecoderStack(list(self.layers[self.start:self.end]), rotary, spec.rms_norm_eps)
                            if self.end > self.start and cpu_stack.enabled() else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,

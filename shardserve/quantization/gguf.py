@@ -10,8 +10,8 @@ third of the bytes (benchmarks/BENCHMARKS.md, issue 25 session 16).
   Q5_K's 6-bit scales and mins unpacked to bytes) for the int8-activation kernels (`linear_int8`);
   under SHARDSERVE_GGUF_ACTIVATIONS=fp32 they hold the file's rows, uint8 [N, row bytes],
   multiplied with fp32 activations. The token embedding (and an untied LM head) stays in its
-  blocks too where its type is kept and takes the int8 kernels (layers/vocab.py); norms, MoE
-  routers and experts are dequantized at load as before.
+  blocks too where its type is kept and takes the int8 kernels (layers/vocab.py), and so do MoE
+  experts (quantization/gguf_moe.py); norms and MoE routers are dequantized at load.
 - Dequantized after loading (into the layer's dtype), per layer: other GGUF types (F32, F16, BF16,
   Q5_0, ...), a fused layer whose parts have different types (q/k Q4_K with v Q6_K, as Q4_K_M files
   do; a debug log line says which), every layer on CUDA (the blocks are expanded once after loading:
