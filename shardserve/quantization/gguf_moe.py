@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from shardserve.kernels.cpu import quant_ops
-from shardserve.kernels.moe import gguf_experts
+from shardserve.kernels.moe import torch_moe
 from shardserve.kernels.moe.gguf_experts import GgufExperts
 from shardserve.layers.moe import FusedMoE, MoEMethod, experts_matmul
 from shardserve.quantization.gguf import block_size, dequantize_blocks, kept_types
@@ -101,4 +101,4 @@ class GgufMoEMethod(MoEMethod):
               topk_ids: torch.Tensor) -> torch.Tensor:
         if not self.kept:   # dequantized after loading: the unquantized experts' paths
             return experts_matmul(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
-        return gguf_experts.fused_moe(hidden, self.kept["w13"], self.kept["w2"], topk_weights, topk_ids)
+        return torch_moe.fused_moe(hidden, self.kept["w13"], self.kept["w2"], topk_weights, topk_ids)

@@ -61,12 +61,23 @@ def _stack(type_name: str, e: int, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.stack([quant_ops.repack(rows[i], type_name, k) for i in range(e)])
 
 
+class _PerExpert(GgufExperts):
+    """GgufExperts that never take the one-call kernel (torch_moe's loop over experts instead)."""
+
+    def __init__(self, experts: GgufExperts) -> None:
+        super().__init__(experts.blocks, experts.type_name, experts.n, experts.k, experts.isa, experts.act)
+
+    @property
+    def one_call(self) -> bool:
+        return False
+
+
 @pytest.mark.parametrize("act", ["int16", "int8"])
 @pytest.mark.parametrize("type13,type2", [("Q4_0", "Q8_0"), ("Q4_1", "Q4_1"), ("Q4_K", "Q6_K")])
 def test_one_call_per_layer_gives_one_call_per_experts_bits(act, type13, type2):
     """quant_ops.moe_int8 (every pick in one kernel call) against torch_moe's one call per expert:
     the same bits, with picks held elsewhere (-1) skipped and tokens of every pick count."""
-    from shardserve.kernels.moe import gguf_experts, torch_moe
+    from shardserve.kernels.moe import torch_moe
     e, h, inter, top_k, t = 6, 256, 256, 3, 9
     isa = quant_ops.isa()
     w13 = GgufExperts(_stack(type13, e, 2 * inter, h, 0), type13, 2 * inter, h, isa, act)
@@ -76,10 +87,11 @@ def test_one_call_per_layer_gives_one_call_per_experts_bits(act, type13, type2):
     ids = torch.stack([torch.randperm(e)[:top_k] for _ in range(t)])
     ids[2, 1] = ids[5, 0] = -1   # held by another expert-parallel rank
     weights = torch.rand(t, top_k)
-    want = torch_moe.fused_moe(x, w13, w2, weights, ids)
-    got = gguf_experts.fused_moe(x, w13, w2, weights, ids)
-    assert torch.equal(got, want)
-    assert torch.equal(gguf_experts.fused_moe(x[4:5], w13, w2, weights[4:5], ids[4:5]), want[4:5])   # alone
+    got = torch_moe.fused_moe(x, w13, w2, weights, ids)   # one call: w13 and w2 take the int8 kernels
+    # one call per expert: the same stacks seen through plain fields, so the loop runs
+    per_expert = torch_moe.fused_moe(x, _PerExpert(w13), _PerExpert(w2), weights, ids)
+    assert torch.equal(got, per_expert)
+    assert torch.equal(torch_moe.fused_moe(x[4:5], w13, w2, weights[4:5], ids[4:5]), got[4:5])   # alone
 
 
 @pytest.mark.parametrize("act", ["int16", "fp32"])

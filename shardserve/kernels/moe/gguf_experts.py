@@ -48,6 +48,12 @@ class GgufExperts:
         """Regrouped for the int8-activation kernels (else the file's rows, fp32 activations)."""
         return self.act != "fp32"
 
+    @property
+    def one_call(self) -> bool:
+        """A w13 stack whose layer's picks run in one kernel call (quant_ops.moe_int8, with a w2 that
+        takes the int8 kernels too): the int8 kernels' gated form."""
+        return self.int8 and self.n % 16 == 0
+
     def gated(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """silu(x gate^T) * (x up^T) of a w13 stack: fp32 [T, N / 2]."""
         if not self.int8 or self.n % 16:
@@ -55,15 +61,3 @@ class GgufExperts:
         return quant_ops.linear_int8(x, self.blocks[expert], self.type_name, self.n, isa_name=self.isa, act=self.act,
                                      gated=True)
 
-
-def fused_moe(hidden: torch.Tensor, w13: GgufExperts, w2: GgufExperts, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """Every pick of a MoE layer in one kernel call where both stacks take the int8 kernels and the
-    gated form (quant_ops.moe_int8: the bits of torch_moe.fused_moe's one call per expert, without
-    its Python per expert); otherwise that path."""
-    if w13.int8 and w2.int8 and w13.n % 16 == 0:
-        out = quant_ops.moe_int8(hidden, w13.blocks, w13.type_name, w2.blocks, w2.type_name, w2.k, topk_ids,
-                                 topk_weights, w13.isa, w13.act)
-        return out.to(hidden.dtype)
-    from shardserve.kernels.moe import torch_moe
-    return torch_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)

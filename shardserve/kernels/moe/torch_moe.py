@@ -16,8 +16,10 @@ INT4 experts (GPTQ / AWQ, `Int4Experts` of kernels/moe/int4_experts.py in place 
 same, one expert dequantized to the activations' dtype for its own matmul (group scales and zeros
 applied first), so memory stays at 4 bits plus one expert's width.
 
-GGUF experts kept in their blocks (`GgufExperts`, kernels/moe/gguf_experts.py): each expert's matmul
-is the CPU block kernel on that expert's blocks (fp32 out), w13 with its SiLU-and-mul in the kernel.
+GGUF experts kept in their blocks (`GgufExperts`, kernels/moe/gguf_experts.py): every pick of the
+layer in one kernel call where both stacks take the int8 kernels (quant_ops.moe_int8: the bits of
+the loop below, without its Python per expert); otherwise each expert's matmul is the CPU block
+kernel on that expert's blocks (fp32 out), w13 with its SiLU-and-mul in the kernel.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from shardserve.kernels.activation.reference import silu_and_mul
-from shardserve.kernels.cpu import cpu_ops
+from shardserve.kernels.cpu import cpu_ops, quant_ops
 from shardserve.kernels.moe.gguf_experts import GgufExperts
 from shardserve.kernels.moe.int4_experts import Int4Experts
 
@@ -47,6 +49,9 @@ def _matmul(x: torch.Tensor, weights: Experts, expert: int, scale: torch.Tensor 
 def fused_moe(hidden: torch.Tensor, w13: Experts, w2: Experts,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w13, GgufExperts) and isinstance(w2, GgufExperts) and w13.one_call and w2.int8:
+        return quant_ops.moe_int8(hidden, w13.blocks, w13.type_name, w2.blocks, w2.type_name, w2.k, topk_ids,
+                                  topk_weights, w13.isa, w13.act).to(hidden.dtype)
     num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
