@@ -90,11 +90,10 @@ class GgufMoEMethod(MoEMethod):
                 flat = raw.view(e, n, -1)
                 held = (torch.stack([quant_ops.repack(flat[i], type_name, k) for i in range(e)])
                         if part_act != "fp32" else flat)
+                self.kept[part] = GgufExperts(held, type_name, n, k, isa, part_act)   # shares the parameter's storage
             else:   # as before this method: the stacked float weights the unquantized paths run
                 held = torch.cat([self._values(kind, k, device) for kind in kinds], dim=1)
             setattr(layer, f"{part}_weight", nn.Parameter(held, requires_grad=False))
-            if keep:
-                self.kept[part] = GgufExperts(getattr(layer, f"{part}_weight"), type_name, n, k, isa, part_act)
         self._raw.clear()
 
     def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,

@@ -49,14 +49,19 @@ class GgufExperts:
         return self.act != "fp32"
 
     @property
+    def gated_kernel(self) -> bool:
+        """A w13 stack the int8 kernels' gated form takes (gate and up in whole 8-row groups)."""
+        return self.int8 and self.n % 16 == 0
+
+    @property
     def one_call(self) -> bool:
         """A w13 stack whose layer's picks run in one kernel call (quant_ops.moe_int8, with a w2 that
-        takes the int8 kernels too): the int8 kernels' gated form."""
-        return self.int8 and self.n % 16 == 0
+        takes the int8 kernels too)."""
+        return self.gated_kernel
 
     def gated(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """silu(x gate^T) * (x up^T) of a w13 stack: fp32 [T, N / 2]."""
-        if not self.int8 or self.n % 16:
+        if not self.gated_kernel:
             return silu_and_mul(self.matmul(x, expert))
         return quant_ops.linear_int8(x, self.blocks[expert], self.type_name, self.n, isa_name=self.isa, act=self.act,
                                      gated=True)
