@@ -42,6 +42,8 @@ from shardserve.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     get_tp_group,
 )
+from shardserve.kernels.cpu import moe_route
+from shardserve.kernels.cpu.decoder_stack import StackMoe
 from shardserve.kernels.moe import reference, torch_moe
 from shardserve.layers.linear import ReplicatedLinear, default_weight_loader, quant_method_for
 
@@ -85,6 +87,12 @@ class MoEMethod(ABC):
     def apply(self, layer: "FusedMoE", hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the picked experts' outputs (ids already local, -1 elsewhere)."""
+
+    def stack_experts(self, layer: "FusedMoE") -> StackMoe | None:
+        """The experts as the native decoder stack runs them on fp32 CPU rows, one kernel call for
+        every pick (kernels/cpu/decoder_stack.py; router and routing left to the caller), with
+        `apply`'s bits; None where `apply` is not that call."""
+        return None
 
 
 class FusedMoE(nn.Module):
@@ -199,6 +207,28 @@ class SparseMoeBlock(nn.Module):
     @property
     def supports_partial_sum(self) -> bool:
         return self.tp_size > 1
+
+    def stack_moe(self) -> StackMoe | str:
+        """This block as the native decoder stack runs it (kernels/cpu/decoder_stack.py: the router,
+        the routing in C with route_topk's bits, the experts' one kernel call), or why it cannot: the
+        experts split over ranks, expert-load counting, a router bias, experts other than one call."""
+        experts = self.experts
+        if self.tp_size > 1 or self.spans_replicas or experts.expert_map is not None:
+            return "experts split over ranks"
+        if experts.load is not None:
+            return "expert-load counting"
+        router = self.gate.stack_linear()
+        if router is None or self.gate.bias is not None:
+            return "a router that is not one native kernel without bias"
+        method = experts.quant_method
+        stack = method.stack_experts(experts) if method is not None else None
+        if stack is None:
+            return "experts other than GGUF blocks in one kernel call"
+        if not moe_route.matches_torch(experts.num_experts, experts.top_k, experts.renormalize):
+            return "routing in C without torch's bits here"
+        stack.router, stack.experts, stack.top_k = router, experts.num_experts, experts.top_k
+        stack.renormalize = int(experts.renormalize)
+        return stack
 
     def forward(self, x: torch.Tensor, partial_sum: bool = False) -> torch.Tensor:
         """partial_sum: leave the output as this rank's partial sum for the next norm (as GatedMLP)."""

@@ -5,8 +5,11 @@ same bits, without ~100 us of Python per layer. On by default where it applies;
 
 It applies to fp32 activations on the native CPU kernels (the default CPU path) with the native
 attention backend, one tensor-parallel rank, and layers the C side knows: the gated MLP without
-bias, per-head q/k norms (Qwen3) or none, no clipping, no bias on o_proj, every matmul one native kernel (packed panels,
-GGUF blocks). Anything else runs the modules, as before.
+bias, per-head q/k norms (Qwen3) or none, no clipping, no bias on o_proj, every matmul one native
+kernel (packed panels, GGUF blocks). MoE layers too (Qwen3-MoE, Mixtral) where their experts run
+as one kernel call (GGUF blocks with the int8 kernels), every expert on this rank, the router one
+native kernel without bias, and the C routing gives torch's bits here (layers/moe.py's
+SparseMoeBlock.stack_moe). Anything else runs the modules, as before.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from shardserve.kernels.cpu import cpu_ops
 from shardserve.kernels.cpu.decoder_stack import DecoderStack, LayerParts
 from shardserve.layers.attention.cpu_native import NativeAttentionMetadata
 from shardserve.layers.mlp import GatedMLP
+from shardserve.layers.moe import SparseMoeBlock
 
 logger = logging.getLogger("shardserve")
 
@@ -39,13 +43,23 @@ def _parts(layer: nn.Module, eps: float) -> LayerParts | str:
     attn, mlp = layer.self_attn, layer.mlp
     if layer.partial_sums or layer.output_partial_sum:
         return "tensor parallelism"
-    if not isinstance(mlp, GatedMLP) or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
-        return "an MLP other than the gated one without bias"
     if attn.qk_norm not in (None, "head") or attn.clip_qkv is not None or attn.o_proj.bias is not None:
         return "q/k norms over all heads, clipping or an o_proj bias"
-    gate_up = mlp.gate_up_proj.stack_linear(gated=True) or mlp.gate_up_proj.stack_linear()
-    linears = (attn.qkv_proj.stack_linear(), attn.o_proj.stack_linear(), gate_up, mlp.down_proj.stack_linear())
-    if any(m is None for m in linears):
+    moe = None
+    if type(mlp) is SparseMoeBlock:   # exactly: a subclass may add what the C side does not do
+        moe = mlp.stack_moe()
+        if isinstance(moe, str):
+            return moe
+        gate_up = down = None
+    elif isinstance(mlp, GatedMLP) and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None:
+        gate_up = mlp.gate_up_proj.stack_linear(gated=True) or mlp.gate_up_proj.stack_linear()
+        down = mlp.down_proj.stack_linear()
+        if gate_up is None or down is None:
+            return "a matmul that is not one native kernel"
+    else:
+        return "an MLP other than the gated one without bias or the sparse one"
+    linears = (attn.qkv_proj.stack_linear(), attn.o_proj.stack_linear(), gate_up, down)
+    if linears[0] is None or linears[1] is None:
         return "a matmul that is not one native kernel"
     head_norms = [attn.q_norm, attn.k_norm] if attn.qk_norm == "head" else [None, None]
     norms = [layer.input_layernorm, layer.post_attention_layernorm, *head_norms]
@@ -56,7 +70,7 @@ def _parts(layer: nn.Module, eps: float) -> LayerParts | str:
     if kv.dim() != 5 or kv.dtype not in cpu_ops.KV_KINDS or not kv.is_contiguous():
         return "no native KV pool bound"
     return LayerParts(*(None if n is None else n.weight for n in norms), *linears, kv_cache=kv,
-                      window=spec.sliding_window or 0, k_scale=spec.k_scale, v_scale=spec.v_scale)
+                      window=spec.sliding_window or 0, k_scale=spec.k_scale, v_scale=spec.v_scale, moe=moe)
 
 
 class CpuDecoderStack:
@@ -76,9 +90,10 @@ class CpuDecoderStack:
             return None
         attn = first.self_attn
         logger.info("CPU: decoder layers run as one native call per step (%s=0: one call per kernel)", SWITCH)
+        inter = max((layer.mlp.down_proj.input_size for layer in self.layers if isinstance(layer.mlp, GatedMLP)),
+                    default=0)   # the dense MLPs' (a MoE model's dense layers; none: 0)
         return DecoderStack(parts, first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
-                            attn.head_dim, first.mlp.down_proj.input_size, self.eps, attn.attn.spec.scale,
-                            self.rotary.cos, self.rotary.sin)
+                            attn.head_dim, inter, self.eps, attn.attn.spec.scale, self.rotary.cos, self.rotary.sin)
 
     def run(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx
             ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from shardserve.kernels.cpu import quant_ops
+from shardserve.kernels.cpu.decoder_stack import StackMoe
 from shardserve.kernels.moe import torch_moe
 from shardserve.kernels.moe.gguf_experts import GgufExperts
 from shardserve.layers.moe import FusedMoE, MoEMethod, experts_matmul
@@ -95,6 +96,13 @@ class GgufMoEMethod(MoEMethod):
                 held = torch.cat([self._values(kind, k, device) for kind in kinds], dim=1)
             setattr(layer, f"{part}_weight", nn.Parameter(held, requires_grad=False))
         self._raw.clear()
+
+    def stack_experts(self, layer: FusedMoE) -> StackMoe | None:
+        """The one-call kernel `apply` runs (torch_moe.fused_moe's condition), for the decoder stack."""
+        w13, w2 = self.kept.get("w13"), self.kept.get("w2")
+        if w13 is None or w2 is None or not (w13.one_call and w2.int8):
+            return None
+        return quant_ops.stack_experts(w13.blocks, w13.type_name, w2.blocks, w2.type_name, w2.k, w13.isa, w13.act)
 
     def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:

@@ -93,3 +93,39 @@ def test_stack_steps_aside_where_it_does_not_apply(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_stack.SWITCH, "2")
     with pytest.raises(ValueError, match=cpu_stack.SWITCH):
         cpu_stack.enabled()
+
+
+def _tie_routers(ckpt: str) -> None:
+    """Every router's rows made equal in threes (experts 0-2, 3-5, ...): each token's scores tie, and
+    with top-2 a tie across the second pick where a group of three leads (torch.topk decides it)."""
+    import glob
+
+    from safetensors.torch import load_file, save_file
+    for shard in glob.glob(f"{ckpt}/*.safetensors"):
+        tensors = load_file(shard)
+        for name, t in tensors.items():
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                for e in range(t.shape[0]):
+                    t[e] = t[e - e % 3]
+        save_file(tensors, shard, metadata={"format": "pt"})
+
+
+@pytest.mark.skipif(not quant_ops.available(), reason="GGUF CPU kernels unavailable")
+@pytest.mark.parametrize("arch,experts,tied", [("qwen3_moe", 8, False), ("mixtral", 4, False), ("mixtral", 4, True)])
+def test_stack_gives_the_module_path_bits_on_gguf_moe(tmp_path, monkeypatch, arch, experts, tied):
+    """MoE layers with Q8_0 experts in their blocks (Qwen3-MoE: a dense layer between, renormalised
+    top-2 of 8; Mixtral: top-2 of 4): the router, torch's routing redone in C (csrc/moe_route.c)
+    and the experts' one kernel call inside the stack. Tied router scores: the rows tied across
+    the k-th pick go to torch.topk itself, the rest stay in C."""
+    from shardserve.kernels.cpu import moe_route
+    from tests.models.gguf_files import write_moe_gguf
+    monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", "0")
+    ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), arch)
+    if tied:
+        _tie_routers(ckpt)
+    path = str(tmp_path / "tiny.gguf")
+    write_moe_gguf(ckpt, path, "Q8_0")
+    moe_route.matches_torch(experts, 2, True)   # the stack's check of the C routing, done before counting
+    before = moe_route.torch_topk_rows
+    _assert_same_bits(path, monkeypatch, dtype="float32")
+    assert (moe_route.torch_topk_rows > before) == tied

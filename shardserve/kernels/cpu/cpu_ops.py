@@ -28,6 +28,7 @@ logger = logging.getLogger("shardserve")
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_ops.c")
 _STACK_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decoder_stack.c")   # linked into the same library
+_ROUTE_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "moe_route.c")        # the same
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 _NEEDED_CPU_FLAGS = {"avx2", "fma", "f16c"}
 
@@ -77,7 +78,7 @@ def _library() -> ctypes.CDLL | None:
                     f"CPU lacks {', '.join(sorted(missing))}" if missing else "no C compiler found")
         return None
     try:
-        lib = ctypes.CDLL(build_library(compiler, extra_sources=(_STACK_SOURCE,)))
+        lib = ctypes.CDLL(build_library(compiler, extra_sources=(_STACK_SOURCE, _ROUTE_SOURCE)))
     except (OSError, RuntimeError) as e:
         logger.warning("CPU kernels off, build failed: %s", e)
         return None
@@ -98,6 +99,8 @@ def _library() -> ctypes.CDLL | None:
     lib.rotary_neox.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
     lib.decoder_stack.restype = ctypes.c_int
     lib.decoder_stack.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, ptr, ptr]
+    lib.moe_route.restype = None
+    lib.moe_route.argtypes = [ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr]
     return lib
 
 
@@ -225,6 +228,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def decoder_stack(*args) -> int:
     """csrc/decoder_stack.c's entry point (kernels/cpu/decoder_stack.py builds its arguments)."""
     return _library().decoder_stack(*args)
+
+
+def moe_route(*args) -> None:
+    """csrc/moe_route.c's entry point (kernels/cpu/moe_route.py builds its arguments)."""
+    _library().moe_route(*args)
 
 
 def pack_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -257,6 +257,17 @@ def stack_linear(weight: torch.Tensor, type_name: str, n: int, k: int, isa_name:
                                      isa=level, type=TYPES[type_name], row_bytes=weight.numel() // max(n, 1))
 
 
+def stack_experts(w13: torch.Tensor, type13: str, w2: torch.Tensor, type2: str, inter: int, isa_name: str,
+                  act: str) -> decoder_stack.StackMoe:
+    """A MoE layer's experts for the native decoder stack: moe_int8's kernel (gguf_moe_q8) and the
+    arguments moe_int8 passes it for these weights; the router and routing fields are the caller's."""
+    assert w13.dtype == w2.dtype == torch.uint8 and w13.is_contiguous() and w2.is_contiguous() and ACTIVATIONS[act]
+    return decoder_stack.StackMoe(fn=ctypes.cast(_library().gguf_moe_q8, ctypes.c_void_p).value, w13=w13.data_ptr(),
+                                  w2=w2.data_ptr(), w13_bytes=w13[0].numel(), w2_bytes=w2[0].numel(), inter=inter,
+                                  isa=_isa_from_env(isa_name), type13=TYPES[type13], type2=TYPES[type2],
+                                  levels=ACTIVATIONS[act])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, type_name: str, bias: torch.Tensor | None = None,
            isa_name: str | None = None) -> torch.Tensor:
     """x ([..., K], widened to fp32) @ W^T (+ bias, fp32 [N]) -> fp32 [..., N] with fp32 activations
