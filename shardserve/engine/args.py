@@ -22,7 +22,7 @@ from shardserve.layers.cpu_path import choose_cpu_path
 from shardserve.models.loader import DEFAULT_MODEL_NAME, checkpoint_dtype, load_hf_config, resolve_model_path
 from shardserve.models.registry import resolve_model_class
 from shardserve.quantization.config import check_device, resolve_quantization
-from shardserve.quantization.gguf import cpu_path_line as gguf_cpu_path_line
+from shardserve.quantization.gguf import path_line as gguf_path_line
 
 logger = logging.getLogger("shardserve")
 
@@ -99,8 +99,9 @@ class EngineArgs:
                                                   or self.cpu_offload_gb > 0),
                                    prefill_graphs=_graphs_switch("PREFILL"),
                                    piecewise_graphs=_graphs_switch("PIECEWISE"))
-        if device.type == "cpu" and (hf_config.get("quantization_config") or {}).get("quant_method") == "gguf":
-            logger.info("CPU path: %s", gguf_cpu_path_line())   # beside the line _compute_dtype logged
+        if (hf_config.get("quantization_config") or {}).get("quant_method") == "gguf":
+            # On the CPU beside the line _compute_dtype logged.
+            logger.info("%s path: %s", "CPU" if device.type == "cpu" else "GPU", gguf_path_line(device))
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size, enable_expert_parallel=self.enable_expert_parallel,

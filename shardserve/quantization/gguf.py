@@ -5,18 +5,20 @@ model they decode faster than the dequantized bf16 panels (and llama.cpp), batch
 third of the bytes (benchmarks/BENCHMARKS.md, issue 25 session 16).
 
 - What stays quantized: the decoder's linear layers (q/k/v, o, gate/up, down) whose GGUF type
-  `kept_types()` names, of those the native CPU kernels multiply (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
-  Q6_K; kernels/cpu/quant_ops.py). They are regrouped into 8-row groups (the file's bytes; Q4_K /
-  Q5_K's 6-bit scales and mins unpacked to bytes) for the int8-activation kernels (`linear_int8`);
-  under SHARDSERVE_GGUF_ACTIVATIONS=fp32 they hold the file's rows, uint8 [N, row bytes],
-  multiplied with fp32 activations. The token embedding (and an untied LM head) stays in its
-  blocks too where its type is kept and takes the int8 kernels (layers/vocab.py), and so do MoE
-  experts (quantization/gguf_moe.py); norms and MoE routers are dequantized at load.
+  `kept_types()` names (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), where the layer's device has kernels:
+  - CPU (the native kernels, kernels/cpu/quant_ops.py): regrouped into 8-row groups (the file's
+    bytes; Q4_K / Q5_K's 6-bit scales and mins unpacked to bytes) for the int8-activation kernels
+    (`linear_int8`); under SHARDSERVE_GGUF_ACTIVATIONS=fp32 they hold the file's rows, uint8
+    [N, row bytes], multiplied with fp32 activations. The token embedding (and an untied LM head)
+    stays in its blocks too where its type is kept and takes the int8 kernels (layers/vocab.py), and
+    so do MoE experts (quantization/gguf_moe.py); norms and MoE routers are dequantized at load.
+  - CUDA (Triton, kernels/quant/triton_gguf.py): each field of the blocks in a plane of its own
+    (kernels/quant/gguf_layout.py), dequantized in registers inside the matmul; a fused q/k/v or
+    gate/up whose parts differ in type (Q4_K_M's v in Q6_K) keeps one run of rows per type. The
+    embedding, LM head and MoE experts are dequantized after loading there.
 - Dequantized after loading (into the layer's dtype), per layer: other GGUF types (F32, F16, BF16,
-  Q5_0, ...), a fused layer whose parts have different types (q/k Q4_K with v Q6_K, as Q4_K_M files
-  do; a debug log line says which), every layer on CUDA (the blocks are expanded once after loading:
-  the GPU runs dense weights, correct and as fast as before, without the memory saving), and every
-  layer where the CPU kernels are off (no compiler, SHARDSERVE_CPU_KERNELS=0).
+  Q5_0, ...), on the CPU a fused layer whose parts have different types (a debug log line says
+  which), and every CPU layer where the native kernels are off (no compiler, SHARDSERVE_CPU_KERNELS=0).
 - Sharding: the loader hands each linear its tensor as uint8 [rows, blocks, block bytes], so the
   layers' own loaders slice rows for column parallelism (fused parts included) and whole blocks along
   K for row parallelism; a row-parallel split that would cut a block (K / TP not a multiple of 32,
@@ -29,10 +31,12 @@ import os
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shardserve.kernels.cpu import quant_ops
 from shardserve.kernels.cpu.decoder_stack import StackLinear, panels_linear
+from shardserve.kernels.quant import gguf_layout, reference, triton_gguf, tuned
 from shardserve.layers.linear import LinearBase, LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, linear
 
 logger = logging.getLogger("shardserve")
@@ -48,16 +52,29 @@ DEFAULT_KEPT = quant_ops.INT8_TYPES
 
 
 def kept_types() -> tuple[str, ...]:
-    """The GGUF types whose linears (and token embedding / LM head) stay in their blocks.
-    SHARDSERVE_GGUF_DEQUANTIZE unset: DEFAULT_KEPT; 0: every type the kernels take; 1: none. None
-    either without the kernels (no compiler, SHARDSERVE_CPU_KERNELS=0)."""
+    """The GGUF types whose linears (and MoE experts) the loader hands over as raw blocks, for the
+    layer to keep where its device has kernels for them (`process_after_loading`).
+    SHARDSERVE_GGUF_DEQUANTIZE unset: DEFAULT_KEPT; 0: every type the kernels take; 1: none."""
     switch = os.environ.get(DEQUANTIZE_SWITCH)
     if switch not in (None, "", "0", "1"):
         raise ValueError(f"{DEQUANTIZE_SWITCH}={switch!r}: use 1 (dequantize GGUF weights at load) or 0 (keep them "
                          "in their blocks wherever the CPU kernels can; unset: where the int8 kernels can)")
-    if switch == "1" or not quant_ops.available():
+    if switch == "1":
         return ()
     return tuple(quant_ops.TYPES) if switch == "0" else DEFAULT_KEPT
+
+
+def cpu_keeps(type_name: str) -> bool:
+    """Whether a CPU layer keeps blocks of this type: a kept type and the native kernels built (no
+    compiler or SHARDSERVE_CPU_KERNELS=0: dequantized after loading)."""
+    return type_name in kept_types() and quant_ops.available()
+
+
+def gpu_keeps(type_name: str) -> bool:
+    """Whether a CUDA layer keeps blocks of this type: a type the Triton kernels take, asked for with
+    SHARDSERVE_GGUF_DEQUANTIZE=0 (unset: dequantized, the bf16 matmuls are faster for now)."""
+    return (os.environ.get(DEQUANTIZE_SWITCH) == "0" and type_name in gguf_layout.TYPES
+            and triton_gguf.triton is not None)
 
 
 _HOW = {"int16": "integer dot products with x rounded to ~16 bits per block of 32 (two int8 levels)",
@@ -65,8 +82,14 @@ _HOW = {"int16": "integer dot products with x rounded to ~16 bits per block of 3
         "fp32": "blocks expanded to fp32 against fp32 activations (exact)"}
 
 
-def cpu_path_line() -> str:
-    """The start-up line of a GGUF file kept in its blocks on the CPU (engine/args.py logs it)."""
+def path_line(device: torch.device) -> str:
+    """The start-up line of a GGUF file kept in its blocks (engine/args.py logs it)."""
+    if device.type == "cuda":
+        return ("GGUF weights kept in their blocks, Triton kernels dequantize them inside the matmul (1-16 rows; "
+                f"more: dequantized per call for cuBLAS; {DEQUANTIZE_SWITCH}=1 dequantizes at load)")
+    if not quant_ops.available():
+        return "GGUF weights dequantized after loading: the native CPU kernels are off (no compiler or " \
+               "SHARDSERVE_CPU_KERNELS=0)"
     act = quant_ops.activations()
     return (f"GGUF weights kept in their blocks, {_HOW[act]}, {quant_ops.isa()} kernels (they decode faster than "
             f"the dequantized bf16 panels; {DEQUANTIZE_SWITCH}=1 dequantizes at load, "
@@ -114,7 +137,8 @@ class GgufLinearMethod(LinearMethod):
     `process_after_loading` keeps them as blocks if they share one type the kernels multiply."""
 
     def __init__(self) -> None:
-        self.type_name: str | None = None            # the kept type after loading; None: a dense weight
+        self.type_name: str | None = None            # the kept type(s) after loading; None: a dense weight
+        self.gpu_runs: list[tuple[slice, gguf_layout.GgufPlanes]] = []   # CUDA: runs of rows, each of one type
         self.int8 = False                            # regrouped for the int8-activation kernels (quant_ops.repack)
         self.isa, self.act = "", ""                  # SHARDSERVE_CPU_ISA / _GGUF_ACTIVATIONS as read at load
         self._int8_matmul = None                     # quant_ops.int8_matmul for the regrouped weight
@@ -160,24 +184,25 @@ class GgufLinearMethod(LinearMethod):
         start = sum(sizes[:index])
         return slice(start, start + sizes[index])
 
+    def _runs(self, layer: LinearBase) -> list[tuple[slice, str]]:
+        """The loaded parts as runs of output rows of one type, in row order (neighbouring parts of
+        one type merged: a q/k/v of one type is one run)."""
+        runs: list[tuple[slice, str]] = []
+        for rows, type_name in sorted(((self._part_rows(layer, s), t) for s, t in self._parts),
+                                      key=lambda part: part[0].start):
+            if runs and runs[-1][1] == type_name and runs[-1][0].stop == rows.start:
+                rows = slice(runs.pop()[0].start, rows.stop)
+            runs.append((rows, type_name))
+        return runs
+
     def process_after_loading(self, layer: LinearBase) -> None:
-        types = {t for _, t in self._parts}
+        runs = self._runs(layer)
+        types = {t for _, t in runs}
         device = layer.weight.device
-        keep = len(types) == 1 and next(iter(types)) in kept_types() and device.type == "cpu"
-        if keep:
-            (self.type_name,) = types
-            raw = self._buffers[self.type_name].view(layer.output_size, -1)
-            self.isa, self.act = quant_ops.isa(), quant_ops.activations()
-            self.int8 = self.type_name in quant_ops.INT8_TYPES and self.act != "fp32"
-            if self.int8:
-                raw = quant_ops.repack(raw, self.type_name, layer.input_size)
-            layer.weight = nn.Parameter(raw, requires_grad=False)
-            if self.int8:
-                args = (layer.weight, self.type_name, layer.output_size, layer.input_size, self.isa, self.act)
-                self._int8_matmul = quant_ops.int8_matmul(*args)
-                if isinstance(layer, MergedColumnParallelLinear) and len(layer.output_shard_sizes) == 2 \
-                        and layer.output_shard_sizes[0] == layer.output_shard_sizes[1] and layer.output_size % 16 == 0:
-                    self._int8_gated = quant_ops.int8_matmul(*args, gated=True)
+        if runs and device.type == "cuda" and all(gpu_keeps(t) for t in types):
+            self._keep_on_gpu(layer, runs)
+        elif len(types) == 1 and device.type == "cpu" and cpu_keeps(next(iter(types))):
+            self._keep_on_cpu(layer, next(iter(types)))
         else:
             if len(types) > 1:
                 logger.debug("GGUF: %s has parts of types %s; dequantized", type(layer).__name__,
@@ -192,6 +217,34 @@ class GgufLinearMethod(LinearMethod):
             layer.weight = nn.Parameter(dense, requires_grad=False)
         self._buffers.clear()
 
+    def _keep_on_gpu(self, layer: LinearBase, runs: list[tuple[slice, str]]) -> None:
+        """Each run of rows regrouped into the Triton kernels' planes (kernels/quant/gguf_layout.py),
+        registered on the layer as parameters `gguf<run>_<plane>` (memory accounting sees them);
+        the placeholder weight stays empty."""
+        self.type_name = "+".join(t for _, t in runs)
+        for i, (rows, type_name) in enumerate(runs):
+            planes = gguf_layout.to_planes(self._buffers[type_name][rows], type_name, layer.input_size)
+            for name, tensor in planes.planes.items():
+                param = nn.Parameter(tensor, requires_grad=False)
+                layer.register_parameter(f"gguf{i}_{name}", param)
+                planes.planes[name] = param
+            self.gpu_runs.append((rows, planes))
+
+    def _keep_on_cpu(self, layer: LinearBase, type_name: str) -> None:
+        self.type_name = type_name
+        raw = self._buffers[type_name].view(layer.output_size, -1)
+        self.isa, self.act = quant_ops.isa(), quant_ops.activations()
+        self.int8 = type_name in quant_ops.INT8_TYPES and self.act != "fp32"
+        if self.int8:
+            raw = quant_ops.repack(raw, type_name, layer.input_size)
+        layer.weight = nn.Parameter(raw, requires_grad=False)
+        if self.int8:
+            args = (layer.weight, type_name, layer.output_size, layer.input_size, self.isa, self.act)
+            self._int8_matmul = quant_ops.int8_matmul(*args)
+            if isinstance(layer, MergedColumnParallelLinear) and len(layer.output_shard_sizes) == 2 \
+                    and layer.output_shard_sizes[0] == layer.output_shard_sizes[1] and layer.output_size % 16 == 0:
+                self._int8_gated = quant_ops.int8_matmul(*args, gated=True)
+
     def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
         if self._int8_gated is None:
             return None
@@ -200,6 +253,8 @@ class GgufLinearMethod(LinearMethod):
 
     def stack_linear(self, layer: LinearBase, gated: bool) -> StackLinear | None:
         bias = layer.bias
+        if self.gpu_runs:
+            return None
         if self.type_name is None:   # dequantized: packed panels like any dense layer
             return None if gated else panels_linear(layer.weight, layer.output_size, layer.input_size, bias)
         if (gated and self._int8_gated is None) or (bias is not None and bias.dtype != torch.float32):
@@ -208,6 +263,14 @@ class GgufLinearMethod(LinearMethod):
                                       self.act if self.int8 else "fp32", gated, bias)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.gpu_runs:
+            x2 = x.reshape(-1, x.shape[-1])
+            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+            if tuned.ENABLED and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16, torch.float32):
+                out = triton_gguf.matmul(x2, self.gpu_runs, layer.output_size, bias)
+            else:   # SHARDSERVE_QUANT_KERNELS=0: dequantize, then cuBLAS
+                out = F.linear(x2, reference.gguf_weight(self.gpu_runs, layer.output_size, x2.dtype), bias)
+            return out.view(*x.shape[:-1], layer.output_size)
         if self.type_name is None:
             return linear(x, layer.weight, bias)
         if self.int8:

@@ -1,11 +1,11 @@
 """What the quantized-weight kernels compute, in plain torch: dequantize the weight, then matmul
-(cuBLAS on a GPU). The oracle for kernels/quant/triton_fp8_gemv.py and triton_w4a16.py."""
+(cuBLAS on a GPU). The oracle for kernels/quant/triton_fp8_gemv.py, triton_w4a16.py and triton_gguf.py."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from shardserve.kernels.quant import int4_layout
+from shardserve.kernels.quant import gguf_layout, int4_layout
 
 
 def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -31,3 +31,12 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y
     n = weight.shape[0] // 2
     return F.silu(y[..., :n]) * y[..., n:]
+
+
+def gguf_weight(parts: list[tuple[slice, gguf_layout.GgufPlanes]], n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Runs of output rows in GGUF planes (triton_gguf.matmul's argument) -> the weight [n, K] in
+    `dtype`, computed in fp32 and rounded once."""
+    w = torch.empty(n, parts[0][1].k, dtype=dtype, device=parts[0][1].planes["q"].device)
+    for at, part in parts:
+        w[at] = gguf_layout.dequantize(part).to(dtype)
+    return w

@@ -1,0 +1,192 @@
+"""Issue 25: GGUF weights kept in their blocks on one GPU (kernels/quant/triton_gguf.py).
+
+    python3 benchmarks/gguf_gpu.py [--layers] [--model] [--types Q4_K,Q6_K] [--json out.json]
+
+`--layers`: per Llama-3-8B linear shape and GGUF type, the time of one matmul at 1, 4 and 16 rows
+inside a CUDA graph of back-to-back calls rotating over enough weight copies to miss the L2 cache
+(benchmarks/quant_gemv.py's harness), for the GGUF kernels (a small sweep of strip widths and
+warps; the best is reported) beside the bf16 Triton GEMV (1-4 rows) and cuBLAS; GB/s = the bytes the
+weight holds over the time; the run's copy bandwidth.
+
+`--model`: a random-weight Llama-3-8B-shaped GGUF file written here (blocks of random bytes with
+small scales; Q4_K, with attn_v and ffn_down in Q6_K in every third layer as llama.cpp's Q4_K_M
+mixes them, the embedding Q4_K and the LM head Q6_K), then `shardserve bench latency` (batch 1,
+128 tokens in, 64 out) on it kept in blocks and dequantized at load (SHARDSERVE_GGUF_DEQUANTIZE=1),
+beside `--random-weights llama-3-8b` in bf16, each in a fresh process; the roofline is every byte
+a decode step reads over the run's copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from quant_gemv import copies, graph_time  # noqa: E402
+
+from shardserve.kernels.gemv import triton_gemv  # noqa: E402
+from shardserve.kernels.quant import gguf_layout, triton_gguf  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+LLAMA3_8B = dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+SETTINGS = [(8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)]   # (BLOCK_N, warps) of the FMA kernel
+DOT_SETTINGS = [(16, 32, 4), (16, 64, 4), (16, 128, 8)]            # (BLOCK_M, BLOCK_N, warps)
+
+
+def random_blocks(n: int, k: int, type_name: str, device: str = "cuda") -> torch.Tensor:
+    """uint8 [n, blocks, bytes] of random quants with small fp16 scales (sane values, no inf)."""
+    values, nbytes = gguf_layout.BLOCKS[type_name]
+    raw = torch.randint(0, 256, (n, k // values, nbytes), dtype=torch.uint8, device=device)
+    scale = torch.tensor([1e-3], dtype=torch.float16).view(torch.uint8).to(device)
+    at = {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2)}.get(type_name, (0,))
+    for offset in at:
+        raw[:, :, offset:offset + 2] = scale
+    return raw
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / graph_time(lambda w: y.copy_(w), [x], reps=5)
+
+
+def layers(types: list[str]) -> dict:
+    out = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": copy_bandwidth() / 1e9, "shapes": {}}
+    for shape, (n, k) in SHAPES.items():
+        bf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+              for _ in range(copies(n * k * 2))]
+        for rows in (1, 4, 16):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            row = {"cublas_us": graph_time(lambda w: F.linear(x, w), bf) * 1e6}
+            if rows <= 4:
+                row["bf16_gemv_us"] = graph_time(lambda w: triton_gemv.gemv(x, w), bf) * 1e6
+            row["bf16_gbs"] = n * k * 2 / min(v for v in row.values()) / 1e3
+            for type_name in types:
+                planes = gguf_layout.to_planes(random_blocks(n, k, type_name), type_name, k)
+                held = planes.nbytes()
+                ws = [planes] + [gguf_layout.GgufPlanes(type_name, n, k, {key: p.clone() for key, p in
+                                                                         planes.planes.items()})
+                                 for _ in range(copies(held) - 1)]
+                if rows <= triton_gguf.GEMV_ROWS:
+                    timed = {f"fma {b},{wp}w": graph_time(lambda w: triton_gguf.gemv(x, w, block_n=b, warps=wp), ws)
+                             for b, wp in SETTINGS}
+                else:
+                    timed = {f"dot {m},{b},{wp}w": graph_time(
+                        lambda w: triton_gguf.matmul_dot(x, w, block_m=m, block_n=b, warps=wp), ws)
+                        for m, b, wp in DOT_SETTINGS}
+                best = min(timed, key=timed.get)
+                row[type_name] = {"us": timed[best] * 1e6, "setting": best, "gbs": held / timed[best] / 1e9,
+                                  "bits_per_weight": 8 * held / (n * k),
+                                  "all_us": {s: t * 1e6 for s, t in timed.items()}}
+                del ws, planes
+            out["shapes"][f"{shape}:{rows}"] = row
+            print(shape, rows, json.dumps({key: (v if not isinstance(v, dict) else {a: b for a, b in v.items()
+                                                                                   if a != "all_us"})
+                                           for key, v in row.items()}), flush=True)
+        del bf
+        torch.cuda.empty_cache()
+    return out
+
+
+def _tensor_type(name: str, layer: int) -> str:
+    if name == "output.weight":
+        return "Q6_K"
+    if layer % 3 == 0 and name.endswith(("attn_v.weight", "ffn_down.weight")):
+        return "Q6_K"
+    return "Q4_K"
+
+
+def write_model(path: str) -> int:
+    """The random-weight 8B-shaped Q4_K_M-style file (module docstring); returns the bytes a decode
+    step reads from its linears and LM head."""
+    import gguf
+
+    from tests.models import gguf_files
+    s = LLAMA3_8B
+    h, ffn, vocab = s["hidden"], s["ffn"], s["vocab"]
+    hd = h // s["heads"]
+    cfg = {"num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"], "hidden_size": h,
+           "intermediate_size": ffn, "num_hidden_layers": s["layers"], "max_position_embeddings": 8192,
+           "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 500000.0}, "vocab_size": vocab,
+           "bos_token_id": 256, "eos_token_id": 257}
+    gguf_files.VOCAB = vocab
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("random-llama-3-8b-q4_k_m")
+    gguf_files._write_metadata(w, cfg, "Q8_0")
+    tensors = [("token_embd.weight", vocab, h, -1), ("output_norm.weight", h, 0, -1), ("output.weight", vocab, h, -1)]
+    for i in range(s["layers"]):
+        tensors += [(f"blk.{i}.{name}", rows, cols, i) for name, rows, cols in (
+            ("attn_norm.weight", h, 0), ("attn_q.weight", h, h), ("attn_k.weight", s["kv_heads"] * hd, h),
+            ("attn_v.weight", s["kv_heads"] * hd, h), ("attn_output.weight", h, h), ("ffn_norm.weight", h, 0),
+            ("ffn_gate.weight", ffn, h), ("ffn_up.weight", ffn, h), ("ffn_down.weight", h, ffn))]
+    read = 0
+    for name, rows, cols, layer in tensors:
+        if not cols:
+            w.add_tensor(name, np.ones(rows, dtype=np.float32))
+            continue
+        qtype = _tensor_type(name, layer)
+        raw = random_blocks(rows, cols, qtype, device="cpu").numpy().reshape(rows, -1)
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        if name != "token_embd.weight":
+            read += raw.nbytes
+    gguf_files._finish(w)
+    return read
+
+
+def latency(args: list[str], env: dict) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, "-m", "shardserve", "bench", "latency", *args, "--batch-size", "1", "--input-len",
+               "128", "--output-len", "64", "--output-json", f.name]
+        subprocess.run(cmd, env={**os.environ, **env}, check=True)
+        with open(f.name) as g:
+            return json.load(g)
+
+
+def model() -> dict:
+    path = os.path.join(tempfile.gettempdir(), "random-llama-3-8b-q4_k_m.gguf")
+    read = write_model(path)
+    bw = copy_bandwidth()
+    out = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bw / 1e9, "gguf_linear_and_head_bytes": read}
+    runs = {"gguf kept in blocks": (["--model", path], {"SHARDSERVE_GGUF_DEQUANTIZE": "0"}),
+            "gguf dequantized at load (bf16)": (["--model", path], {"SHARDSERVE_GGUF_DEQUANTIZE": "1"}),
+            "bf16 --random-weights llama-3-8b": (["--random-weights", "llama-3-8b"], {})}
+    for name, (args, env) in runs.items():
+        r = latency(args + ["--dtype", "bfloat16"], env)
+        out[name] = {"decode_step_ms": r["decode_step_ms"], "prefill_ms": r["prefill_s"] * 1e3,
+                     "bench_roofline_ms": r.get("roofline_step_ms")}
+        print(name, out[name], flush=True)
+    # KV read per step at 160 tokens on average, 8 KV heads of 128, 32 layers, bf16: small beside the weights.
+    kv = 160 * 2 * LLAMA3_8B["layers"] * LLAMA3_8B["kv_heads"] * 128 * 2
+    out["gguf_roofline_ms"] = (read + kv) / bw * 1e3
+    os.remove(path)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", action="store_true")
+    p.add_argument("--model", action="store_true")
+    p.add_argument("--types", default=",".join(gguf_layout.TYPES))
+    p.add_argument("--json", default=None)
+    ns = p.parse_args()
+    result = {}
+    if ns.layers:
+        result["layers"] = layers(ns.types.split(","))
+    if ns.model:
+        result["model"] = model()
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

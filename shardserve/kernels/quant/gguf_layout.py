@@ -1,0 +1,112 @@
+"""GGUF blocks regrouped for the GPU kernels (kernels/quant/triton_gguf.py): the file's bytes, the
+same bits per weight, but each field of the blocks in a plane of its own, row-major [N, ...], so a
+kernel loads a strip of rows' quants, scales or high bits with plain strided loads instead of
+picking fields out of 18- to 210-byte records. The quants keep the file's order inside a block (the
+kernels pair each byte's two nibbles with the activations they belong to); the 6-bit scales and mins
+of Q4_K / Q5_K are unpacked to one byte each (4.5 -> 4.625 and 5.5 -> 5.625 bits per weight).
+
+Planes per type (K inputs per row; "q" the quants, "h" the high bits, "s" the per-block scale, "m"
+the per-block min, "d" / "dm" the per-super-block scale and min of the K-quants):
+
+| type | q | h | s | m | d, dm |
+| --- | --- | --- | --- | --- | --- |
+| Q4_0 | uint8 [N, K/2] | | fp16 [N, K/32] | | |
+| Q4_1 | uint8 [N, K/2] | | fp16 [N, K/32] | fp16 [N, K/32] | |
+| Q8_0 | int8 [N, K] | | fp16 [N, K/32] | | |
+| Q4_K | uint8 [N, K/2] | | uint8 [N, K/32] | uint8 [N, K/32] | fp16 [N, K/256] each |
+| Q5_K | uint8 [N, K/2] | uint8 [N, K/8] | uint8 [N, K/32] | uint8 [N, K/32] | fp16 [N, K/256] each |
+| Q6_K | uint8 [N, K/2] | uint8 [N, K/4] | int8 [N, K/16] | | fp16 [N, K/256] (d) |
+
+`dequantize` expands the planes with torch ops (the kernels-off path, SHARDSERVE_QUANT_KERNELS=0);
+the tests hold both it and the kernels to the CPU's dequantization of the file's blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Values per block and bytes per block of each type the GPU kernels take.
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),
+          "Q6_K": (256, 210)}
+TYPES = tuple(BLOCKS)
+
+
+@dataclass
+class GgufPlanes:
+    """One weight [n, k] of GGUF type `type_name` as planes (the module docstring)."""
+    type_name: str
+    n: int
+    k: int
+    planes: dict[str, torch.Tensor]
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.planes.values())
+
+
+def _f16(raw: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 field at byte `at` of each block of raw [n, blocks, bytes] -> [n, blocks]."""
+    return raw[:, :, at:at + 2].contiguous().view(torch.float16).squeeze(-1)
+
+
+def _scales_mins_k4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins per super-block [n, sb, 12] -> the 8 scales
+    and 8 mins of its blocks of 32, one byte each [n, sb, 8]."""
+    q = packed.to(torch.int32)
+    lo_sc, lo_m = q[..., 0:4] & 63, q[..., 4:8] & 63             # blocks 0-3: the low 6 bits
+    hi_sc = (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)     # blocks 4-7: 4 bits + the top 2 of bytes 0-3
+    hi_m = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)      #   and of bytes 4-7
+    return (torch.cat([lo_sc, hi_sc], -1).to(torch.uint8), torch.cat([lo_m, hi_m], -1).to(torch.uint8))
+
+
+def to_planes(raw: torch.Tensor, type_name: str, k: int) -> GgufPlanes:
+    """The file's blocks, uint8 [n, blocks, block bytes] (or [n, row bytes]), of `type_name` -> planes
+    on the same device."""
+    values, nbytes = BLOCKS[type_name]
+    n = raw.shape[0]
+    raw = raw.reshape(n, k // values, nbytes)
+    flat = lambda t: t.reshape(n, -1).contiguous()   # noqa: E731  [n, blocks, x] -> [n, blocks * x]
+    if type_name == "Q4_0":
+        planes = {"q": flat(raw[:, :, 2:]), "s": _f16(raw, 0)}
+    elif type_name == "Q4_1":
+        planes = {"q": flat(raw[:, :, 4:]), "s": _f16(raw, 0), "m": _f16(raw, 2)}
+    elif type_name == "Q8_0":
+        planes = {"q": flat(raw[:, :, 2:]).view(torch.int8), "s": _f16(raw, 0)}
+    elif type_name in ("Q4_K", "Q5_K"):
+        sc, mn = _scales_mins_k4(raw[:, :, 4:16])
+        planes = {"q": flat(raw[:, :, 16:] if type_name == "Q4_K" else raw[:, :, 48:]), "s": flat(sc),
+                  "m": flat(mn), "d": _f16(raw, 0), "dm": _f16(raw, 2)}
+        if type_name == "Q5_K":
+            planes["h"] = flat(raw[:, :, 16:48])
+    else:   # Q6_K: ql[128] qh[64] scales[16] d
+        planes = {"q": flat(raw[:, :, :128]), "h": flat(raw[:, :, 128:192]),
+                  "s": flat(raw[:, :, 192:208]).view(torch.int8), "d": _f16(raw, 208)}
+    return GgufPlanes(type_name, n, k, {name: p.contiguous() for name, p in planes.items()})
+
+
+def dequantize(w: GgufPlanes) -> torch.Tensor:
+    """The planes expanded to fp32 [n, k], with the same arithmetic as the file format defines."""
+    p, k = w.planes, w.k
+    e = torch.arange(k, device=p["q"].device)
+    if w.type_name == "Q8_0":
+        return p["q"].float() * p["s"].float()[:, e // 32]
+    if w.type_name in ("Q4_0", "Q4_1"):   # byte j of a block: value j (low nibble), value j + 16 (high)
+        byte, shift = (e // 32) * 16 + e % 16, 4 * ((e % 32) // 16)
+    elif w.type_name in ("Q4_K", "Q5_K"):   # byte j of 32 per 64 values: value j (low), value j + 32 (high)
+        byte, shift = (e // 64) * 32 + e % 32, 4 * ((e % 64) // 32)
+    else:   # Q6_K: byte j of 64 per 128 values: value j (low), value j + 64 (high)
+        byte, shift = (e // 128) * 64 + e % 64, 4 * ((e % 128) // 64)
+    q = (p["q"][:, byte].int() >> shift) & 15
+    if w.type_name == "Q4_0":
+        return p["s"].float()[:, e // 32] * (q - 8).float()
+    if w.type_name == "Q4_1":
+        return p["s"].float()[:, e // 32] * q.float() + p["m"].float()[:, e // 32]
+    if w.type_name == "Q6_K":   # 2 high bits: byte j of 32 per 128 values, bit pair by the value's quarter
+        high = (p["h"][:, (e // 128) * 32 + e % 32].int() >> (2 * ((e % 128) // 32))) & 3
+        scale = p["d"].float()[:, e // 256] * p["s"].float()[:, e // 16]
+        return scale * ((q | (high << 4)) - 32).float()
+    if w.type_name == "Q5_K":   # 1 high bit: byte j of 32 per 256 values, bit by the value's block of 32
+        q = q | (((p["h"][:, (e // 256) * 32 + e % 32].int() >> ((e % 256) // 32)) & 1) << 4)
+    scale = p["d"].float()[:, e // 256] * p["s"].float()[:, e // 32]
+    minimum = p["dm"].float()[:, e // 256] * p["m"].float()[:, e // 32]
+    return scale * q.float() - minimum

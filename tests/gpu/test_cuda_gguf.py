@@ -1,0 +1,91 @@
+"""GGUF weights kept in their blocks on a GPU (quantization/gguf.py, kernels/quant/triton_gguf.py):
+each kernel (FMA GEMV, tensor-core matmul, dequantize for cuBLAS) and every type against
+dequantize-then-matmul, on sizes with a last step past K, with a bias and over a fused layer whose
+parts differ in type; a tiny GGUF Llama (Q4_K with v and up in Q6_K, as Q4_K_M files mix them)
+kept in blocks against the same file dequantized at load: same greedy tokens, close log-probs,
+fewer weight bytes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve.kernels.quant import gguf_layout, triton_gguf
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("GPU-only: needs CUDA and Triton", allow_module_level=True)
+pytest.importorskip("gguf")
+
+
+def _runs(type_name: str, n: int, k: int, seed: int = 0):
+    from tests.quantization.test_gguf_quant import _weights
+    raw, ref = _weights(type_name, n, k, seed)
+    return [(slice(0, n), gguf_layout.to_planes(raw.cuda(), type_name, k))], ref.cuda()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within the output's rounding: the kernels sum in fp32 in another order than cuBLAS."""
+    assert got.shape == want.shape and not got.isnan().any()
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert err < 6e-3, err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16, 40])
+@pytest.mark.parametrize("type_name", gguf_layout.TYPES)
+def test_kernels_match_dequantize_then_matmul(type_name, rows, dtype):
+    n, k = 1000, 2304 if type_name.endswith("_K") else 4128   # 4128: the last step of 128 runs past K
+    runs, ref = _runs(type_name, n, k)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    got = triton_gguf.matmul(x, runs, n, bias)
+    _close(got, x.float() @ ref.to(dtype).float().T + bias.float())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+def test_fused_layer_of_two_types(rows):
+    (a, ref_a), (b, ref_b) = _runs("Q4_K", 512, 1024), _runs("Q6_K", 256, 1024, seed=1)
+    runs = [(slice(0, 512), a[0][1]), (slice(512, 768), b[0][1])]
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    want = x.float() @ torch.cat([ref_a, ref_b]).bfloat16().float().T
+    _close(triton_gguf.matmul(x, runs, 768), want)
+    _close(triton_gguf.matmul(x.float(), runs, 768), want)   # fp32 activations: FMA or dequantize + cuBLAS
+
+
+def test_tiny_q4_k_m_style_file_kept_in_blocks(tmp_path, monkeypatch):
+    from shardserve.llm import LLM
+    from shardserve.quantization.gguf import GgufLinearMethod
+    from shardserve.sampling_params import SamplingParams
+    from tests.models import gguf_files
+    from tests.models.gguf_files import prompt_logprobs, random_prompt, write_gguf
+    from tests.quantization.test_gguf_quant import _typed_add_tensor
+    from tests.tiny_models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama", hidden_size=256, intermediate_size=512)
+    path = str(tmp_path / "tiny-q4_k_m.gguf")
+    monkeypatch.setattr(gguf_files, "_add_tensor", _typed_add_tensor(gguf_files._add_tensor, "Q4_K", "Q6_K"))
+    write_gguf(ckpt, path, "Q8_0")
+    prompt = random_prompt(5, 40)
+    results = {}
+    for dequantize in ("0", "1"):
+        monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", dequantize)
+        llm = LLM(path, dtype="float32", device="cuda", kv_cache_memory="64MiB", show_progress=False,
+                  max_logprobs=-1)
+        try:
+            model = llm.engine.executor.worker.model_runner.model
+            kept = {name: m.quant_method.type_name for name, m in model.named_modules()
+                    if isinstance(getattr(m, "quant_method", None), GgufLinearMethod)}
+            weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                               if ".layers." in name and "norm" not in name)
+            tokens = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=16, temperature=0),
+                                  use_tqdm=False)[0].outputs[0].token_ids
+            results[dequantize] = (kept, weight_bytes, prompt_logprobs(llm, prompt), list(tokens))
+        finally:
+            llm.engine.shutdown()
+    (kept, kept_bytes, ours, tokens), (dense, dense_bytes, exact, dense_tokens) = results["0"], results["1"]
+    assert {t for n, t in kept.items() if n.endswith(("qkv_proj", "gate_up_proj"))} == {"Q4_K+Q6_K"}, kept
+    assert {t for n, t in kept.items() if n.endswith(("o_proj", "down_proj"))} == {"Q4_K"}, kept
+    assert not dense   # dequantized at load: plain linears
+    assert kept_bytes < 0.25 * dense_bytes, (kept_bytes, dense_bytes)   # fp32 dense weights: ~5 bits against 32
+    assert (ours - exact).abs().max().item() < 1e-3
+    assert tokens == dense_tokens

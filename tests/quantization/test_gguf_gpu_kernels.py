@@ -1,0 +1,68 @@
+"""The GPU side of GGUF kept in blocks, on the CPU: the planes (kernels/quant/gguf_layout.py) expand
+to exactly gguf's own dequantization of the file's blocks, and the Triton kernels
+(kernels/quant/triton_gguf.py) run under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess:
+the switch is read when the kernels are defined) against dequantize-then-matmul, so their index
+arithmetic is checked on every CI run; tests/gpu/test_cuda_gguf.py runs them compiled."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardserve.kernels.quant import gguf_layout
+from tests.quantization.test_gguf_quant import _weights
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("type_name", gguf_layout.TYPES)
+def test_planes_expand_to_the_files_values(type_name):
+    n, k = 5, 512
+    raw, ref = _weights(type_name, n, k)
+    planes = gguf_layout.to_planes(raw, type_name, k)
+    assert torch.equal(gguf_layout.dequantize(planes), ref)
+    file_bytes = raw.numel()
+    unpacked = n * k // 64 if type_name in ("Q4_K", "Q5_K") else 0   # 12 bytes of 6-bit fields -> 16
+    assert planes.nbytes() == file_bytes + unpacked
+
+
+def check_kernels() -> None:
+    """Run under TRITON_INTERPRET=1: every kernel, type and row count against the planes' values."""
+    from shardserve.kernels.quant import triton_gguf
+    torch.manual_seed(0)
+    for type_name in gguf_layout.TYPES:
+        n, k = 24, 512 if type_name.endswith("_K") else 480   # 480: a last step past K (masked)
+        raw, ref = _weights(type_name, n, k)
+        w = gguf_layout.to_planes(raw, type_name, k)
+        bias = torch.randn(n)
+        for rows in (1, 3):
+            x = torch.randn(rows, k)
+            got = triton_gguf.gemv(x, w, bias)
+            torch.testing.assert_close(got.double(), x.double() @ ref.double().T + bias.double(), rtol=1e-5,
+                                       atol=1e-4 * ref.abs().max().item())
+        x = torch.randn(7, k, dtype=torch.float16)   # the interpreter has no bf16 arithmetic
+        got = triton_gguf.matmul_dot(x, w)
+        expected = x.double() @ ref.half().double().T
+        torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
+        assert torch.equal(triton_gguf.dequantize(w, torch.float32), ref), type_name
+    # A fused layer whose parts differ in type: one run of rows per type, written into one output.
+    (raw_a, ref_a), (raw_b, ref_b) = _weights("Q4_K", 16, 256), _weights("Q6_K", 8, 256, seed=1)
+    runs = [(slice(0, 16), gguf_layout.to_planes(raw_a, "Q4_K", 256)),
+            (slice(16, 24), gguf_layout.to_planes(raw_b, "Q6_K", 256))]
+    ref = torch.cat([ref_a, ref_b])
+    for rows in (2, 20):   # the FMA kernel; the weight dequantized for the matmul
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(triton_gguf.matmul(x, runs, 24).double(), x.double() @ ref.double().T,
+                                   rtol=1e-5, atol=1e-3)
+
+
+def test_triton_kernels_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    code = "from tests.quantization.test_gguf_gpu_kernels import check_kernels; check_kernels()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
