@@ -25,7 +25,7 @@ from shardserve.kernels.cpu.decoder_stack import StackMoe
 from shardserve.kernels.moe import torch_moe
 from shardserve.kernels.moe.gguf_experts import GgufExperts
 from shardserve.layers.moe import FusedMoE, MoEMethod, experts_matmul
-from shardserve.quantization.gguf import block_size, dequantize_blocks, kept_types
+from shardserve.quantization.gguf import block_size, cpu_keeps, dequantize_blocks
 
 
 class GgufMoEMethod(MoEMethod):
@@ -80,7 +80,7 @@ class GgufMoEMethod(MoEMethod):
         device = layer.w13_weight.device
         if set(self.types) != {"gate", "up", "down"}:
             raise ValueError(f"{layer.prefix}: the GGUF file lacks some of the experts' gate, up and down tensors")
-        keep = (device.type == "cpu" and set(self.types.values()) <= set(kept_types())
+        keep = (device.type == "cpu" and all(cpu_keeps(t) for t in self.types.values())
                 and self.types["gate"] == self.types["up"])
         isa, act = quant_ops.isa(), quant_ops.activations()
         for part, kinds, k in (("w13", ("gate", "up"), layer.hidden_size), ("w2", ("down",), layer.intermediate_size)):
