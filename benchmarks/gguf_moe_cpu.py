@@ -8,12 +8,14 @@ here (cached under ~/.cache/shardserve/bench): hidden 1024, 8 layers, 16 heads (
 experts of width 512, top-8, vocabulary 32000; attention and the LM head Q8_0, the experts
 `--experts-type` (Q4_0 by default; any type kept in blocks by default).
 
-Per contender (benchmarks/gguf_kquant_cpu.py's `measure`, as benchmarks/gguf_cpu.py measures): weights
-held, a fresh 128-token prompt's prefill (best of 2) and single-stream decode (128 new tokens after a
-fresh 128-token prompt less a 1-token request on another; best of 3), 2 threads, `--dtype
-bfloat16`; llama.cpp's `llama-bench -t 2 -p 128 -n 128` on the same file (benchmarks/llama_cpp_bench.py
-builds it). The contenders alternate over `--rounds`, ours each in a fresh process; the best round
-of each is reported.
+Contenders: the experts kept in blocks, with the decoder layers in the one native call (the default)
+and one kernel call at a time (`SHARDSERVE_CPU_DECODER_STACK=0`); the file dequantized at load;
+llama.cpp. Per contender (benchmarks/gguf_kquant_cpu.py's `measure`, as benchmarks/gguf_cpu.py
+measures): weights held, a fresh 128-token prompt's prefill (best of 2) and single-stream decode
+(128 new tokens after a fresh 128-token prompt less a 1-token request on another; best of 3), 2
+threads, `--dtype bfloat16`; llama.cpp's `llama-bench -t 2 -p 128 -n 128` on the same file
+(benchmarks/llama_cpp_bench.py builds it). The contenders alternate over `--rounds`, ours each in a
+fresh process; the best round of each is reported.
 """
 from __future__ import annotations
 
@@ -99,7 +101,10 @@ def main() -> None:
     path = write_file(args.experts_type)
     # Dequantizing only the experts: their type taken out of the kept ones would need a switch of its
     # own, so the peer dequantizes the whole file (its Q8_0 attention too, a few percent of the bytes).
+    # Kept experts twice: in the one-call decoder stack (the default: models/cpu_stack.py) and with the
+    # modules called one kernel at a time, so the stack's share shows in the same run.
     paths = {f"experts kept in blocks ({args.experts_type})": {},
+             f"experts kept in blocks ({args.experts_type}), decoder stack off": {"SHARDSERVE_CPU_DECODER_STACK": "0"},
              "dequantized at load (bf16)": {"SHARDSERVE_GGUF_DEQUANTIZE": "1"}}
     names = list(paths) + ([] if args.no_llama_cpp else ["llama.cpp (llama-bench), same file"])
     results: dict[str, list[dict]] = {name: [] for name in names}
