@@ -2,8 +2,8 @@
 give the very bits of the per-module path (SHARDSERVE_CPU_DECODER_STACK=0): prompt log-probs over
 the whole vocabulary and greedy tokens, with chunked prefills beside decodes, for each kind of
 layer and matmul it takes (packed fp32 and bf16 panels, GGUF blocks with int8 and fp32
-activations, fp8 and bf16 KV pools, sliding windows, QKV bias, per-head q/k norms); and it steps aside where it does
-not apply."""
+activations, fp8 and bf16 KV pools, sliding windows, QKV bias, per-head q/k norms, MoE layers with
+GGUF experts); and it steps aside where it does not apply."""
 from __future__ import annotations
 
 import pytest
@@ -80,12 +80,12 @@ def test_stack_gives_the_module_path_bits_on_gguf_blocks(tmp_path, monkeypatch, 
 
 
 def test_stack_steps_aside_where_it_does_not_apply(tmp_path, monkeypatch):
-    """OLMoE's q/k norms over all heads (and its experts) are not in the C stack: the modules run (and
-    match HF, test_parity); bf16 activations (native half precision) never reach it; a bad switch
-    value is refused."""
-    olmoe = make_tiny_checkpoint(str(tmp_path / "olmoe"), "olmoe")
-    _, used = _run(olmoe, monkeypatch, True)
-    assert not used
+    """OLMoE's q/k norms over all heads are not in the C stack, nor are experts other than GGUF blocks
+    (Qwen3-MoE's fp32 experts): the modules run (and match HF, test_parity); bf16 activations (native
+    half precision) never reach it; a bad switch value is refused."""
+    for arch in ("olmoe", "qwen3_moe"):
+        _, used = _run(make_tiny_checkpoint(str(tmp_path / arch), arch), monkeypatch, True)
+        assert not used
     monkeypatch.setenv("SHARDSERVE_CPU_NATIVE_HALF", "1")
     llama = make_tiny_checkpoint(str(tmp_path / "llama"), "llama")
     _, used = _run(llama, monkeypatch, True, dtype="bfloat16")
