@@ -4,9 +4,9 @@
 
 `--layers`: per Llama-3-8B linear shape and GGUF type, the time of one matmul at 1, 4 and 16 rows
 inside a CUDA graph of back-to-back calls rotating over enough weight copies to miss the L2 cache
-(benchmarks/quant_gemv.py's harness), for the GGUF kernels (a small sweep of strip widths and
-warps; the best is reported) beside the bf16 Triton GEMV (1-4 rows) and cuBLAS; GB/s = the bytes the
-weight holds over the time; the run's copy bandwidth.
+(benchmarks/quant_gemv.py's harness), for the GGUF GEMV (a small sweep of strip widths, warps,
+inputs per step and pipeline stages; the best is reported) beside the bf16 Triton GEMV (1-4 rows)
+and cuBLAS; GB/s = the bytes the weight holds over the time; the run's copy bandwidth.
 
 `--model`: a random-weight Llama-3-8B-shaped GGUF file written here (blocks of random bytes with
 small scales; Q4_K, with attn_v and ffn_down in Q6_K in every third layer as llama.cpp's Q4_K_M
@@ -38,8 +38,9 @@ from shardserve.kernels.quant import gguf_layout, triton_gguf  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LLAMA3_8B = dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
-SETTINGS = [(8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)]   # (BLOCK_N, warps) of the FMA kernel
-DOT_SETTINGS = [(16, 32, 4), (16, 64, 4), (16, 128, 8)]            # (BLOCK_M, BLOCK_N, warps)
+# (BLOCK_N, warps, inputs per loop step, pipeline stages) of the GEMV
+SETTINGS = [(16, 4, 256, 3), (32, 4, 256, 3), (32, 4, 512, 3), (64, 4, 256, 3), (64, 8, 256, 3), (32, 8, 512, 3),
+            (16, 4, 512, 4), (32, 4, 256, 4)]
 
 
 def random_blocks(n: int, k: int, type_name: str, device: str = "cuda") -> torch.Tensor:
@@ -76,13 +77,9 @@ def layers(types: list[str]) -> dict:
                 ws = [planes] + [gguf_layout.GgufPlanes(type_name, n, k, {key: p.clone() for key, p in
                                                                          planes.planes.items()})
                                  for _ in range(copies(held) - 1)]
-                if rows <= triton_gguf.GEMV_ROWS:
-                    timed = {f"fma {b},{wp}w": graph_time(lambda w: triton_gguf.gemv(x, w, block_n=b, warps=wp), ws)
-                             for b, wp in SETTINGS}
-                else:
-                    timed = {f"dot {m},{b},{wp}w": graph_time(
-                        lambda w: triton_gguf.matmul_dot(x, w, block_m=m, block_n=b, warps=wp), ws)
-                        for m, b, wp in DOT_SETTINGS}
+                timed = {f"{b},{wp}w,{sv},{st}s": graph_time(
+                    lambda w: triton_gguf.gemv(x, w, block_n=b, warps=wp, step_values=sv, stages=st), ws)
+                    for b, wp, sv, st in SETTINGS}
                 best = min(timed, key=timed.get)
                 row[type_name] = {"us": timed[best] * 1e6, "setting": best, "gbs": held / timed[best] / 1e9,
                                   "bits_per_weight": 8 * held / (n * k),

@@ -38,14 +38,14 @@ def check_kernels() -> None:
         raw, ref = _weights(type_name, n, k)
         w = gguf_layout.to_planes(raw, type_name, k)
         bias = torch.randn(n)
-        for rows in (1, 3):
+        for rows in (1, 3):   # fp32 activations: products in full fp32
             x = torch.randn(rows, k)
             got = triton_gguf.gemv(x, w, bias)
             torch.testing.assert_close(got.double(), x.double() @ ref.double().T + bias.double(), rtol=1e-5,
                                        atol=1e-4 * ref.abs().max().item())
         x = torch.randn(7, k, dtype=torch.float16)   # the interpreter has no bf16 arithmetic
-        got = triton_gguf.matmul_dot(x, w)
-        expected = x.double() @ ref.half().double().T
+        got = triton_gguf.gemv(x, w)
+        expected = x.double() @ ref.double().T
         torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
         assert torch.equal(triton_gguf.dequantize(w, torch.float32), ref), type_name
     # A fused layer whose parts differ in type: one run of rows per type, written into one output.
@@ -53,7 +53,7 @@ def check_kernels() -> None:
     runs = [(slice(0, 16), gguf_layout.to_planes(raw_a, "Q4_K", 256)),
             (slice(16, 24), gguf_layout.to_planes(raw_b, "Q6_K", 256))]
     ref = torch.cat([ref_a, ref_b])
-    for rows in (2, 20):   # the FMA kernel; the weight dequantized for the matmul
+    for rows in (2, 20):   # the GEMV; the weight dequantized for the matmul
         x = torch.randn(rows, 256)
         torch.testing.assert_close(triton_gguf.matmul(x, runs, 24).double(), x.double() @ ref.double().T,
                                    rtol=1e-5, atol=1e-3)
