@@ -2,7 +2,7 @@
 
     python3 benchmarks/gguf_gpu.py [--layers] [--model] [--types Q4_K,Q6_K] [--json out.json]
 
-`--layers`: per Llama-3-8B linear shape and GGUF type, the time of one matmul at 1, 4 and 16 rows
+`--layers`: per Llama-3-8B linear shape and GGUF type, the time of one matmul at 1 and 16 rows
 inside a CUDA graph of back-to-back calls rotating over enough weight copies to miss the L2 cache
 (benchmarks/quant_gemv.py's harness), for the GGUF GEMV (a small sweep of strip widths, warps,
 inputs per step and pipeline stages; the best is reported) beside the bf16 Triton GEMV (1-4 rows)
@@ -11,9 +11,10 @@ and cuBLAS; GB/s = the bytes the weight holds over the time; the run's copy band
 `--model`: a random-weight Llama-3-8B-shaped GGUF file written here (blocks of random bytes with
 small scales; Q4_K, with attn_v and ffn_down in Q6_K in every third layer as llama.cpp's Q4_K_M
 mixes them, the embedding Q4_K and the LM head Q6_K), then `shardserve bench latency` (batch 1,
-128 tokens in, 64 out) on it kept in blocks and dequantized at load (SHARDSERVE_GGUF_DEQUANTIZE=1),
-beside `--random-weights llama-3-8b` in bf16, each in a fresh process; the roofline is every byte
-a decode step reads over the run's copy bandwidth.
+128 tokens in, 64 out) on it kept in blocks (SHARDSERVE_GGUF_DEQUANTIZE=0), beside
+`--random-weights llama-3-8b` in bf16 (what the file dequantized at load runs, without the minutes
+gguf-py takes to expand 8B weights), each in a fresh process; the roofline is every byte a decode
+step reads over the run's copy bandwidth.
 """
 from __future__ import annotations
 
@@ -36,11 +37,12 @@ from quant_gemv import copies, graph_time  # noqa: E402
 from shardserve.kernels.gemv import triton_gemv  # noqa: E402
 from shardserve.kernels.quant import gguf_layout, triton_gguf  # noqa: E402
 
+ROWS = (1, 16)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LLAMA3_8B = dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
-# (BLOCK_N, warps, inputs per loop step, pipeline stages) of the GEMV
-SETTINGS = [(16, 4, 256, 3), (32, 4, 256, 3), (32, 4, 512, 3), (64, 4, 256, 3), (64, 8, 256, 3), (32, 8, 512, 3),
-            (16, 4, 512, 4), (32, 4, 256, 4)]
+# (BLOCK_N, warps, inputs per loop step, pipeline stages, loop) of the GEMV
+SETTINGS = [(16, 4, 512, 4, 0), (32, 4, 512, 3, 0), (16, 4, 256, 3, 1), (32, 4, 256, 3, 1), (32, 4, 512, 3, 1),
+            (64, 4, 256, 3, 1), (64, 8, 512, 3, 1), (16, 4, 512, 4, 1)]
 
 
 def random_blocks(n: int, k: int, type_name: str, device: str = "cuda") -> torch.Tensor:
@@ -65,7 +67,7 @@ def layers(types: list[str]) -> dict:
     for shape, (n, k) in SHAPES.items():
         bf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
               for _ in range(copies(n * k * 2))]
-        for rows in (1, 4, 16):
+        for rows in ROWS:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             row = {"cublas_us": graph_time(lambda w: F.linear(x, w), bf) * 1e6}
             if rows <= 4:
@@ -77,9 +79,9 @@ def layers(types: list[str]) -> dict:
                 ws = [planes] + [gguf_layout.GgufPlanes(type_name, n, k, {key: p.clone() for key, p in
                                                                          planes.planes.items()})
                                  for _ in range(copies(held) - 1)]
-                timed = {f"{b},{wp}w,{sv},{st}s": graph_time(
-                    lambda w: triton_gguf.gemv(x, w, block_n=b, warps=wp, step_values=sv, stages=st), ws)
-                    for b, wp, sv, st in SETTINGS}
+                timed = {f"{b},{wp}w,{sv},{st}s,loop{lp}": graph_time(
+                    lambda w: triton_gguf.gemv(x, w, tiles=(b, wp, sv, st, lp)), ws)
+                    for b, wp, sv, st, lp in SETTINGS}
                 best = min(timed, key=timed.get)
                 row[type_name] = {"us": timed[best] * 1e6, "setting": best, "gbs": held / timed[best] / 1e9,
                                   "bits_per_weight": 8 * held / (n * k),
@@ -154,7 +156,6 @@ def model() -> dict:
     bw = copy_bandwidth()
     out = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bw / 1e9, "gguf_linear_and_head_bytes": read}
     runs = {"gguf kept in blocks": (["--model", path], {"SHARDSERVE_GGUF_DEQUANTIZE": "0"}),
-            "gguf dequantized at load (bf16)": (["--model", path], {"SHARDSERVE_GGUF_DEQUANTIZE": "1"}),
             "bf16 --random-weights llama-3-8b": (["--random-weights", "llama-3-8b"], {})}
     for name, (args, env) in runs.items():
         r = latency(args + ["--dtype", "bfloat16"], env)

@@ -17,7 +17,10 @@ where q . x is one batched tensor-core product per half over all NU units [NU, B
 (not per weight). The weight loads feed the products, so Triton's pipeliner keeps them in flight.
 
 - `gemv` (1-16 rows, decode): each program owns a strip of output rows, the activation rows padded
-  to one 16-row tile (fp32 activations: products in full fp32, `input_precision="ieee"`).
+  to one 16-row tile (fp32 activations: products in full fp32, `input_precision="ieee"`); LOOP 0
+  makes one batched product per half and step, LOOP 1 one plain product per unit and half.
+  Measured on an H100 (8B shapes, one row) it runs at 0.35-0.6 TB/s of the weight's bytes, half
+  the bf16 GEMV's speed: the unpacking, not the memory, bounds it.
 - `dequantize`: the weight as bf16/fp16 [n, K] (s q + m in fp32, rounded once), for cuBLAS on more
   rows (prefill).
 Each kernel begins with `pdl.start(PDL)` (kernels/pdl.py); `gemv` lets the next kernel launch after
@@ -44,13 +47,13 @@ except ImportError:   # CPU-only installs launch no Triton kernels
 
 if triton is not None:
     @triton.jit
-    def _units(q_ptr, h_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, cols, col_ok, k0, k, TYPE: tl.constexpr,
+    def _units(q_ptr, h_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, cols, col_ok, k0, u0, k, TYPE: tl.constexpr,
                NU: tl.constexpr):
-        """NU units of rows `cols` from input k0 (the module docstring): the quants of both halves
+        """Units u0 .. u0 + NU of the step at input k0 (the module docstring): the quants of both halves
         (int32 [NU, BLOCK_N, UB]), their scales and offsets (fp32 [NU, BLOCK_N, 1]), the inputs
         each half holds ([NU, UB]) and which units lie inside K ([NU])."""
         UB: tl.constexpr = 32 if TYPE == 3 or TYPE == 4 else 16
-        u = tl.arange(0, NU)
+        u = u0 + tl.arange(0, NU)
         lane = tl.arange(0, UB)[None, :]
         rows = cols.to(tl.int64)[None, :, None]
         if TYPE <= 2:      # a unit: one block of 32, values j and j + 16
@@ -132,24 +135,52 @@ if triton is not None:
         return p
 
     @triton.jit
+    def _half2(q, s, m, x, IEEE: tl.constexpr, OFFSET: tl.constexpr):
+        """As `_half` for one unit: [BLOCK_N, UB] x [UB, BLOCK_M]."""
+        if IEEE:
+            p = tl.dot(q.to(tl.float32), x, input_precision="ieee")
+        else:
+            p = tl.dot(q.to(x.dtype), x)
+        p = s * p
+        if OFFSET:
+            p += m * tl.sum(x.to(tl.float32), axis=0)[None, :]
+        return p
+
+    @triton.jit
     def gemv_kernel(x_ptr, q_ptr, h_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, b_ptr, out_ptr, rows, n, k, stride_x,
                     stride_o, TYPE: tl.constexpr, NU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                    IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                    LOOP: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
         pdl.start(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n
         r = tl.arange(0, BLOCK_M)
         r_ok = r < rows
         step = NU * (64 if TYPE == 3 or TYPE == 4 else 32)
+        UB: tl.constexpr = 32 if TYPE == 3 or TYPE == 4 else 16
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for k0 in range(0, k, step):
-            q_lo, q_hi, s_lo, s_hi, m_lo, m_hi, v_lo, v_hi, u_ok = _units(q_ptr, h_ptr, s_ptr, m_ptr, d_ptr, dm_ptr,
-                                                                          cols, col_ok, k0, k, TYPE, NU)
-            x_mask = u_ok[:, None, None] & r_ok[None, None, :]
-            x_lo = tl.load(x_ptr + r[None, None, :] * stride_x + v_lo[:, :, None], mask=x_mask, other=0.0)
-            x_hi = tl.load(x_ptr + r[None, None, :] * stride_x + v_hi[:, :, None], mask=x_mask, other=0.0)
-            part = _half(q_lo, s_lo, m_lo, x_lo, IEEE, TYPE != 2) + _half(q_hi, s_hi, m_hi, x_hi, IEEE, TYPE != 2)
-            acc += tl.sum(part, axis=0)
+            if LOOP == 0:   # all units in one batched product per half
+                q_lo, q_hi, s_lo, s_hi, m_lo, m_hi, v_lo, v_hi, u_ok = _units(
+                    q_ptr, h_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, cols, col_ok, k0, 0, k, TYPE, NU)
+                x_mask = u_ok[:, None, None] & r_ok[None, None, :]
+                x_lo = tl.load(x_ptr + r[None, None, :] * stride_x + v_lo[:, :, None], mask=x_mask, other=0.0)
+                x_hi = tl.load(x_ptr + r[None, None, :] * stride_x + v_hi[:, :, None], mask=x_mask, other=0.0)
+                part = _half(q_lo, s_lo, m_lo, x_lo, IEEE, TYPE != 2) + _half(q_hi, s_hi, m_hi, x_hi, IEEE,
+                                                                             TYPE != 2)
+                acc += tl.sum(part, axis=0)
+            else:           # one plain product per unit and half
+                for u in tl.static_range(NU):
+                    q_lo, q_hi, s_lo, s_hi, m_lo, m_hi, v_lo, v_hi, u_ok = _units(
+                        q_ptr, h_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, cols, col_ok, k0, u, k, TYPE, 1)
+                    x_mask = u_ok[:, None] & r_ok[None, :]
+                    x_lo = tl.load(x_ptr + r[None, :] * stride_x + tl.reshape(v_lo, [UB])[:, None], mask=x_mask,
+                                   other=0.0)
+                    x_hi = tl.load(x_ptr + r[None, :] * stride_x + tl.reshape(v_hi, [UB])[:, None], mask=x_mask,
+                                   other=0.0)
+                    acc += _half2(tl.reshape(q_lo, [BLOCK_N, UB]), tl.reshape(s_lo, [BLOCK_N, 1]),
+                                  tl.reshape(m_lo, [BLOCK_N, 1]), x_lo, IEEE, TYPE != 2)
+                    acc += _half2(tl.reshape(q_hi, [BLOCK_N, UB]), tl.reshape(s_hi, [BLOCK_N, 1]),
+                                  tl.reshape(m_hi, [BLOCK_N, 1]), x_hi, IEEE, TYPE != 2)
         pdl.release(PDL)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
@@ -164,7 +195,7 @@ if triton is not None:
         col_ok = cols < n
         k0 = tl.program_id(1) * NU * (64 if TYPE == 3 or TYPE == 4 else 32)
         q_lo, q_hi, s_lo, s_hi, m_lo, m_hi, v_lo, v_hi, u_ok = _units(q_ptr, h_ptr, s_ptr, m_ptr, d_ptr, dm_ptr,
-                                                                      cols, col_ok, k0, k, TYPE, NU)
+                                                                      cols, col_ok, k0, 0, k, TYPE, NU)
         at = out_ptr + cols.to(tl.int64)[None, :, None] * stride_o
         mask = u_ok[:, None, None] & col_ok[None, :, None] & (v_lo[:, None, :] >= 0)
         dt = out_ptr.dtype.element_ty
@@ -182,15 +213,23 @@ def _units_per_step(w: GgufPlanes, values: int) -> int:
     return max(1, values // VALUES_PER_UNIT[w.type_name])
 
 
+def _tiles(w: GgufPlanes) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, warps, inputs per step, stages, loop): the best of a small sweep on an H100 over the
+    8B shapes (benchmarks/gguf_gpu.py): the batched products on strips of 16 rows, except on the
+    widest weights (gate_up), where one product per unit on strips of 64 won."""
+    return (64, 4, 256, 3, 1) if w.n >= 16384 else (16, 4, 512, 4, 0)
+
+
 def gemv(x: torch.Tensor, w: GgufPlanes, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         block_n: int = 32, warps: int = 4, step_values: int = STEP_VALUES, stages: int = 3) -> torch.Tensor:
+         tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [rows <= GEMV_ROWS, K] @ W^T (+ bias) -> [rows, n] (into `out`, which may be a column
-    slice of a wider output: a fused layer's part)."""
+    slice of a wider output: a fused layer's part). tiles: `_tiles`' settings, for sweeps."""
     rows = x.shape[0]
+    block_n, warps, step_values, stages, loop = tiles or _tiles(w)
     out = torch.empty(rows, w.n, dtype=x.dtype, device=x.device) if out is None else out
     gemv_kernel[(cdiv(w.n, block_n),)](
         x, *_planes(w), bias if bias is not None else x, out, rows, w.n, w.k, x.stride(0), out.stride(0),
-        TYPE=TYPE_IDS[w.type_name], NU=_units_per_step(w, step_values), BLOCK_N=block_n, BLOCK_M=16,
+        TYPE=TYPE_IDS[w.type_name], NU=_units_per_step(w, step_values), BLOCK_N=block_n, BLOCK_M=16, LOOP=loop,
         IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
         **pdl.launch_args(x, late=True))
     return out
