@@ -6,7 +6,8 @@ same bits, without ~100 us of Python per layer. On by default where it applies;
 It applies to fp32 activations on the native CPU kernels (the default CPU path) with the native
 attention backend, one tensor-parallel rank, and layers the C side knows: the gated MLP without
 bias, per-head q/k norms (Qwen3) or none, no clipping, no bias on o_proj, every matmul one native
-kernel (packed panels, GGUF blocks). MoE layers too (Qwen3-MoE, Mixtral) where their experts run
+kernel (packed panels, GGUF blocks; a fused layer of GGUF parts of different types: one per run of
+rows of a type, chained). MoE layers too (Qwen3-MoE, Mixtral) where their experts run
 as one kernel call (GGUF blocks with the int8 kernels), every expert on this rank, the router one
 native kernel without bias, and the C routing gives torch's bits here (layers/moe.py's
 SparseMoeBlock.stack_moe). Anything else runs the modules, as before.

@@ -9,7 +9,10 @@ third of the bytes (benchmarks/BENCHMARKS.md, issue 25 session 16).
   - CPU (the native kernels, kernels/cpu/quant_ops.py): regrouped into 8-row groups (the file's
     bytes; Q4_K / Q5_K's 6-bit scales and mins unpacked to bytes) for the int8-activation kernels
     (`linear_int8`); under SHARDSERVE_GGUF_ACTIVATIONS=fp32 they hold the file's rows, uint8
-    [N, row bytes], multiplied with fp32 activations. The token embedding (and an untied LM head)
+    [N, row bytes], multiplied with fp32 activations. A fused q/k/v or gate/up whose parts differ in
+    type (Q4_K_M's v and up in Q6_K) keeps one run of rows per type, each its own blocks and kernel
+    call writing its columns of the one output (a gate/up so kept has no gated kernel: then
+    SiLU-and-mul; the decoder stack chains the same calls). The token embedding (and an untied LM head)
     stays in its blocks too where its type is kept and takes the int8 kernels (layers/vocab.py), and
     so do MoE experts (quantization/gguf_moe.py); norms and MoE routers are dequantized at load.
   - CUDA (Triton, kernels/quant/triton_gguf.py): each field of the blocks in a plane of its own
@@ -17,8 +20,8 @@ third of the bytes (benchmarks/BENCHMARKS.md, issue 25 session 16).
     gate/up whose parts differ in type (Q4_K_M's v in Q6_K) keeps one run of rows per type. The
     embedding, LM head and MoE experts are dequantized after loading there.
 - Dequantized after loading (into the layer's dtype), per layer: other GGUF types (F32, F16, BF16,
-  Q5_0, ...), on the CPU a fused layer whose parts have different types (a debug log line says
-  which), and every CPU layer where the native kernels are off (no compiler, SHARDSERVE_CPU_KERNELS=0).
+  Q5_0, ...; a fused layer with a part of such a type as a whole, a debug log line says which), and
+  every CPU layer where the native kernels are off (no compiler, SHARDSERVE_CPU_KERNELS=0).
 - Sharding: the loader hands each linear its tensor as uint8 [rows, blocks, block bytes], so the
   layers' own loaders slice rows for column parallelism (fused parts included) and whole blocks along
   K for row parallelism; a row-parallel split that would cut a block (K / TP not a multiple of 32,
@@ -35,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.kernels.cpu import quant_ops
-from shardserve.kernels.cpu.decoder_stack import StackLinear, panels_linear
+from shardserve.kernels.cpu.decoder_stack import StackLinear, chained, panels_linear
 from shardserve.kernels.quant import gguf_layout, reference, triton_gguf, tuned
 from shardserve.layers.linear import LinearBase, LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, linear
 
@@ -134,11 +137,14 @@ def _valid_tp_sizes(input_features: int, unit: int) -> list[int]:
 
 class GgufLinearMethod(LinearMethod):
     """One layer's raw GGUF blocks. Parts (q/k/v, gate/up) are collected per type while loading;
-    `process_after_loading` keeps them as blocks if they share one type the kernels multiply."""
+    `process_after_loading` keeps them as blocks where the kernels multiply every part's type (parts
+    of different types: one run of rows per type)."""
 
     def __init__(self) -> None:
         self.type_name: str | None = None            # the kept type(s) after loading; None: a dense weight
         self.gpu_runs: list[tuple[slice, gguf_layout.GgufPlanes]] = []   # CUDA: runs of rows, each of one type
+        # CPU, a fused layer whose parts differ in type: (rows, type, blocks, int8 matmul or None) per run
+        self.cpu_runs: list[tuple[slice, str, nn.Parameter, Any]] = []
         self.int8 = False                            # regrouped for the int8-activation kernels (quant_ops.repack)
         self.isa, self.act = "", ""                  # SHARDSERVE_CPU_ISA / _GGUF_ACTIVATIONS as read at load
         self._int8_matmul = None                     # quant_ops.int8_matmul for the regrouped weight
@@ -203,6 +209,8 @@ class GgufLinearMethod(LinearMethod):
             self._keep_on_gpu(layer, runs)
         elif len(types) == 1 and device.type == "cpu" and cpu_keeps(next(iter(types))):
             self._keep_on_cpu(layer, next(iter(types)))
+        elif runs and device.type == "cpu" and all(cpu_keeps(t) for t in types):
+            self._keep_runs_on_cpu(layer, runs)
         else:
             if len(types) > 1:
                 logger.debug("GGUF: %s has parts of types %s; dequantized", type(layer).__name__,
@@ -245,6 +253,37 @@ class GgufLinearMethod(LinearMethod):
                     and layer.output_shard_sizes[0] == layer.output_shard_sizes[1] and layer.output_size % 16 == 0:
                 self._int8_gated = quant_ops.int8_matmul(*args, gated=True)
 
+    def _keep_runs_on_cpu(self, layer: LinearBase, runs: list[tuple[slice, str]]) -> None:
+        """A fused layer whose parts differ in type (Q4_K_M's v, or up, in Q6_K): each run of rows of
+        one type kept as its own blocks, as _keep_on_cpu keeps a whole layer, registered on the layer
+        as parameter `gguf<run>` (memory accounting sees them); the placeholder weight stays empty.
+        `apply` writes each run's product into its columns of one output."""
+        self.type_name = "+".join(t for _, t in runs)
+        self.isa, self.act = quant_ops.isa(), quant_ops.activations()
+        for i, (rows, type_name) in enumerate(runs):
+            n = rows.stop - rows.start
+            raw = self._buffers[type_name][rows].reshape(n, -1)
+            int8 = type_name in quant_ops.INT8_TYPES and self.act != "fp32"
+            # (the file's rows copied out of the buffer, which holds every row of the layer)
+            param = nn.Parameter(quant_ops.repack(raw, type_name, layer.input_size) if int8 else raw.clone(),
+                                 requires_grad=False)
+            layer.register_parameter(f"gguf{i}", param)
+            matmul = quant_ops.int8_matmul(param, type_name, n, layer.input_size, self.isa, self.act) if int8 else None
+            self.cpu_runs.append((rows, type_name, param, matmul))
+
+    def _apply_runs(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, layer.input_size)
+        if x2.dtype != torch.float32 or x2.stride(-1) != 1:
+            x2 = x2.to(torch.float32).contiguous()
+        out = torch.empty(x2.shape[0], layer.output_size, dtype=torch.float32)
+        for rows, type_name, weight, matmul in self.cpu_runs:
+            b = None if bias is None else bias[rows]
+            if matmul is not None:
+                matmul(x2, b, out=out[:, rows])
+            else:
+                quant_ops.linear(x2, weight, type_name, b, self.isa, out=out[:, rows])
+        return out.view(*x.shape[:-1], layer.output_size)
+
     def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
         if self._int8_gated is None:
             return None
@@ -255,6 +294,17 @@ class GgufLinearMethod(LinearMethod):
         bias = layer.bias
         if self.gpu_runs:
             return None
+        if self.cpu_runs:   # a fused layer of several types: its runs in turn (no gated form: then silu_and_mul)
+            if gated or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())):
+                return None
+            parts = []
+            for rows, type_name, weight, matmul in self.cpu_runs:
+                part = quant_ops.stack_linear(weight, type_name, rows.stop - rows.start, layer.input_size, self.isa,
+                                              self.act if matmul is not None else "fp32",
+                                              bias=None if bias is None else bias[rows])
+                part.col = rows.start
+                parts.append(part)
+            return chained(parts)
         if self.type_name is None:   # dequantized: packed panels like any dense layer
             return None if gated else panels_linear(layer.weight, layer.output_size, layer.input_size, bias)
         if (gated and self._int8_gated is None) or (bias is not None and bias.dtype != torch.float32):
@@ -273,7 +323,9 @@ class GgufLinearMethod(LinearMethod):
             return out.view(*x.shape[:-1], layer.output_size)
         if self.type_name is None:
             return linear(x, layer.weight, bias)
-        if self.int8:
+        if self.cpu_runs:
+            out = self._apply_runs(layer, x, bias)
+        elif self.int8:
             out = self._int8_matmul(x, bias)
         else:
             out = quant_ops.linear(x, layer.weight, self.type_name, bias, self.isa)

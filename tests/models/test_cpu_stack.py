@@ -2,8 +2,8 @@
 give the very bits of the per-module path (SHARDSERVE_CPU_DECODER_STACK=0): prompt log-probs over
 the whole vocabulary and greedy tokens, with chunked prefills beside decodes, for each kind of
 layer and matmul it takes (packed fp32 and bf16 panels, GGUF blocks with int8 and fp32
-activations, fp8 and bf16 KV pools, sliding windows, QKV bias, per-head q/k norms, MoE layers with
-GGUF experts); and it steps aside where it does not apply."""
+activations, fused layers of two GGUF types, fp8 and bf16 KV pools, sliding windows, QKV bias,
+per-head q/k norms, MoE layers with GGUF experts); and it steps aside where it does not apply."""
 from __future__ import annotations
 
 import pytest
@@ -21,13 +21,16 @@ pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kern
 PROMPTS = [random_prompt(s, n) for s, n in ((1, 40), (2, 5), (3, 70), (4, 17))]
 
 
-def _run(path: str, monkeypatch, stack: bool, **kwargs) -> tuple[list, object]:
-    """Greedy outputs of PROMPTS (whole-vocabulary log-probs) and the model's stack decision."""
+def _run(path: str, monkeypatch, stack: bool, inspect=None, **kwargs) -> tuple[list, object]:
+    """Greedy outputs of PROMPTS (whole-vocabulary log-probs) and the model's stack decision
+    (inspect: called with the model before serving)."""
     monkeypatch.setenv(cpu_stack.SWITCH, "1" if stack else "0")
     # A small token budget: prompts are chunked and their chunks share steps with other decodes.
     llm = LLM(path, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1, max_num_batched_tokens=32,
               enable_prefix_caching=False, **kwargs)
     try:
+        if inspect is not None:
+            inspect(llm.engine.executor.worker.model_runner.model)
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=-1, logprobs=-1)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         model = llm.engine.executor.worker.model_runner.model
@@ -40,11 +43,11 @@ def _run(path: str, monkeypatch, stack: bool, **kwargs) -> tuple[list, object]:
         llm.engine.shutdown()
 
 
-def _assert_same_bits(path: str, monkeypatch, **kwargs) -> None:
+def _assert_same_bits(path: str, monkeypatch, inspect=None, **kwargs) -> None:
     # The stack serves fp32 math (the default CPU path); native half precision never reaches it
     # (test_stack_steps_aside_where_it_does_not_apply), also when make test forces that path.
     monkeypatch.setenv("SHARDSERVE_CPU_NATIVE_HALF", "0")
-    fused, used = _run(path, monkeypatch, True, **kwargs)
+    fused, used = _run(path, monkeypatch, True, inspect, **kwargs)
     per_module, unused = _run(path, monkeypatch, False, **kwargs)
     assert used and not unused
     for (tokens_a, lps_a), (tokens_b, lps_b) in zip(fused, per_module):
@@ -77,6 +80,28 @@ def test_stack_gives_the_module_path_bits_on_gguf_blocks(tmp_path, monkeypatch, 
     path = str(tmp_path / "tiny.gguf")
     write_gguf(make_tiny_checkpoint(str(tmp_path / "ckpt"), "smollm2"), path, "Q8_0")
     _assert_same_bits(path, monkeypatch, dtype="float32")
+
+
+@pytest.mark.skipif(not quant_ops.available(), reason="GGUF CPU kernels unavailable")
+@pytest.mark.parametrize("act", ["int16", "fp32"])
+def test_stack_gives_the_module_path_bits_on_mixed_gguf_types(tmp_path, monkeypatch, act):
+    """Q4_K with v and up in Q6_K (Q4_K_M's mix): fused q/k/v and gate/up of two types, each a chain
+    of one kernel call per run of rows in C, and gate/up then SiLU-and-mul (no gated kernel)."""
+    from tests.models import gguf_files
+    from tests.quantization.test_gguf_quant import _typed_add_tensor
+    monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", "0")
+    monkeypatch.setenv(quant_ops.ACTIVATIONS_SWITCH, act)
+    path = str(tmp_path / "tiny.gguf")
+    ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama", hidden_size=256, intermediate_size=512)
+    monkeypatch.setattr(gguf_files, "_add_tensor", _typed_add_tensor(gguf_files._add_tensor, "Q4_K", "Q6_K"))
+    write_gguf(ckpt, path, "Q8_0")
+
+    def kept_in_runs(model) -> None:
+        types = {(name.rsplit(".", 1)[1], m.quant_method.type_name) for name, m in model.named_modules()
+                 if name.endswith(("qkv_proj", "gate_up_proj", "o_proj", "down_proj"))}
+        assert types == {("qkv_proj", "Q4_K+Q6_K"), ("gate_up_proj", "Q4_K+Q6_K"), ("o_proj", "Q4_K"),
+                         ("down_proj", "Q4_K")}
+    _assert_same_bits(path, monkeypatch, kept_in_runs, dtype="float32")
 
 
 def test_stack_steps_aside_where_it_does_not_apply(tmp_path, monkeypatch):

@@ -188,6 +188,48 @@ def test_isa_switch(monkeypatch):
         quant_ops.activations()
 
 
+@pytest.mark.parametrize("act", ["fp32", "int16"])
+def test_fused_layer_of_two_types_keeps_a_run_per_type(monkeypatch, act):
+    """q/k in Q4_K and v in Q6_K (a Q4_K_M file's mix) with a bias: each run kept in its blocks as a
+    parameter of its own, the output the runs' products in their columns (the same bits as each run
+    multiplied alone), and the decoder stack's chain of the same calls (its bias split per part)."""
+    from shardserve.layers.linear import QKVParallelLinear, linear_methods, process_weights_after_loading
+    from shardserve.quantization.gguf import GgufConfig
+    monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", "0")
+    monkeypatch.setenv(quant_ops.ACTIVATIONS_SWITCH, act)
+    k = 512
+    with linear_methods(GgufConfig().linear_method):
+        layer = QKVParallelLinear(k, 32, 4, 2, bias=True)   # q 128 rows, k 64, v 64
+    parts = {"q": _weights("Q4_K", 128, k, 0), "k": _weights("Q4_K", 64, k, 1), "v": _weights("Q6_K", 64, k, 2)}
+    for shard, (raw, _) in parts.items():
+        type_name = "Q6_K" if shard == "v" else "Q4_K"
+        loaded = raw.view(raw.shape[0], k // 256, -1)
+        loaded.gguf_type = type_name
+        layer.weight.weight_loader(layer.weight, loaded, shard)
+    bias = torch.randn(256)
+    layer.bias.data.copy_(bias)
+    process_weights_after_loading(layer)
+    method = layer.quant_method
+    assert method.type_name == "Q4_K+Q6_K" and layer.weight.numel() == 0
+    kept = {name: p for name, p in layer.named_parameters() if name.startswith("gguf")}
+    assert sorted(kept) == ["gguf0", "gguf1"] and all(p.dtype == torch.uint8 for p in kept.values())
+    assert [(r.start, r.stop, t) for r, t, _, _ in method.cpu_runs] == [(0, 192, "Q4_K"), (192, 256, "Q6_K")]
+    x = torch.randn(5, k)
+    out = layer(x)
+    ref = x @ torch.cat([parts[s][1] for s in "qkv"]).T + bias
+    torch.testing.assert_close(out, ref, rtol=1e-4 if act == "fp32" else 2e-2, atol=1e-3 if act == "fp32" else 0.1)
+    for rows, type_name, weight, matmul in method.cpu_runs:   # each run alone: the same bits
+        alone = (quant_ops.linear(x, weight, type_name, bias[rows]) if act == "fp32"
+                 else quant_ops.linear_int8(x, weight, type_name, rows.stop - rows.start, bias[rows]))
+        assert torch.equal(out[:, rows], alone)
+    stack = layer.stack_linear()
+    chain = [stack, stack.next.contents]
+    assert not stack.next.contents.next
+    assert [(p.col, p.n, p.bias) for p in chain] == [(0, 192, layer.bias.data_ptr()),
+                                                     (192, 64, layer.bias.data_ptr() + 192 * 4)]
+    assert layer.stack_linear(gated=True) is None and method.apply_gated(layer, x) is None
+
+
 def _kept_types(llm: LLM) -> dict[str, str | None]:
     model = llm.engine.executor.worker.model_runner.model
     return {name: module.quant_method.type_name for name, module in model.named_modules()
@@ -229,7 +271,8 @@ def test_tiny_gguf_kept_quantized_matches_hf(tmp_path, monkeypatch, arch, qtype,
         fused = {t for name, t in kept.items() if name.endswith(("qkv_proj", "gate_up_proj"))}
         others = {t for name, t in kept.items() if name.endswith(("o_proj", "down_proj"))}
         assert others == {qtype}
-        assert fused == ({None} if mixed else {qtype}), kept   # mixed parts: dequantized
+        # mixed parts: one run of rows per type, each kept in its blocks (q/k then v, gate then up)
+        assert fused == ({f"{qtype}+{mixed}"} if mixed else {qtype}), kept
         prompt = random_prompt(5, 40)
         ours = prompt_logprobs(llm, prompt)
     finally:

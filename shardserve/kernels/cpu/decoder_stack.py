@@ -22,9 +22,24 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class StackLinear(ctypes.Structure):
-    _fields_ = [("kind", _i64), ("w", _ptr), ("bias", _ptr), ("fn", _ptr), ("n", _i64), ("k", _i64),
-                ("wbf16", _i64), ("isa", _i64), ("type", _i64), ("levels", _i64), ("gated", _i64),
-                ("row_bytes", _i64)]
+    """One matmul (or one part of a layer's, chained through `next`: see chained)."""
+
+
+StackLinear._fields_ = [("kind", _i64), ("w", _ptr), ("bias", _ptr), ("fn", _ptr), ("n", _i64), ("k", _i64),
+                        ("wbf16", _i64), ("isa", _i64), ("type", _i64), ("levels", _i64), ("gated", _i64),
+                        ("row_bytes", _i64), ("col", _i64), ("next", ctypes.POINTER(StackLinear))]
+
+
+def chained(parts: list[StackLinear]) -> StackLinear:
+    """One layer's matmul made of parts run in turn, each writing its n columns from its `col` of the
+    one output (a fused layer whose parts differ in GGUF type). The result points into an array that
+    it keeps alive (ctypes' base reference), as long as it, or a structure it is copied into, lives."""
+    if len(parts) == 1:
+        return parts[0]
+    chain = (StackLinear * len(parts))(*parts)
+    for i in range(len(parts) - 1):
+        chain[i].next = ctypes.pointer(chain[i + 1])
+    return chain[0]
 
 
 class StackMoe(ctypes.Structure):
@@ -97,7 +112,8 @@ class DecoderStack:
                                    v_cache=p.kv_cache[1].data_ptr(), window=p.window, k_scale=p.k_scale,
                                    v_scale=p.v_scale, **mlp)
         _, _, blocks, block_size, _ = pool.shape
-        self.layers, self.moes = layers, moes   # (the MoE structures' memory, which `layers` points into)
+        # (the MoE structures' memory and chained linears' parts, which `layers` points into)
+        self.layers, self.moes, self.parts = layers, moes, parts
         experts, top_k = max((m.experts for m in moes), default=0), max((m.top_k for m in moes), default=0)
         route = route_fns() if moes else None
         assert route is not None or not moes, "MoE layers in the stack need the C routing (moe_route.route_fns)"

@@ -212,18 +212,20 @@ def moe_int8(x: torch.Tensor, w13: torch.Tensor, type13: str, w2: torch.Tensor, 
 
 
 def int8_matmul(packed: torch.Tensor, type_name: str, n: int, k: int, isa_name: str, act: str, gated: bool = False
-                ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+                ) -> Callable[..., torch.Tensor]:
     """linear_int8 for one layer's fixed weight with the checks done once: (x, bias) -> y. A decode
     step calls ~120 of these, so the per-call Python work is what remains (~2 us less a call).
     gated: the weight is a merged [gate; up] pair (n / 2 rows each, n / 2 a multiple of 8) and the
-    call returns silu(x gate^T) * (x up^T), [..., n / 2], from one kernel (no bias)."""
+    call returns silu(x gate^T) * (x up^T), [..., n / 2], from one kernel (no bias). out: where to
+    write y instead, an fp32 [rows, n] view whose rows may be wider (columns of a larger output, as a
+    fused layer's runs of different types fill theirs); x is then 2-D."""
     linear_int8(torch.zeros(1, k), packed, type_name, n, isa_name=isa_name, act=act)   # validates
     if gated and n % 16:
         raise ValueError(f"a gated GGUF matmul needs gate and up parts of whole 8-row groups, got {n} rows")
     kernel, level, levels = _library().gguf_linear_q8, _isa_from_env(isa_name), ACTIVATIONS[act]
-    type_id, weight, out = TYPES[type_name], packed.data_ptr(), n // 2 if gated else n
+    type_id, weight, width = TYPES[type_name], packed.data_ptr(), n // 2 if gated else n
 
-    def call(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def call(x: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         assert x.shape[-1] == k and packed.data_ptr() == weight   # (and `packed` stays alive with the closure)
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
         if x2.dtype != torch.float32 or x2.stride(-1) != 1:
@@ -231,12 +233,17 @@ def int8_matmul(packed: torch.Tensor, type_name: str, n: int, k: int, isa_name: 
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.float().contiguous()
         assert not (gated and bias is not None)
-        y = torch.empty(x2.shape[0], out, dtype=torch.float32)
+        if out is None:
+            y = torch.empty(x2.shape[0], width, dtype=torch.float32)
+        else:
+            y = out
+            assert (y.dtype == torch.float32 and y.shape == (x2.shape[0], width) and y.stride(-1) == 1
+                    and x.dim() == 2 and y.device.type == "cpu")
         b = None if bias is None else bias.data_ptr()
-        if kernel(level, type_id, levels, gated, x2.data_ptr(), x2.stride(0), weight, b, y.data_ptr(), out,
+        if kernel(level, type_id, levels, gated, x2.data_ptr(), x2.stride(0), weight, b, y.data_ptr(), y.stride(0),
                   x2.shape[0], n, k):
             raise MemoryError(f"GGUF {type_name} linear: no memory for {x2.shape[0]} x {k} int8 activations")
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], width)
     return call
 
 
@@ -269,18 +276,22 @@ def stack_experts(w13: torch.Tensor, type13: str, w2: torch.Tensor, type2: str, 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, type_name: str, bias: torch.Tensor | None = None,
-           isa_name: str | None = None) -> torch.Tensor:
+           isa_name: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x ([..., K], widened to fp32) @ W^T (+ bias, fp32 [N]) -> fp32 [..., N] with fp32 activations
     (csrc/quant_ops.c). weight: uint8, N rows of K / values-per-block blocks, contiguous ([N, blocks,
-    bytes] or [N, row bytes])."""
+    bytes] or [N, row bytes]). out: as int8_matmul's (an fp32 [rows, N] view, rows possibly wider)."""
     k = x.shape[-1]
     x2, bias, level = _prepare(x, bias, isa_name)
     assert weight.dtype == torch.uint8 and weight.is_contiguous()
     n = weight.shape[0]
-    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if out is None:
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    else:
+        y = out
+        assert y.dtype == torch.float32 and y.shape == (x2.shape[0], n) and y.stride(-1) == 1 and x.dim() == 2
     rc = _library().gguf_linear(level, TYPES[type_name], x2.data_ptr(), x2.stride(0), weight.data_ptr(),
                                 weight.numel() // max(n, 1), None if bias is None else bias.data_ptr(),
-                                y.data_ptr(), n, x2.shape[0], n, k)
+                                y.data_ptr(), y.stride(0), x2.shape[0], n, k)
     if rc:
         raise ValueError(f"GGUF {type_name} weight of {tuple(weight.shape)} bytes does not hold {n} rows of {k} values")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

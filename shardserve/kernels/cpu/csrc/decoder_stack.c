@@ -49,8 +49,10 @@ typedef int (*gguf_moe_fn)(int isa, int type13, int type2, int levels, const flo
 
 enum { STACK_PANELS = 0, STACK_GGUF_INT8 = 1, STACK_GGUF_FP32 = 2 };
 
-/* One matmul y = x W^T (+ bias). Field order and types mirror decoder_stack.py's ctypes structures. */
-typedef struct {
+/* One matmul y = x W^T (+ bias). Field order and types mirror decoder_stack.py's ctypes structures.
+ * A fused layer whose parts differ in GGUF type (Q4_K_M's v in Q6_K) is a chain of parts through
+ * `next`, each writing its n columns from column `col` of the one output. */
+typedef struct StackLinear {
     int64_t kind;           /* STACK_* */
     const void *w;          /* panels (cpu_ops.pack_weight) or GGUF blocks as the kernel takes them */
     const float *bias;      /* fp32 [n] or NULL */
@@ -58,6 +60,8 @@ typedef struct {
     int64_t n, k;           /* output and input features (gated: n = gate + up rows, the output n / 2) */
     int64_t wbf16;          /* panels of bf16 (1) or fp32 (0) values */
     int64_t isa, type, levels, gated, row_bytes;   /* GGUF: the kernel's arguments */
+    int64_t col;                            /* the first output column this part writes */
+    const struct StackLinear *next;         /* the layer's next part, or NULL */
 } StackLinear;
 
 /* A MoE layer's sparse MLP on one rank (layers/moe.py's SparseMoeBlock): the router, the routing,
@@ -91,7 +95,7 @@ typedef struct {
 } StackModel;
 
 /* y[M, n] (row stride ldy) = x[M, k] W^T (+ bias); gated: y[M, n / 2] = silu(x W_gate^T) * (x W_up^T). */
-static int matmul(const StackLinear *l, const float *x, float *y, int64_t ldy, int64_t M) {
+static int matmul_part(const StackLinear *l, const float *x, float *y, int64_t ldy, int64_t M) {
     switch (l->kind) {
     case STACK_PANELS:
         linear_packed(x, l->k, l->w, (int)l->wbf16, l->bias, y, ldy, M, l->n, l->k);
@@ -104,6 +108,17 @@ static int matmul(const StackLinear *l, const float *x, float *y, int64_t ldy, i
                                      l->n, l->k);
     }
     return -1;
+}
+
+/* Every part of a layer in turn (one call each, as quantization/gguf.py's apply makes them), each
+ * into its columns of y. */
+static int matmul(const StackLinear *l, const float *x, float *y, int64_t ldy, int64_t M) {
+    for (; l; l = l->next) {
+        const int rc = matmul_part(l, x, y + l->col, ldy, M);
+        if (rc)
+            return rc;
+    }
+    return 0;
 }
 
 /* hidden[T, H] = the sparse MLP of h[T, H], as SparseMoeBlock.forward computes it: the router's
