@@ -2,7 +2,7 @@
 
     python3 benchmarks/gguf_gpu.py [--layers] [--model] [--types Q4_K,Q6_K] [--json out.json]
 
-`--layers`: per Llama-3-8B linear shape and GGUF type, the time of one matmul at 1 and 16 rows
+`--layers`: per Llama-3-8B linear shape and GGUF type, the time of one matmul at 1 and 4 rows
 inside a CUDA graph of back-to-back calls rotating over enough weight copies to miss the L2 cache
 (benchmarks/quant_gemv.py's harness), for the GGUF GEMV (a small sweep of strip widths, warps,
 inputs per step and pipeline stages; the best is reported) beside the bf16 Triton GEMV (1-4 rows)
@@ -37,12 +37,12 @@ from quant_gemv import copies, graph_time  # noqa: E402
 from shardserve.kernels.gemv import triton_gemv  # noqa: E402
 from shardserve.kernels.quant import gguf_layout, triton_gguf  # noqa: E402
 
-ROWS = (1, 16)
+ROWS = (1, 4)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LLAMA3_8B = dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
 # (BLOCK_N, warps, inputs per loop step, pipeline stages, loop) of the GEMV
-SETTINGS = [(16, 4, 512, 4, 0), (32, 4, 512, 3, 0), (16, 4, 256, 3, 1), (32, 4, 256, 3, 1), (32, 4, 512, 3, 1),
-            (64, 4, 256, 3, 1), (64, 8, 512, 3, 1), (16, 4, 512, 4, 1)]
+SETTINGS = [(16, 4, 512, 4, 0), (64, 4, 256, 3, 1), (16, 4, 512, 3, 2), (32, 4, 512, 3, 2), (64, 4, 512, 3, 2),
+            (32, 8, 512, 3, 2)]
 
 
 def random_blocks(n: int, k: int, type_name: str, device: str = "cuda") -> torch.Tensor:

@@ -1,5 +1,5 @@
 """GGUF weights kept in their blocks on a GPU (quantization/gguf.py, kernels/quant/triton_gguf.py):
-each kernel (the GEMV's two loops, dequantize for cuBLAS) and every type against
+each kernel (the GEMV's three loops, dequantize for cuBLAS) and every type against
 dequantize-then-matmul, on sizes with a last step past K, with a bias and over a fused layer whose
 parts differ in type; a tiny GGUF Llama (Q4_K with v and up in Q6_K, as Q4_K_M files mix them)
 kept in blocks against the same file dequantized at load: same greedy tokens, close log-probs,
@@ -40,8 +40,8 @@ def test_kernels_match_dequantize_then_matmul(type_name, rows, dtype):
     bias = torch.randn(n, device="cuda", dtype=dtype)
     want = x.float() @ ref.to(dtype).float().T + bias.float()
     _close(triton_gguf.matmul(x, runs, n, bias), want)
-    if rows <= triton_gguf.GEMV_ROWS:   # the other loop of the GEMV (the default on the widest weights)
-        _close(triton_gguf.gemv(x, runs[0][1], bias, tiles=(64, 4, 256, 3, 1)), want)
+    for tiles in ((64, 4, 256, 3, 1), (32, 4, 512, 3, 2)) if rows <= triton_gguf.GEMV_ROWS else ():   # the other loops
+        _close(triton_gguf.gemv(x, runs[0][1], bias, tiles=tiles), want)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])

@@ -38,15 +38,16 @@ def check_kernels() -> None:
         raw, ref = _weights(type_name, n, k)
         w = gguf_layout.to_planes(raw, type_name, k)
         bias = torch.randn(n)
-        for rows, loop in ((1, 0), (3, 1)):   # fp32 activations: products in full fp32
+        for rows, loop in ((1, 0), (3, 1), (1, 2), (3, 2)):   # fp32 activations: products in full fp32
             x = torch.randn(rows, k)
             got = triton_gguf.gemv(x, w, bias, tiles=(16, 4, 256, 3, loop))
             torch.testing.assert_close(got.double(), x.double() @ ref.double().T + bias.double(), rtol=1e-5,
                                        atol=1e-4 * ref.abs().max().item())
         x = torch.randn(7, k, dtype=torch.float16)   # the interpreter has no bf16 arithmetic
-        got = triton_gguf.gemv(x, w, tiles=(16, 4, 256, 3, 1))
         expected = x.double() @ ref.double().T
-        torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
+        for loop in (1, 2):
+            got = triton_gguf.gemv(x, w, tiles=(16, 4, 256, 3, loop))
+            torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
         assert torch.equal(triton_gguf.dequantize(w, torch.float32), ref), type_name
     # A fused layer whose parts differ in type: one run of rows per type, written into one output.
     (raw_a, ref_a), (raw_b, ref_b) = _weights("Q4_K", 16, 256), _weights("Q6_K", 8, 256, seed=1)

@@ -18,9 +18,10 @@ where q . x is one batched tensor-core product per half over all NU units [NU, B
 
 - `gemv` (1-16 rows, decode): each program owns a strip of output rows, the activation rows padded
   to one 16-row tile (fp32 activations: products in full fp32, `input_precision="ieee"`); LOOP 0
-  makes one batched product per half and step, LOOP 1 one plain product per unit and half.
-  Measured on an H100 (8B shapes, one row) it runs at 0.35-0.6 TB/s of the weight's bytes, half
-  the bf16 GEMV's speed: the unpacking, not the memory, bounds it.
+  makes one batched product per half and step, LOOP 1 one plain product per unit and half;
+  `gemv_cols_kernel` (loop 2, up to COLS_ROWS rows) puts a step's 16 scale blocks on the product's
+  columns instead. Measured on an H100 (8B shapes, one row) they run at 0.3-1.0 TB/s of the
+  weight's bytes, about half the bf16 GEMV's speed: the unpacking, not the memory, bounds them.
 - `dequantize`: the weight as bf16/fp16 [n, K] (s q + m in fp32, rounded once), for cuBLAS on more
   rows (prefill).
 Each kernel begins with `pdl.start(PDL)` (kernels/pdl.py); `gemv` lets the next kernel launch after
@@ -35,6 +36,7 @@ from shardserve.kernels.quant.gguf_layout import GgufPlanes
 from shardserve.utils import cdiv
 
 GEMV_ROWS = 16   # rows up to this: the tensor-core GEMV; more: dequantize, then cuBLAS
+COLS_ROWS = 4    # rows up to this may take the block-columns loop (`gemv_cols_kernel`; its default: 1 row)
 TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 VALUES_PER_UNIT = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 64, "Q5_K": 64, "Q6_K": 32}
 STEP_VALUES = 256   # inputs per loop step by default: one K-quant super-block
@@ -188,6 +190,117 @@ if triton is not None:
                  mask=col_ok[:, None] & r_ok[None, :])
 
     @triton.jit
+    def _block_cols(q_ptr, h_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, cols, col_ok, k0, k, j, R: tl.constexpr,
+                    TYPE: tl.constexpr):
+        """One step of `gemv_cols_kernel` (16 scale blocks from input k0): the integer quants of both
+        halves of each byte [BLOCK_N, HALF] (Q4_0 and Q6_K with their offsets, -8 / -32, folded in),
+        the input each holds and the block (0-15) it lies in [HALF], and per output column j
+        (block j // R, activation row j % R) the scale and min of rows `cols` [BLOCK_N, 16 R]."""
+        HALF: tl.constexpr = 128 if TYPE == 5 else 256
+        i = tl.arange(0, HALF)
+        rows = cols.to(tl.int64)[:, None]
+        if TYPE <= 2:      # 16 blocks of 32: byte j of a block holds values j and j + 16
+            e_lo = (i // 16) * 32 + i % 16
+            e_hi = e_lo + 16
+            c_lo = i // 16
+            c_hi = c_lo
+        elif TYPE <= 4:    # 8 units of 64: byte l holds value l (block 2u) and l + 32 (block 2u + 1)
+            e_lo = (i // 32) * 64 + i % 32
+            e_hi = e_lo + 32
+            c_lo = 2 * (i // 32)
+            c_hi = c_lo + 1
+        else:              # Q6_K, 16 blocks of 16: 16-byte unit u of a 128-value half, values +0 / +64
+            u = i // 16
+            e_lo = (u // 4) * 128 + 16 * (u % 4) + i % 16
+            e_hi = e_lo + 64
+            c_lo = (u // 4) * 8 + u % 4
+            c_hi = c_lo + 4
+        ok = col_ok[:, None] & ((k0 + e_lo) < k)[None, :]
+        if TYPE == 2:
+            q_lo = tl.load(q_ptr + rows * k + (k0 + e_lo)[None, :], mask=ok, other=0).to(tl.int32)
+            q_hi = tl.load(q_ptr + rows * k + (k0 + e_hi)[None, :], mask=ok, other=0).to(tl.int32)
+        else:
+            byte = tl.load(q_ptr + rows * (k // 2) + (k0 // 2 + i)[None, :], mask=ok, other=0).to(tl.int32)
+            q_lo = byte & 15
+            q_hi = byte >> 4
+        if TYPE == 4:      # Q5_K: bit (block of 32 in the super-block) of byte l
+            hb = tl.load(h_ptr + rows * (k // 8) + (((k0 + e_lo) // 256) * 32 + e_lo % 32)[None, :], mask=ok,
+                         other=0).to(tl.int32)
+            bit = (((k0 + e_lo) % 256) // 32)[None, :]
+            q_lo = q_lo | (((hb >> bit) & 1) << 4)
+            q_hi = q_hi | (((hb >> (bit + 1)) & 1) << 4)
+        if TYPE == 5:      # Q6_K: 2 high bits, byte (value in the half) % 32, pair by quarter
+            hb = tl.load(h_ptr + rows * (k // 4) + (k0 // 4 + (u // 4) * 32 + 16 * (u % 2) + i % 16)[None, :],
+                         mask=ok, other=0).to(tl.int32)
+            shift = (2 * ((u % 4) // 2))[None, :]
+            q_lo = (q_lo | (((hb >> shift) & 3) << 4)) - 32
+            q_hi = (q_hi | (((hb >> (shift + 4)) & 3) << 4)) - 32
+        if TYPE == 0:
+            q_lo -= 8
+            q_hi -= 8
+        blk = j // R       # the column's block
+        per = 16 if TYPE == 5 else 32
+        cmask = col_ok[:, None] & ((k0 + per * blk) < k)[None, :]
+        at = k0 // per + blk[None, :]
+        if TYPE <= 2:
+            sc = tl.load(s_ptr + rows * (k // 32) + at, mask=cmask, other=0.0).to(tl.float32)
+            mn = sc * 0.0
+            if TYPE == 1:
+                mn = tl.load(m_ptr + rows * (k // 32) + at, mask=cmask, other=0.0).to(tl.float32)
+        else:
+            sb = (k0 + per * blk[None, :]) // 256
+            d = tl.load(d_ptr + rows * (k // 256) + sb, mask=cmask, other=0.0).to(tl.float32)
+            if TYPE == 5:
+                sc = d * tl.load(s_ptr + rows * (k // 16) + at, mask=cmask, other=0).to(tl.float32)
+                mn = sc * 0.0
+            else:
+                sc = d * tl.load(s_ptr + rows * (k // 32) + at, mask=cmask, other=0).to(tl.float32)
+                dm = tl.load(dm_ptr + rows * (k // 256) + sb, mask=cmask, other=0.0).to(tl.float32)
+                mn = -dm * tl.load(m_ptr + rows * (k // 32) + at, mask=cmask, other=0).to(tl.float32)
+        return q_lo, q_hi, e_lo, e_hi, c_lo, c_hi, sc, mn
+
+    @triton.jit
+    def gemv_cols_kernel(x_ptr, q_ptr, h_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, b_ptr, out_ptr, rows, n, k, stride_x,
+                         stride_o, TYPE: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+        """The GEMV with the scale blocks on the product's columns: a step's 16 blocks and R activation
+        rows make the 16 R columns of one tensor-core product whose activation tile is block-diagonal
+        (column j holds row j % R's inputs of block j // R, zeros elsewhere), so each column's sum is
+        one block's q . x; scales and mins then apply to the [BLOCK_N, 16 R] result, once per step."""
+        pdl.start(PDL)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        j = tl.arange(0, 16 * R)
+        r = j % R
+        step = 256 if TYPE == 5 else 512
+        acc = tl.zeros([BLOCK_N, 16 * R], tl.float32)
+        for k0 in range(0, k, step):
+            q_lo, q_hi, e_lo, e_hi, c_lo, c_hi, sc, mn = _block_cols(q_ptr, h_ptr, s_ptr, m_ptr, d_ptr, dm_ptr,
+                                                                     cols, col_ok, k0, k, j, R, TYPE)
+            x_ok = (r < rows)[None, :] & ((k0 + e_lo) < k)[:, None]
+            x_lo = tl.load(x_ptr + r[None, :] * stride_x + (k0 + e_lo)[:, None],
+                           mask=x_ok & (c_lo[:, None] == j[None, :] // R), other=0.0)
+            x_hi = tl.load(x_ptr + r[None, :] * stride_x + (k0 + e_hi)[:, None],
+                           mask=x_ok & (c_hi[:, None] == j[None, :] // R), other=0.0)
+            if IEEE:
+                p = tl.dot(q_lo.to(tl.float32), x_lo, input_precision="ieee")
+                p = tl.dot(q_hi.to(tl.float32), x_hi, p, input_precision="ieee")
+            else:
+                p = tl.dot(q_lo.to(x_lo.dtype), x_lo)
+                p = tl.dot(q_hi.to(x_hi.dtype), x_hi, p)
+            acc += sc * p
+            if TYPE == 1 or TYPE == 3 or TYPE == 4:   # the mins times each block's sum of x
+                acc += mn * (tl.sum(x_lo.to(tl.float32), axis=0) + tl.sum(x_hi.to(tl.float32), axis=0))[None, :]
+        pdl.release(PDL)
+        out = tl.sum(tl.reshape(acc, [BLOCK_N, 16, R]), axis=1)
+        rr = tl.arange(0, R)
+        bcols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            out += tl.load(b_ptr + bcols, mask=bcols < n, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rr[None, :] * stride_o + bcols[:, None], out.to(out_ptr.dtype.element_ty),
+                 mask=(bcols < n)[:, None] & (rr < rows)[None, :])
+
+    @triton.jit
     def dequantize_kernel(q_ptr, h_ptr, s_ptr, m_ptr, d_ptr, dm_ptr, out_ptr, n, k, stride_o, TYPE: tl.constexpr,
                           NU: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
         pdl.start(PDL)
@@ -213,10 +326,13 @@ def _units_per_step(w: GgufPlanes, values: int) -> int:
     return max(1, values // VALUES_PER_UNIT[w.type_name])
 
 
-def _tiles(w: GgufPlanes) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, warps, inputs per step, stages, loop): the best of a small sweep on an H100 over the
-    8B shapes (benchmarks/gguf_gpu.py): the batched products on strips of 16 rows, except on the
-    widest weights (gate_up), where one product per unit on strips of 64 won."""
+def _tiles(w: GgufPlanes, rows: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, warps, inputs per step, stages, loop): the best of small sweeps on an H100 over the
+    8B shapes (benchmarks/gguf_gpu.py). One row of a type without mins: the block-columns loop
+    (qkv: 0.57-0.85x the next best's time); else the batched products on strips of 16 rows, except
+    on the widest weights (gate_up), where one product per unit on strips of 64 won."""
+    if rows == 1 and w.type_name in ("Q4_0", "Q4_1", "Q8_0", "Q6_K"):
+        return (16, 4, 512, 3, 2) if w.type_name == "Q6_K" else (64, 4, 512, 3, 2)
     return (64, 4, 256, 3, 1) if w.n >= 16384 else (16, 4, 512, 4, 0)
 
 
@@ -225,8 +341,17 @@ def gemv(x: torch.Tensor, w: GgufPlanes, bias: torch.Tensor | None = None, out: 
     """x [rows <= GEMV_ROWS, K] @ W^T (+ bias) -> [rows, n] (into `out`, which may be a column
     slice of a wider output: a fused layer's part). tiles: `_tiles`' settings, for sweeps."""
     rows = x.shape[0]
-    block_n, warps, step_values, stages, loop = tiles or _tiles(w)
+    block_n, warps, step_values, stages, loop = tiles or _tiles(w, rows)
+    if loop == 2 and rows > COLS_ROWS:   # 16 blocks x 16 rows of columns: past shared memory
+        block_n, warps, step_values, stages, loop = 16, 4, 512, 4, 0
     out = torch.empty(rows, w.n, dtype=x.dtype, device=x.device) if out is None else out
+    if loop == 2:
+        gemv_cols_kernel[(cdiv(w.n, block_n),)](
+            x, *_planes(w), bias if bias is not None else x, out, rows, w.n, w.k, x.stride(0), out.stride(0),
+            TYPE=TYPE_IDS[w.type_name], R=1 if rows == 1 else COLS_ROWS, BLOCK_N=block_n,
+            IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
+            **pdl.launch_args(x, late=True))
+        return out
     gemv_kernel[(cdiv(w.n, block_n),)](
         x, *_planes(w), bias if bias is not None else x, out, rows, w.n, w.k, x.stride(0), out.stride(0),
         TYPE=TYPE_IDS[w.type_name], NU=_units_per_step(w, step_values), BLOCK_N=block_n, BLOCK_M=16, LOOP=loop,
