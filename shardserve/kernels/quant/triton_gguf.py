@@ -125,27 +125,16 @@ if triton is not None:
         return q_lo, q_hi, s_lo, s_hi, m_lo, m_hi, v_lo, v_hi, u_ok
 
     @triton.jit
-    def _half(q, s, m, x, IEEE: tl.constexpr, OFFSET: tl.constexpr):
-        """One half's share [NU, BLOCK_N, BLOCK_M]: s (q . x) + m (sum of x)."""
+    def _half(q, s, m, x, IEEE: tl.constexpr, OFFSET: tl.constexpr, AXIS: tl.constexpr):
+        """One half's share, s (q . x) + m (sum of x): batched, [NU, BLOCK_N, UB] x [NU, UB, BLOCK_M]
+        (x's inputs on AXIS 1), or one unit, [BLOCK_N, UB] x [UB, BLOCK_M] (AXIS 0)."""
         if IEEE:
             p = tl.dot(q.to(tl.float32), x, input_precision="ieee")
         else:
             p = tl.dot(q.to(x.dtype), x)
         p = s * p
         if OFFSET:
-            p += m * tl.sum(x.to(tl.float32), axis=1)[:, None, :]
-        return p
-
-    @triton.jit
-    def _half2(q, s, m, x, IEEE: tl.constexpr, OFFSET: tl.constexpr):
-        """As `_half` for one unit: [BLOCK_N, UB] x [UB, BLOCK_M]."""
-        if IEEE:
-            p = tl.dot(q.to(tl.float32), x, input_precision="ieee")
-        else:
-            p = tl.dot(q.to(x.dtype), x)
-        p = s * p
-        if OFFSET:
-            p += m * tl.sum(x.to(tl.float32), axis=0)[None, :]
+            p += m * tl.expand_dims(tl.sum(x.to(tl.float32), axis=AXIS), AXIS)
         return p
 
     @triton.jit
@@ -167,8 +156,8 @@ if triton is not None:
                 x_mask = u_ok[:, None, None] & r_ok[None, None, :]
                 x_lo = tl.load(x_ptr + r[None, None, :] * stride_x + v_lo[:, :, None], mask=x_mask, other=0.0)
                 x_hi = tl.load(x_ptr + r[None, None, :] * stride_x + v_hi[:, :, None], mask=x_mask, other=0.0)
-                part = _half(q_lo, s_lo, m_lo, x_lo, IEEE, TYPE != 2) + _half(q_hi, s_hi, m_hi, x_hi, IEEE,
-                                                                             TYPE != 2)
+                part = (_half(q_lo, s_lo, m_lo, x_lo, IEEE, TYPE != 2, 1)
+                        + _half(q_hi, s_hi, m_hi, x_hi, IEEE, TYPE != 2, 1))
                 acc += tl.sum(part, axis=0)
             else:           # one plain product per unit and half
                 for u in tl.static_range(NU):
@@ -179,10 +168,10 @@ if triton is not None:
                                    other=0.0)
                     x_hi = tl.load(x_ptr + r[None, :] * stride_x + tl.reshape(v_hi, [UB])[:, None], mask=x_mask,
                                    other=0.0)
-                    acc += _half2(tl.reshape(q_lo, [BLOCK_N, UB]), tl.reshape(s_lo, [BLOCK_N, 1]),
-                                  tl.reshape(m_lo, [BLOCK_N, 1]), x_lo, IEEE, TYPE != 2)
-                    acc += _half2(tl.reshape(q_hi, [BLOCK_N, UB]), tl.reshape(s_hi, [BLOCK_N, 1]),
-                                  tl.reshape(m_hi, [BLOCK_N, 1]), x_hi, IEEE, TYPE != 2)
+                    acc += _half(tl.reshape(q_lo, [BLOCK_N, UB]), tl.reshape(s_lo, [BLOCK_N, 1]),
+                                 tl.reshape(m_lo, [BLOCK_N, 1]), x_lo, IEEE, TYPE != 2, 0)
+                    acc += _half(tl.reshape(q_hi, [BLOCK_N, UB]), tl.reshape(s_hi, [BLOCK_N, 1]),
+                                 tl.reshape(m_hi, [BLOCK_N, 1]), x_hi, IEEE, TYPE != 2, 0)
         pdl.release(PDL)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
