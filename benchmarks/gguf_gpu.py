@@ -1,24 +1,28 @@
 """Issue 25: GGUF weights kept in their blocks on one GPU (kernels/quant/triton_gguf.py).
 
-    python3 benchmarks/gguf_gpu.py [--layers] [--model] [--types Q4_K,Q6_K] [--json out.json]
+    python3 benchmarks/gguf_gpu.py [--layers [--sweep]] [--model q4_k_m,q4_0] [--types Q4_K,Q6_K]
+        [--json out.json]
 
 `--layers`: per Llama-3-8B linear shape and GGUF type, the time of one matmul at 1 and 4 rows
 inside a CUDA graph of back-to-back calls rotating over enough weight copies to miss the L2 cache
-(benchmarks/quant_gemv.py's harness), for the GGUF GEMV (a small sweep of strip widths, warps,
-inputs per step and pipeline stages; the best is reported) beside the bf16 Triton GEMV (1-4 rows)
-and cuBLAS; GB/s = the bytes the weight holds over the time; the run's copy bandwidth.
+(benchmarks/quant_gemv.py's harness), the weight held as a layer holds it (`gguf_layout.gpu_weight`:
+planes, Q4_0 in the W4A16 layout) and multiplied as a layer multiplies it (`triton_gguf.matmul`),
+beside the bf16 Triton GEMV (1-4 rows) and cuBLAS; GB/s = the bytes the weight holds over the time;
+the run's copy bandwidth. `--sweep` also times the planes GEMV's settings (strip width, warps,
+inputs per step, pipeline stages, loop).
 
-`--model`: a random-weight Llama-3-8B-shaped GGUF file written here (blocks of random bytes with
-small scales; Q4_K, with attn_v and ffn_down in Q6_K in every third layer as llama.cpp's Q4_K_M
-mixes them, the embedding Q4_K and the LM head Q6_K), then `shardserve bench latency` (batch 1,
-128 tokens in, 64 out) on it kept in blocks (SHARDSERVE_GGUF_DEQUANTIZE=0), beside
-`--random-weights llama-3-8b` in bf16 (what the file dequantized at load runs, without the minutes
-gguf-py takes to expand 8B weights), each in a fresh process; the roofline is every byte a decode
-step reads over the run's copy bandwidth.
+`--model`: random-weight Llama-3-8B-shaped GGUF files written here (blocks of random bytes with
+small scales; `q4_k_m`: Q4_K, with attn_v and ffn_down in Q6_K in every third layer as llama.cpp's
+Q4_K_M mixes them; `q4_0`: Q4_0; the LM head Q6_K), then `shardserve bench latency` (batch 1, 128
+tokens in, 64 out) on each kept in blocks (SHARDSERVE_GGUF_DEQUANTIZE=0), beside `--random-weights
+llama-3-8b` in bf16 (what a file dequantized at load runs, without the minutes gguf-py takes to
+expand 8B weights), each in a fresh process; the roofline is every byte a decode step reads over the
+run's copy bandwidth.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -62,7 +66,12 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() / graph_time(lambda w: y.copy_(w), [x], reps=5)
 
 
-def layers(types: list[str]) -> dict:
+def _copies(weight, count: int) -> list:
+    return [weight] + [dataclasses.replace(weight, planes={key: p.clone() for key, p in weight.planes.items()})
+                       for _ in range(count - 1)]
+
+
+def layers(types: list[str], sweep: bool) -> dict:
     out = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": copy_bandwidth() / 1e9, "shapes": {}}
     for shape, (n, k) in SHAPES.items():
         bf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -74,39 +83,40 @@ def layers(types: list[str]) -> dict:
                 row["bf16_gemv_us"] = graph_time(lambda w: triton_gemv.gemv(x, w), bf) * 1e6
             row["bf16_gbs"] = n * k * 2 / min(v for v in row.values()) / 1e3
             for type_name in types:
-                planes = gguf_layout.to_planes(random_blocks(n, k, type_name), type_name, k)
-                held = planes.nbytes()
-                ws = [planes] + [gguf_layout.GgufPlanes(type_name, n, k, {key: p.clone() for key, p in
-                                                                         planes.planes.items()})
-                                 for _ in range(copies(held) - 1)]
-                timed = {f"{b},{wp}w,{sv},{st}s,loop{lp}": graph_time(
-                    lambda w: triton_gguf.gemv(x, w, tiles=(b, wp, sv, st, lp)), ws)
-                    for b, wp, sv, st, lp in SETTINGS}
-                best = min(timed, key=timed.get)
-                row[type_name] = {"us": timed[best] * 1e6, "setting": best, "gbs": held / timed[best] / 1e9,
-                                  "bits_per_weight": 8 * held / (n * k),
-                                  "all_us": {s: t * 1e6 for s, t in timed.items()}}
-                del ws, planes
+                raw = random_blocks(n, k, type_name)
+                weight = gguf_layout.gpu_weight(raw, type_name, k)   # as a layer holds it (Q4_0: W4A16 layout)
+                held = sum(p.numel() * p.element_size() for p in weight.planes.values())
+                ws = _copies(weight, copies(held))
+                t = graph_time(lambda w: triton_gguf.matmul(x, [(slice(0, n), w)], n), ws)
+                entry = {"us": t * 1e6, "gbs": held / t / 1e9, "bits_per_weight": 8 * held / (n * k)}
+                if sweep:   # the planes kernels' settings
+                    ws = _copies(gguf_layout.to_planes(raw, type_name, k), len(ws))
+                    entry["sweep_us"] = {f"{b},{wp}w,{sv},{st}s,loop{lp}": graph_time(
+                        lambda w: triton_gguf.gemv(x, w, tiles=(b, wp, sv, st, lp)), ws) * 1e6
+                        for b, wp, sv, st, lp in SETTINGS}
+                row[type_name] = entry
+                del ws, weight
             out["shapes"][f"{shape}:{rows}"] = row
-            print(shape, rows, json.dumps({key: (v if not isinstance(v, dict) else {a: b for a, b in v.items()
-                                                                                   if a != "all_us"})
-                                           for key, v in row.items()}), flush=True)
+            print(shape, rows, json.dumps(row), flush=True)
         del bf
         torch.cuda.empty_cache()
     return out
 
 
-def _tensor_type(name: str, layer: int) -> str:
+def _tensor_type(kind: str, name: str, layer: int) -> str:
+    """q4_k_m: Q4_K with attn_v and ffn_down Q6_K in every third layer; q4_0: Q4_0; the LM head Q6_K."""
     if name == "output.weight":
         return "Q6_K"
+    if kind == "q4_0":
+        return "Q4_0"
     if layer % 3 == 0 and name.endswith(("attn_v.weight", "ffn_down.weight")):
         return "Q6_K"
     return "Q4_K"
 
 
-def write_model(path: str) -> int:
-    """The random-weight 8B-shaped Q4_K_M-style file (module docstring); returns the bytes a decode
-    step reads from its linears and LM head."""
+def write_model(path: str, kind: str) -> int:
+    """The random-weight 8B-shaped file of `kind` (module docstring); returns the bytes a decode step
+    reads from its linears and LM head."""
     import gguf
 
     from tests.models import gguf_files
@@ -119,7 +129,7 @@ def write_model(path: str) -> int:
            "bos_token_id": 256, "eos_token_id": 257}
     gguf_files.VOCAB = vocab
     w = gguf.GGUFWriter(path, "llama")
-    w.add_name("random-llama-3-8b-q4_k_m")
+    w.add_name(f"random-llama-3-8b-{kind}")
     gguf_files._write_metadata(w, cfg, "Q8_0")
     tensors = [("token_embd.weight", vocab, h, -1), ("output_norm.weight", h, 0, -1), ("output.weight", vocab, h, -1)]
     for i in range(s["layers"]):
@@ -132,7 +142,7 @@ def write_model(path: str) -> int:
         if not cols:
             w.add_tensor(name, np.ones(rows, dtype=np.float32))
             continue
-        qtype = _tensor_type(name, layer)
+        qtype = _tensor_type(kind, name, layer)
         raw = random_blocks(rows, cols, qtype, device="cpu").numpy().reshape(rows, -1)
         w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
         if name != "token_embd.weight":
@@ -150,37 +160,39 @@ def latency(args: list[str], env: dict) -> dict:
             return json.load(g)
 
 
-def model() -> dict:
-    path = os.path.join(tempfile.gettempdir(), "random-llama-3-8b-q4_k_m.gguf")
-    read = write_model(path)
+def model(kinds: list[str]) -> dict:
     bw = copy_bandwidth()
-    out = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bw / 1e9, "gguf_linear_and_head_bytes": read}
-    runs = {"gguf kept in blocks": (["--model", path], {"SHARDSERVE_GGUF_DEQUANTIZE": "0"}),
-            "bf16 --random-weights llama-3-8b": (["--random-weights", "llama-3-8b"], {})}
-    for name, (args, env) in runs.items():
-        r = latency(args + ["--dtype", "bfloat16"], env)
-        out[name] = {"decode_step_ms": r["decode_step_ms"], "prefill_ms": r["prefill_s"] * 1e3,
-                     "bench_roofline_ms": r.get("roofline_step_ms")}
-        print(name, out[name], flush=True)
+    out = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bw / 1e9}
     # KV read per step at 160 tokens on average, 8 KV heads of 128, 32 layers, bf16: small beside the weights.
     kv = 160 * 2 * LLAMA3_8B["layers"] * LLAMA3_8B["kv_heads"] * 128 * 2
-    out["gguf_roofline_ms"] = (read + kv) / bw * 1e3
-    os.remove(path)
+    for kind in kinds:
+        path = os.path.join(tempfile.gettempdir(), f"random-llama-3-8b-{kind}.gguf")
+        read = write_model(path, kind)
+        r = latency(["--model", path, "--dtype", "bfloat16"], {"SHARDSERVE_GGUF_DEQUANTIZE": "0"})
+        out[f"gguf {kind} kept in blocks"] = {"decode_step_ms": r["decode_step_ms"], "prefill_ms": r["prefill_s"] * 1e3,
+                                              "linear_and_head_bytes": read, "roofline_ms": (read + kv) / bw * 1e3}
+        print(kind, out[f"gguf {kind} kept in blocks"], flush=True)
+        os.remove(path)
+    r = latency(["--random-weights", "llama-3-8b", "--dtype", "bfloat16"], {})
+    bf16 = out["bf16 --random-weights llama-3-8b"] = {"decode_step_ms": r["decode_step_ms"],
+                                                      "prefill_ms": r["prefill_s"] * 1e3}
+    print("bf16", bf16, flush=True)
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", action="store_true")
-    p.add_argument("--model", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="--layers: also the planes kernels' settings")
+    p.add_argument("--model", default=None, help="comma-separated files to write and time: q4_k_m, q4_0")
     p.add_argument("--types", default=",".join(gguf_layout.TYPES))
     p.add_argument("--json", default=None)
     ns = p.parse_args()
     result = {}
     if ns.layers:
-        result["layers"] = layers(ns.types.split(","))
+        result["layers"] = layers(ns.types.split(","), ns.sweep)
     if ns.model:
-        result["model"] = model()
+        result["model"] = model(ns.model.split(","))
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(result, f, indent=1)

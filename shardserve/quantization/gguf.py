@@ -142,7 +142,7 @@ class GgufLinearMethod(LinearMethod):
 
     def __init__(self) -> None:
         self.type_name: str | None = None            # the kept type(s) after loading; None: a dense weight
-        self.gpu_runs: list[tuple[slice, gguf_layout.GgufPlanes]] = []   # CUDA: runs of rows, each of one type
+        self.gpu_runs: list[tuple[slice, Any]] = []  # CUDA: runs of rows of one type (gguf_layout.gpu_weight)
         # CPU, a fused layer whose parts differ in type: (rows, type, blocks, int8 matmul or None) per run
         self.cpu_runs: list[tuple[slice, str, nn.Parameter, Any]] = []
         self.int8 = False                            # regrouped for the int8-activation kernels (quant_ops.repack)
@@ -226,17 +226,17 @@ class GgufLinearMethod(LinearMethod):
         self._buffers.clear()
 
     def _keep_on_gpu(self, layer: LinearBase, runs: list[tuple[slice, str]]) -> None:
-        """Each run of rows regrouped into the Triton kernels' planes (kernels/quant/gguf_layout.py),
-        registered on the layer as parameters `gguf<run>_<plane>` (memory accounting sees them);
-        the placeholder weight stays empty."""
+        """Each run of rows as the GPU kernels take it (kernels/quant/gguf_layout.py `gpu_weight`:
+        planes, or Q4_0 in the W4A16 layout), registered on the layer as parameters
+        `gguf<run>_<tensor>` (memory accounting sees them); the placeholder weight stays empty."""
         self.type_name = "+".join(t for _, t in runs)
         for i, (rows, type_name) in enumerate(runs):
-            planes = gguf_layout.to_planes(self._buffers[type_name][rows], type_name, layer.input_size)
-            for name, tensor in planes.planes.items():
+            weight = gguf_layout.gpu_weight(self._buffers[type_name][rows], type_name, layer.input_size)
+            for name, tensor in weight.planes.items():
                 param = nn.Parameter(tensor, requires_grad=False)
                 layer.register_parameter(f"gguf{i}_{name}", param)
-                planes.planes[name] = param
-            self.gpu_runs.append((rows, planes))
+                weight.planes[name] = param
+            self.gpu_runs.append((rows, weight))
 
     def _keep_on_cpu(self, layer: LinearBase, type_name: str) -> None:
         self.type_name = type_name

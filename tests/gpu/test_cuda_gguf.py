@@ -1,7 +1,7 @@
 """GGUF weights kept in their blocks on a GPU (quantization/gguf.py, kernels/quant/triton_gguf.py):
-each kernel (the GEMV's three loops, dequantize for cuBLAS) and every type against
+each kernel (the GEMV's three loops, dequantize for cuBLAS; Q4_0 on the W4A16 kernels) and every type against
 dequantize-then-matmul, on sizes with a last step past K, with a bias and over a fused layer whose
-parts differ in type; a tiny GGUF Llama (Q4_K with v and up in Q6_K, as Q4_K_M files mix them)
+parts differ in type (Q4_0 among them); a tiny GGUF Llama (Q4_K with v and up in Q6_K, as Q4_K_M files mix them)
 kept in blocks against the same file dequantized at load: same greedy tokens, close log-probs,
 fewer weight bytes."""
 from __future__ import annotations
@@ -18,9 +18,12 @@ pytest.importorskip("gguf")
 
 
 def _runs(type_name: str, n: int, k: int, seed: int = 0):
+    """([one run: the weight as the layer holds it], the planes for the GEMV's loops, fp32 values)."""
     from tests.quantization.test_gguf_quant import _weights
     raw, ref = _weights(type_name, n, k, seed)
-    return [(slice(0, n), gguf_layout.to_planes(raw.cuda(), type_name, k))], ref.cuda()
+    raw = raw.cuda()
+    return ([(slice(0, n), gguf_layout.gpu_weight(raw, type_name, k))], gguf_layout.to_planes(raw, type_name, k),
+            ref.cuda())
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -35,23 +38,24 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("type_name", gguf_layout.TYPES)
 def test_kernels_match_dequantize_then_matmul(type_name, rows, dtype):
     n, k = 1000, 2304 if type_name.endswith("_K") else 4128   # 4128: the last step of 128 runs past K
-    runs, ref = _runs(type_name, n, k)
+    runs, planes, ref = _runs(type_name, n, k)
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     want = x.float() @ ref.to(dtype).float().T + bias.float()
     _close(triton_gguf.matmul(x, runs, n, bias), want)
-    for tiles in ((64, 4, 256, 3, 1), (32, 4, 512, 3, 2)) if rows <= triton_gguf.GEMV_ROWS else ():   # the other loops
-        _close(triton_gguf.gemv(x, runs[0][1], bias, tiles=tiles), want)
+    for tiles in ((16, 4, 512, 4, 0), (64, 4, 256, 3, 1), (32, 4, 512, 3, 2)) if rows <= triton_gguf.GEMV_ROWS else ():
+        _close(triton_gguf.gemv(x, planes, bias, tiles=tiles), want)   # every loop (Q4_0 too, planes)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
 def test_fused_layer_of_two_types(rows):
-    (a, ref_a), (b, ref_b) = _runs("Q4_K", 512, 1024), _runs("Q6_K", 256, 1024, seed=1)
-    runs = [(slice(0, 512), a[0][1]), (slice(512, 768), b[0][1])]
+    (a, _, ref_a), (b, _, ref_b), (c, _, ref_c) = (_runs("Q4_K", 512, 1024), _runs("Q6_K", 256, 1024, seed=1),
+                                                   _runs("Q4_0", 128, 1024, seed=2))
+    runs = [(slice(0, 512), a[0][1]), (slice(512, 768), b[0][1]), (slice(768, 896), c[0][1])]
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
-    want = x.float() @ torch.cat([ref_a, ref_b]).bfloat16().float().T
-    _close(triton_gguf.matmul(x, runs, 768), want)
-    _close(triton_gguf.matmul(x.float(), runs, 768), want)   # fp32 activations: FMA or dequantize + cuBLAS
+    want = x.float() @ torch.cat([ref_a, ref_b, ref_c]).bfloat16().float().T
+    _close(triton_gguf.matmul(x, runs, 896), want)
+    _close(triton_gguf.matmul(x.float(), runs, 896), want)   # fp32 activations: IEEE products or dequantize + cuBLAS
 
 
 def test_tiny_q4_k_m_style_file_kept_in_blocks(tmp_path, monkeypatch):

@@ -29,6 +29,14 @@ def test_planes_expand_to_the_files_values(type_name):
     assert planes.nbytes() == file_bytes + unpacked
 
 
+def test_q4_0_in_the_w4a16_layout_is_the_same_weight():
+    from shardserve.kernels.quant import reference
+    raw, ref = _weights("Q4_0", 24, 544)   # 544: K padded to the layout's blocks of 8 x 32
+    w = gguf_layout.gpu_weight(raw, "Q4_0", 544)
+    assert isinstance(w, gguf_layout.Int4Weight) and w.planes["scales"].dtype == torch.float16
+    assert torch.equal(reference.gguf_weight([(slice(0, 24), w)], 24, torch.float32), ref)
+
+
 def check_kernels() -> None:
     """Run under TRITON_INTERPRET=1: every kernel, type and row count against the planes' values."""
     from shardserve.kernels.quant import triton_gguf
@@ -49,14 +57,19 @@ def check_kernels() -> None:
             got = triton_gguf.gemv(x, w, tiles=(16, 4, 256, 3, loop))
             torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
         assert torch.equal(triton_gguf.dequantize(w, torch.float32), ref), type_name
-    # A fused layer whose parts differ in type: one run of rows per type, written into one output.
-    (raw_a, ref_a), (raw_b, ref_b) = _weights("Q4_K", 16, 256), _weights("Q6_K", 8, 256, seed=1)
-    runs = [(slice(0, 16), gguf_layout.to_planes(raw_a, "Q4_K", 256)),
-            (slice(16, 24), gguf_layout.to_planes(raw_b, "Q6_K", 256))]
-    ref = torch.cat([ref_a, ref_b])
+    # A fused layer whose parts differ in type: one run of rows per type, written into one output
+    # (Q4_0 in the W4A16 layout: fp32 activations take its torch reference; 20 rows its dequantize kernel).
+    parts = [("Q4_K", 16), ("Q6_K", 8), ("Q4_0", 8)]
+    weights = [_weights(t, n, 256, seed=i) for i, (t, n) in enumerate(parts)]
+    runs, start = [], 0
+    for (type_name, n), (raw, _) in zip(parts, weights):
+        runs.append((slice(start, start + n), gguf_layout.gpu_weight(raw, type_name, 256)))
+        start += n
+    assert isinstance(runs[2][1], gguf_layout.Int4Weight)
+    ref = torch.cat([r for _, r in weights])
     for rows in (2, 20):   # the GEMV; the weight dequantized for the matmul
         x = torch.randn(rows, 256)
-        torch.testing.assert_close(triton_gguf.matmul(x, runs, 24).double(), x.double() @ ref.double().T,
+        torch.testing.assert_close(triton_gguf.matmul(x, runs, 32).double(), x.double() @ ref.double().T,
                                    rtol=1e-5, atol=1e-3)
 
 

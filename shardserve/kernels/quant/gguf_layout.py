@@ -19,12 +19,18 @@ the per-block min, "d" / "dm" the per-super-block scale and min of the K-quants)
 
 `dequantize` expands the planes with torch ops (the kernels-off path, SHARDSERVE_QUANT_KERNELS=0);
 the tests hold both it and the kernels to the CPU's dequantization of the file's blocks.
+
+Q4_0 is the W4A16 kernels' format exactly (d (q - 8): groups of 32, an fp16 scale, zero point 8),
+so `gpu_weight` hands it to them in their layout (kernels/quant/int4_layout.py, 4.75 bits per
+weight) instead of the planes: they are the faster kernels (benchmarks/BENCHMARKS.md).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from shardserve.kernels.quant import int4_layout
 
 # Values per block and bytes per block of each type the GPU kernels take.
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),
@@ -110,3 +116,31 @@ def dequantize(w: GgufPlanes) -> torch.Tensor:
     scale = p["d"].float()[:, e // 256] * p["s"].float()[:, e // 32]
     minimum = p["dm"].float()[:, e // 256] * p["m"].float()[:, e // 32]
     return scale * q.float() - minimum
+
+
+@dataclass
+class Int4Weight:
+    """A Q4_0 weight [n, k] in the W4A16 kernels' layout, groups (and runs) of 32 inputs: planes
+    "words" int32 [n, padded(k) / 8], "scales" fp16 [k / 32, n] (the blocks' d), "zeros" uint8
+    [k / 32, n] (8)."""
+    n: int
+    k: int
+    planes: dict[str, torch.Tensor]
+    group = run = 32
+
+    def args(self) -> tuple:
+        """The W4A16 kernels' weight arguments."""
+        p = self.planes
+        return p["words"], p["scales"], p["zeros"], self.k, self.group, self.run
+
+
+def gpu_weight(raw: torch.Tensor, type_name: str, k: int) -> GgufPlanes | Int4Weight:
+    """The file's blocks as the GPU kernels take them: Q4_0 in the W4A16 layout, the rest as planes."""
+    planes = to_planes(raw, type_name, k)
+    if type_name != "Q4_0":
+        return planes
+    e = torch.arange(k, device=raw.device)
+    q = (planes.planes["q"][:, (e // 32) * 16 + e % 16].int() >> (4 * ((e % 32) // 16))) & 15   # [n, k]
+    scales = planes.planes["s"].t().contiguous()
+    return Int4Weight(planes.n, k, {"words": int4_layout.pack(q.t(), 32), "scales": scales,
+                                    "zeros": torch.full_like(scales, 8, dtype=torch.uint8)})

@@ -33,10 +33,15 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.silu(y[..., :n]) * y[..., n:]
 
 
-def gguf_weight(parts: list[tuple[slice, gguf_layout.GgufPlanes]], n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Runs of output rows in GGUF planes (triton_gguf.matmul's argument) -> the weight [n, K] in
-    `dtype`, computed in fp32 and rounded once."""
-    w = torch.empty(n, parts[0][1].k, dtype=dtype, device=parts[0][1].planes["q"].device)
+def gguf_weight(parts: list[tuple[slice, gguf_layout.GgufPlanes | gguf_layout.Int4Weight]], n: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Runs of output rows of GGUF weights as the GPU holds them (triton_gguf.matmul's argument) ->
+    the weight [n, K] in `dtype`, computed in fp32 and rounded once."""
+    first = parts[0][1]
+    w = torch.empty(n, first.k, dtype=dtype, device=next(iter(first.planes.values())).device)
     for at, part in parts:
-        w[at] = gguf_layout.dequantize(part).to(dtype)
+        if isinstance(part, gguf_layout.Int4Weight):
+            w[at] = int4_weight(*part.args(), dtype=dtype)
+        else:
+            w[at] = gguf_layout.dequantize(part).to(dtype)
     return w

@@ -24,6 +24,7 @@ where q . x is one batched tensor-core product per half over all NU units [NU, B
   weight's bytes, about half the bf16 GEMV's speed: the unpacking, not the memory, bounds them.
 - `dequantize`: the weight as bf16/fp16 [n, K] (s q + m in fp32, rounded once), for cuBLAS on more
   rows (prefill).
+- Q4_0 runs go to the W4A16 kernels instead (gguf_layout.gpu_weight: the same format).
 Each kernel begins with `pdl.start(PDL)` (kernels/pdl.py); `gemv` lets the next kernel launch after
 its main loop. Under TRITON_INTERPRET=1 they run on CPU tensors (the CPU tests do that).
 """
@@ -32,7 +33,8 @@ from __future__ import annotations
 import torch
 
 from shardserve.kernels import pdl
-from shardserve.kernels.quant.gguf_layout import GgufPlanes
+from shardserve.kernels.quant import reference, triton_w4a16, triton_w4a16_gemv
+from shardserve.kernels.quant.gguf_layout import GgufPlanes, Int4Weight
 from shardserve.utils import cdiv
 
 GEMV_ROWS = 16   # rows up to this: the tensor-core GEMV; more: dequantize, then cuBLAS
@@ -359,18 +361,35 @@ def dequantize(w: GgufPlanes, dtype: torch.dtype, out: torch.Tensor | None = Non
     return out
 
 
-def matmul(x: torch.Tensor, parts: list[tuple[slice, GgufPlanes]], n: int,
+def _int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """A Q4_0 run on the W4A16 kernels (gguf_layout.gpu_weight), x [rows <= GEMV_ROWS, K]."""
+    args = w.args()
+    if x.dtype == torch.float32:   # the W4A16 kernels take bf16 / fp16 activations
+        return torch.nn.functional.linear(x, reference.int4_weight(*args, dtype=x.dtype), bias)
+    if x.shape[0] <= triton_w4a16_gemv.MAX_ROWS:
+        return triton_w4a16_gemv.gemv(x, *args, bias=bias)
+    return triton_w4a16.matmul_dot(x, *args, bias=bias)
+
+
+def matmul(x: torch.Tensor, parts: list[tuple[slice, GgufPlanes | Int4Weight]], n: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, K] @ W^T (+ bias) for a weight [n, K] held as runs of output rows, each of one GGUF
     type (a fused q/k/v or gate/up whose parts differ in type has several): the GEMV up to
-    GEMV_ROWS rows, else the weight dequantized for cuBLAS."""
+    GEMV_ROWS rows (Q4_0: the W4A16 kernels), else the weight dequantized for cuBLAS."""
     rows, k = x.shape[0], parts[0][1].k
     if rows > GEMV_ROWS:
         w = torch.empty(n, k, dtype=x.dtype, device=x.device)
         for at, part in parts:
-            dequantize(part, x.dtype, out=w[at])
+            if isinstance(part, Int4Weight):
+                w[at] = triton_w4a16.dequantize(*part.args(), dtype=x.dtype)
+            else:
+                dequantize(part, x.dtype, out=w[at])
         return torch.nn.functional.linear(x, w, bias)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     for at, part in parts if rows else ():
-        gemv(x, part, None if bias is None else bias[at], out=out[:, at])
+        part_bias = None if bias is None else bias[at]
+        if isinstance(part, Int4Weight):
+            out[:, at] = _int4(x, part, part_bias)
+        else:
+            gemv(x, part, part_bias, out=out[:, at])
     return out
