@@ -15,10 +15,12 @@ third of the bytes (benchmarks/BENCHMARKS.md, issue 25 session 16).
     SiLU-and-mul; the decoder stack chains the same calls). The token embedding (and an untied LM head)
     stays in its blocks too where its type is kept and takes the int8 kernels (layers/vocab.py), and
     so do MoE experts (quantization/gguf_moe.py); norms and MoE routers are dequantized at load.
-  - CUDA (Triton, kernels/quant/triton_gguf.py): each field of the blocks in a plane of its own
-    (kernels/quant/gguf_layout.py), dequantized in registers inside the matmul; a fused q/k/v or
-    gate/up whose parts differ in type (Q4_K_M's v in Q6_K) keeps one run of rows per type. The
-    embedding, LM head and MoE experts are dequantized after loading there.
+  - CUDA (`gpu_keeps`: Q4_0 by default, every type with SHARDSERVE_GGUF_DEQUANTIZE=0): Q4_0 in the
+    W4A16 kernels' layout, the others with each field of the blocks in a plane of its own
+    (kernels/quant/gguf_layout.py), dequantized in registers inside the matmul
+    (kernels/quant/triton_gguf.py); a fused q/k/v or gate/up whose parts differ in type (Q4_K_M's v
+    in Q6_K) keeps one run of rows per type. The embedding, LM head and MoE experts are dequantized
+    after loading there.
 - Dequantized after loading (into the layer's dtype), per layer: other GGUF types (F32, F16, BF16,
   Q5_0, ...; a fused layer with a part of such a type as a whole, a debug log line says which), and
   every CPU layer where the native kernels are off (no compiler, SHARDSERVE_CPU_KERNELS=0).
@@ -73,11 +75,18 @@ def cpu_keeps(type_name: str) -> bool:
     return type_name in kept_types() and quant_ops.available()
 
 
+# Kept in their blocks on CUDA by default: Q4_0, on the W4A16 kernels (an 8B file decodes 1.76x faster
+# than bf16 on an H100). The other types' kernels decode at about half bf16's speed: dequantized
+# after loading unless SHARDSERVE_GGUF_DEQUANTIZE=0 asks for the memory (benchmarks/BENCHMARKS.md).
+GPU_DEFAULT_KEPT = ("Q4_0",)
+
+
 def gpu_keeps(type_name: str) -> bool:
-    """Whether a CUDA layer keeps blocks of this type: a type the Triton kernels take, asked for with
-    SHARDSERVE_GGUF_DEQUANTIZE=0 (unset: dequantized, the bf16 matmuls are faster for now)."""
-    return (os.environ.get(DEQUANTIZE_SWITCH) == "0" and type_name in gguf_layout.TYPES
-            and triton_gguf.triton is not None)
+    """Whether a CUDA layer keeps blocks of this type: GPU_DEFAULT_KEPT, or with
+    SHARDSERVE_GGUF_DEQUANTIZE=0 every type the GPU kernels take (none with =1)."""
+    if triton_gguf.triton is None or type_name not in kept_types():
+        return False
+    return type_name in (gguf_layout.TYPES if os.environ.get(DEQUANTIZE_SWITCH) == "0" else GPU_DEFAULT_KEPT)
 
 
 _HOW = {"int16": "integer dot products with x rounded to ~16 bits per block of 32 (two int8 levels)",
@@ -88,8 +97,11 @@ _HOW = {"int16": "integer dot products with x rounded to ~16 bits per block of 3
 def path_line(device: torch.device) -> str:
     """The start-up line of a GGUF file kept in its blocks (engine/args.py logs it)."""
     if device.type == "cuda":
-        return ("GGUF weights kept in their blocks, Triton kernels dequantize them inside the matmul (1-16 rows; "
-                f"more: dequantized per call for cuBLAS; {DEQUANTIZE_SWITCH}=1 dequantizes at load)")
+        kept = gguf_layout.TYPES if os.environ.get(DEQUANTIZE_SWITCH) == "0" else GPU_DEFAULT_KEPT
+        return (f"GGUF weights of types {', '.join(kept)} kept in their blocks, dequantized inside the matmul "
+                "(Triton; Q4_0 on the W4A16 kernels; more than 16 rows: dequantized per call for cuBLAS), other "
+                f"types dequantized after loading ({DEQUANTIZE_SWITCH}=0 keeps every type: less memory, slower "
+                "decode; =1 dequantizes all)")
     if not quant_ops.available():
         return "GGUF weights dequantized after loading: the native CPU kernels are off (no compiler or " \
                "SHARDSERVE_CPU_KERNELS=0)"

@@ -80,3 +80,16 @@ def test_triton_kernels_under_the_interpreter():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_which_types_a_gpu_keeps(monkeypatch):
+    """Q4_0 (on the W4A16 kernels, faster than bf16) by default; every type with the switch at 0
+    (the memory, at about half bf16's decode speed); none at 1."""
+    pytest.importorskip("triton")
+    from shardserve.quantization.gguf import DEQUANTIZE_SWITCH, gpu_keeps
+    monkeypatch.delenv(DEQUANTIZE_SWITCH, raising=False)
+    assert [t for t in gguf_layout.TYPES if gpu_keeps(t)] == ["Q4_0"]
+    monkeypatch.setenv(DEQUANTIZE_SWITCH, "0")
+    assert all(gpu_keeps(t) for t in gguf_layout.TYPES) and not gpu_keeps("Q5_0")
+    monkeypatch.setenv(DEQUANTIZE_SWITCH, "1")
+    assert not any(gpu_keeps(t) for t in gguf_layout.TYPES)
