@@ -2,21 +2,22 @@
 products, quant_dot.c) against the same file dequantized at load (bf16 panels), in one run.
 
     .venv/bin/python benchmarks/gguf_kquant_cpu.py [--rounds 2] [--files q4_k,q4_k_m,q6_k] [--threads 2]
-        [--json out.json]
+        [--base DIR] [--json out.json]
 
 No K-quant model ships with the repository and gguf-py cannot write K-quants, so the files are
 random-weight Llama models written here (tests/models/gguf_files.py's plain K-quantizer, cached
 under ~/.cache/shardserve/bench): hidden 1024, 16 layers, 16 heads (4 KV), FFN 2816, vocabulary
 32000, untied. Files: `q4_k` (every linear and the embedding Q4_K, the LM head Q6_K), `q5_k`,
 `q6_k` (all of that type) and `q4_k_m` (Q4_K with attn_v and ffn_down in Q6_K in every third
-layer and the LM head Q6_K, as llama.cpp's Q4_K_M mixes them: those layers' fused q/k/v and the
-down projections of other types are dequantized, see quantization/gguf.py).
+layer and the LM head Q6_K, as llama.cpp's Q4_K_M mixes them: those layers' fused q/k/v keep a
+run of rows per type since session 18, see quantization/gguf.py).
 
 Per contender, much as benchmarks/gguf_cpu.py measures: weights held, a fresh 128-token prompt's
 prefill (the least of 3 times) and single-stream decode (127 over the least of 3 times of 128 new
 tokens after a fresh 128-token prompt, less the least of 3 1-token requests), 2 threads,
 `--dtype bfloat16`. Contenders alternate over `--rounds`,
-each in a fresh process; the best round of each is reported.
+each in a fresh process; the best round of each is reported. `--base DIR`: the blocks contenders
+run from another checkout too (e.g. `git worktree add DIR HEAD~1`), alternating with this one's.
 """
 from __future__ import annotations
 
@@ -128,20 +129,27 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", default=THREADS, help="1 where another job holds a core: OpenMP's barriers "
                    "stall on a busy one")
+    p.add_argument("--base", default=None, help="another checkout whose blocks contenders run too, as (base)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {name: (here, extra) for name, extra in PATHS.items()}
+    if args.base:
+        base = os.path.abspath(args.base)
+        trees.update({f"{name} (base)": (base, extra) for name, extra in PATHS.items() if name.startswith("blocks")})
     from shardserve.kernels.cpu import quant_ops
     kinds = args.files.split(",")
     paths = {kind: write_file(kind) for kind in kinds}
-    results: dict[str, dict[str, list[dict]]] = {kind: {name: [] for name in PATHS} for kind in kinds}
+    results: dict[str, dict[str, list[dict]]] = {kind: {name: [] for name in trees} for kind in kinds}
     loads = []
     for r in range(args.rounds):
         loads.append(os.getloadavg()[0])
         for kind in kinds:
-            for name, extra in PATHS.items():
+            for name, (tree, extra) in trees.items():
                 env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDSERVE_GGUF", "SHARDSERVE_CPU_"))}
-                env = {**env, "OMP_NUM_THREADS": args.threads, **extra}
-                out = subprocess.run([sys.executable, __file__, "--child", paths[kind], args.dtype, str(r)], env=env,
+                env = {**env, "OMP_NUM_THREADS": args.threads, "PYTHONPATH": tree, **extra}
+                script = os.path.join(tree, "benchmarks", os.path.basename(__file__))
+                out = subprocess.run([sys.executable, script, "--child", paths[kind], args.dtype, str(r)], env=env,
                                      capture_output=True, text=True, check=True).stdout
                 results[kind][name].append(json.loads(out.split("RESULT ", 1)[1]))
     print(f"{args.dtype}, {args.threads} threads, ISA: {quant_ops.isa()}, best of {args.rounds} rounds; 1-minute load "
@@ -158,7 +166,8 @@ def main() -> None:
                   f"| {x['decode_tok_s'] / base:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": SHAPE, "rounds": results, "best": best, "load_average": loads}, f, indent=2)
+            json.dump({"shape": SHAPE, "threads": args.threads, "base": args.base, "rounds": results, "best": best,
+                       "load_average": loads}, f, indent=2)
 
 
 if __name__ == "__main__":
