@@ -20,11 +20,9 @@ the per-block min, "d" / "dm" the per-super-block scale and min of the K-quants)
 `dequantize` expands the planes with torch ops (the kernels-off path, SHARDSERVE_QUANT_KERNELS=0);
 the tests hold both it and the kernels to the CPU's dequantization of the file's blocks.
 
-The 4-bit types are (q - z) s per block of 32, the W4A16 kernels' weight: `gpu_weight` hands them
-to those in their layout (kernels/quant/int4_layout.py) instead of the planes, where the kernels
-are faster (benchmarks/BENCHMARKS.md): Q4_0 exactly (d (q - 8): an fp16 scale, zero point 8, 4.75
-bits per weight), Q4_1 and Q4_K with fp32 scales and fractional zero points z = -min / s (6 bits
-per weight; the weights agree with the file's to fp32 rounding).
+Q4_0 is the W4A16 kernels' format exactly (d (q - 8): groups of 32, an fp16 scale, zero point 8),
+so `gpu_weight` hands it to them in their layout (kernels/quant/int4_layout.py, 4.75 bits per
+weight) instead of the planes: they are the faster kernels (benchmarks/BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -92,33 +90,19 @@ def to_planes(raw: torch.Tensor, type_name: str, k: int) -> GgufPlanes:
     return GgufPlanes(type_name, n, k, {name: p.contiguous() for name, p in planes.items()})
 
 
-def nibbles(w: GgufPlanes) -> torch.Tensor:
-    """The low 4 bits of every quant, int32 [n, k] in input order (not Q8_0)."""
-    p, k = w.planes, w.k
-    e = torch.arange(k, device=p["q"].device)
-    if w.type_name in ("Q4_0", "Q4_1"):   # byte j of a block: value j (low nibble), value j + 16 (high)
-        byte, shift = (e // 32) * 16 + e % 16, 4 * ((e % 32) // 16)
-    elif w.type_name in ("Q4_K", "Q5_K"):   # byte j of 32 per 64 values: value j (low), value j + 32 (high)
-        byte, shift = (e // 64) * 32 + e % 32, 4 * ((e % 64) // 32)
-    else:   # Q6_K: byte j of 64 per 128 values: value j (low), value j + 64 (high)
-        byte, shift = (e // 128) * 64 + e % 64, 4 * ((e % 128) // 64)
-    return (p["q"][:, byte].int() >> shift) & 15
-
-
-def _k4_scales(w: GgufPlanes) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K: each block of 32's scale d sc and min dmin mn, fp32 [n, k / 32]."""
-    p = w.planes
-    sb = torch.arange(w.k // 32, device=p["q"].device) // 8
-    return p["d"].float()[:, sb] * p["s"].float(), p["dm"].float()[:, sb] * p["m"].float()
-
-
 def dequantize(w: GgufPlanes) -> torch.Tensor:
     """The planes expanded to fp32 [n, k], with the same arithmetic as the file format defines."""
     p, k = w.planes, w.k
     e = torch.arange(k, device=p["q"].device)
     if w.type_name == "Q8_0":
         return p["q"].float() * p["s"].float()[:, e // 32]
-    q = nibbles(w)
+    if w.type_name in ("Q4_0", "Q4_1"):   # byte j of a block: value j (low nibble), value j + 16 (high)
+        byte, shift = (e // 32) * 16 + e % 16, 4 * ((e % 32) // 16)
+    elif w.type_name in ("Q4_K", "Q5_K"):   # byte j of 32 per 64 values: value j (low), value j + 32 (high)
+        byte, shift = (e // 64) * 32 + e % 32, 4 * ((e % 64) // 32)
+    else:   # Q6_K: byte j of 64 per 128 values: value j (low), value j + 64 (high)
+        byte, shift = (e // 128) * 64 + e % 64, 4 * ((e % 128) // 64)
+    q = (p["q"][:, byte].int() >> shift) & 15
     if w.type_name == "Q4_0":
         return p["s"].float()[:, e // 32] * (q - 8).float()
     if w.type_name == "Q4_1":
@@ -129,16 +113,16 @@ def dequantize(w: GgufPlanes) -> torch.Tensor:
         return scale * ((q | (high << 4)) - 32).float()
     if w.type_name == "Q5_K":   # 1 high bit: byte j of 32 per 256 values, bit by the value's block of 32
         q = q | (((p["h"][:, (e // 256) * 32 + e % 32].int() >> ((e % 256) // 32)) & 1) << 4)
-    scale, minimum = _k4_scales(w)
-    return scale[:, e // 32] * q.float() - minimum[:, e // 32]
+    scale = p["d"].float()[:, e // 256] * p["s"].float()[:, e // 32]
+    minimum = p["dm"].float()[:, e // 256] * p["m"].float()[:, e // 32]
+    return scale * q.float() - minimum
 
 
 @dataclass
 class Int4Weight:
-    """A 4-bit GGUF weight [n, k] in the W4A16 kernels' layout, groups (and runs) of 32 inputs, the
-    weight (q - z) s: planes "words" int32 [n, padded(k) / 8], "scales" [k / 32, n] and "zeros"
-    [k / 32, n]. Q4_0: d as fp16, z = 8 as uint8 (the kernels' fast fp16 path); Q4_1 and Q4_K: s and
-    z = -min / s as fp32 (their per-run path; 6 bits per weight)."""
+    """A Q4_0 weight [n, k] in the W4A16 kernels' layout, groups (and runs) of 32 inputs: planes
+    "words" int32 [n, padded(k) / 8], "scales" fp16 [k / 32, n] (the blocks' d), "zeros" uint8
+    [k / 32, n] (8)."""
     n: int
     k: int
     planes: dict[str, torch.Tensor]
@@ -150,26 +134,13 @@ class Int4Weight:
         return p["words"], p["scales"], p["zeros"], self.k, self.group, self.run
 
 
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")   # the 4-bit types (q - z) s holds: the W4A16 kernels take them
-
-
 def gpu_weight(raw: torch.Tensor, type_name: str, k: int) -> GgufPlanes | Int4Weight:
-    """The file's blocks as the GPU kernels take them: the 4-bit types in the W4A16 layout (where
-    (q - z) s holds every block: a block of scale 0 and a nonzero min does not), the rest as planes."""
+    """The file's blocks as the GPU kernels take them: Q4_0 in the W4A16 layout, the rest as planes."""
     planes = to_planes(raw, type_name, k)
-    if type_name not in INT4_TYPES:
+    if type_name != "Q4_0":
         return planes
-    p = planes.planes
-    if type_name == "Q4_0":
-        scales = p["s"].t().contiguous()
-        zeros = torch.full_like(scales, 8, dtype=torch.uint8)
-    else:
-        scale, minimum = (p["s"].float(), p["m"].float()) if type_name == "Q4_1" else _k4_scales(planes)
-        if type_name == "Q4_K":
-            minimum = -minimum
-        if bool(((scale == 0) & (minimum != 0)).any()):
-            return planes
-        zeros = torch.where(scale == 0, 0.0, -minimum / scale)
-        scales, zeros = scale.t().contiguous(), zeros.t().contiguous()
-    return Int4Weight(planes.n, k, {"words": int4_layout.pack(nibbles(planes).t(), 32), "scales": scales,
-                                    "zeros": zeros})
+    e = torch.arange(k, device=raw.device)
+    q = (planes.planes["q"][:, (e // 32) * 16 + e % 16].int() >> (4 * ((e % 32) // 16))) & 15   # [n, k]
+    scales = planes.planes["s"].t().contiguous()
+    return Int4Weight(planes.n, k, {"words": int4_layout.pack(q.t(), 32), "scales": scales,
+                                    "zeros": torch.full_like(scales, 8, dtype=torch.uint8)})

@@ -18,7 +18,7 @@ def int4_weight(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     """Kernel-layout INT4 (int4_layout.pack) -> the weight [N, K] in `dtype`: (q - z) * s per group."""
     q = int4_layout.unpack(words, k, run)                                   # [K, N]
     g = torch.arange(k, device=words.device) // group
-    w = (q - zeros.index_select(0, g).float()) * scales.index_select(0, g).float()   # GGUF: fractional zeros
+    w = (q - zeros.index_select(0, g).int()).float() * scales.index_select(0, g).float()
     return w.to(dtype).t()
 
 
