@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -117,38 +116,11 @@ def _tensor_type(kind: str, name: str, layer: int) -> str:
 def write_model(path: str, kind: str) -> int:
     """The random-weight 8B-shaped file of `kind` (module docstring); returns the bytes a decode step
     reads from its linears and LM head."""
-    import gguf
-
     from tests.models import gguf_files
-    s = LLAMA3_8B
-    h, ffn, vocab = s["hidden"], s["ffn"], s["vocab"]
-    hd = h // s["heads"]
-    cfg = {"num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"], "hidden_size": h,
-           "intermediate_size": ffn, "num_hidden_layers": s["layers"], "max_position_embeddings": 8192,
-           "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 500000.0}, "vocab_size": vocab,
-           "bos_token_id": 256, "eos_token_id": 257}
-    gguf_files.VOCAB = vocab
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_name(f"random-llama-3-8b-{kind}")
-    gguf_files._write_metadata(w, cfg, "Q8_0")
-    tensors = [("token_embd.weight", vocab, h, -1), ("output_norm.weight", h, 0, -1), ("output.weight", vocab, h, -1)]
-    for i in range(s["layers"]):
-        tensors += [(f"blk.{i}.{name}", rows, cols, i) for name, rows, cols in (
-            ("attn_norm.weight", h, 0), ("attn_q.weight", h, h), ("attn_k.weight", s["kv_heads"] * hd, h),
-            ("attn_v.weight", s["kv_heads"] * hd, h), ("attn_output.weight", h, h), ("ffn_norm.weight", h, 0),
-            ("ffn_gate.weight", ffn, h), ("ffn_up.weight", ffn, h), ("ffn_down.weight", h, ffn))]
-    read = 0
-    for name, rows, cols, layer in tensors:
-        if not cols:
-            w.add_tensor(name, np.ones(rows, dtype=np.float32))
-            continue
-        qtype = _tensor_type(kind, name, layer)
-        raw = random_blocks(rows, cols, qtype, device="cpu").numpy().reshape(rows, -1)
-        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
-        if name != "token_embd.weight":
-            read += raw.nbytes
-    gguf_files._finish(w)
-    return read
+    return gguf_files.write_random_llama(
+        path, LLAMA3_8B, lambda name, layer: _tensor_type(kind, name, layer),
+        lambda rows, cols, qtype: random_blocks(rows, cols, qtype, device="cpu").numpy().reshape(rows, -1),
+        rope_theta=500000.0, max_positions=8192)
 
 
 def latency(args: list[str], env: dict) -> dict:

@@ -53,39 +53,19 @@ def _tensor_type(kind: str, gname: str, layer: int) -> str:
 
 def write_file(kind: str) -> str:
     """The random-weight model of `kind` (cached)."""
-    import gguf
-
     from tests.models import gguf_files
     root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardserve", "bench")
     path = os.path.join(root, f"llama-{'-'.join(str(v) for v in SHAPE.values())}-{kind}.gguf")
     if os.path.exists(path):
         return path
     os.makedirs(root, exist_ok=True)
-    h, ffn, vocab = SHAPE["hidden"], SHAPE["ffn"], SHAPE["vocab"]
-    hd = h // SHAPE["heads"]
-    cfg = {"num_attention_heads": SHAPE["heads"], "num_key_value_heads": SHAPE["kv_heads"], "hidden_size": h,
-           "intermediate_size": ffn, "num_hidden_layers": SHAPE["layers"], "max_position_embeddings": 4096,
-           "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 10000.0}, "vocab_size": vocab,
-           "bos_token_id": 256, "eos_token_id": 257}
-    gguf_files.VOCAB = vocab   # the token list padded to this vocabulary
     rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(path + ".tmp", "llama")
-    w.add_name(f"random-llama-{kind}")
-    gguf_files._write_metadata(w, cfg, "Q8_0")
-    tensors = [("token_embd.weight", vocab, h, -1), ("output_norm.weight", h, 0, -1), ("output.weight", vocab, h, -1)]
-    for i in range(SHAPE["layers"]):
-        tensors += [(f"blk.{i}.{name}", rows, cols, i) for name, rows, cols in (
-            ("attn_norm.weight", h, 0), ("attn_q.weight", h, h), ("attn_k.weight", SHAPE["kv_heads"] * hd, h),
-            ("attn_v.weight", SHAPE["kv_heads"] * hd, h), ("attn_output.weight", h, h), ("ffn_norm.weight", h, 0),
-            ("ffn_gate.weight", ffn, h), ("ffn_up.weight", ffn, h), ("ffn_down.weight", h, ffn))]
-    for gname, rows, cols, layer in tensors:
-        if not cols:
-            w.add_tensor(gname, np.ones(rows, dtype=np.float32))
-            continue
-        qtype = _tensor_type(kind, gname, layer)
+
+    def blocks(rows: int, cols: int, qtype: str) -> np.ndarray:
         data = (rng.standard_normal((rows, cols), dtype=np.float32) * (1.0 / np.sqrt(cols))).astype(np.float32)
-        w.add_tensor(gname, gguf_files.quantize(data, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
-    gguf_files._finish(w)
+        return gguf_files.quantize(data, qtype)
+
+    gguf_files.write_random_llama(path + ".tmp", SHAPE, lambda name, layer: _tensor_type(kind, name, layer), blocks)
     os.replace(path + ".tmp", path)
     return path
 

@@ -186,6 +186,43 @@ def _finish(w) -> None:
     w.close()
 
 
+def write_random_llama(path: str, shape: dict, tensor_type, blocks, rope_theta: float = 10000.0,
+                       max_positions: int = 4096) -> int:
+    """A random-weight Llama GGUF with real shapes, for the benchmarks: `shape` has hidden, layers,
+    heads, kv_heads, ffn and vocab; tensor_type(gguf name, layer or -1) names each matrix's GGUF
+    type; blocks(rows, cols, type) gives its bytes, uint8 [rows, row bytes]; norms are ones.
+    Returns the bytes of every matrix but the embedding (what a decode step reads)."""
+    import gguf
+    global VOCAB
+    h, ffn, vocab, kv = shape["hidden"], shape["ffn"], shape["vocab"], shape["kv_heads"] * (shape["hidden"] //
+                                                                                           shape["heads"])
+    cfg = {"num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv_heads"], "hidden_size": h,
+           "intermediate_size": ffn, "num_hidden_layers": shape["layers"], "max_position_embeddings": max_positions,
+           "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": rope_theta}, "vocab_size": vocab,
+           "bos_token_id": 256, "eos_token_id": 257}
+    VOCAB = vocab   # the token list padded to this vocabulary
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name(os.path.basename(path).removesuffix(".tmp"))
+    _write_metadata(w, cfg, "Q8_0")
+    tensors = [("token_embd.weight", vocab, h, -1), ("output_norm.weight", h, 0, -1), ("output.weight", vocab, h, -1)]
+    for i in range(shape["layers"]):
+        tensors += [(f"blk.{i}.{name}", rows, cols, i) for name, rows, cols in (
+            ("attn_norm.weight", h, 0), ("attn_q.weight", h, h), ("attn_k.weight", kv, h), ("attn_v.weight", kv, h),
+            ("attn_output.weight", h, h), ("ffn_norm.weight", h, 0), ("ffn_gate.weight", ffn, h),
+            ("ffn_up.weight", ffn, h), ("ffn_down.weight", h, ffn))]
+    read = 0
+    for name, rows, cols, layer in tensors:
+        if not cols:
+            w.add_tensor(name, np.ones(rows, dtype=np.float32))
+            continue
+        qtype = tensor_type(name, layer)
+        raw = blocks(rows, cols, qtype)
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        read += 0 if name == "token_embd.weight" else raw.nbytes
+    _finish(w)
+    return read
+
+
 def write_gguf(ckpt_dir: str, out_path: str, qtype_name: str, rope_freqs: np.ndarray | None = None) -> None:
     """Convert a tiny HF llama checkpoint the way convert_hf_to_gguf.py does (Llama 3.1 rope
     scaling goes into a rope_freqs tensor of per-frequency divisors, as llama.cpp stores it)."""
