@@ -75,7 +75,7 @@ def cpu_keeps(type_name: str) -> bool:
     return type_name in kept_types() and quant_ops.available()
 
 
-# Kept in their blocks on CUDA by default: Q4_0, on the W4A16 kernels (an 8B file decodes 1.76x faster
+# Kept in their blocks on CUDA by default: Q4_0, on the W4A16 kernels (an 8B file decodes 1.84x faster
 # than bf16 on an H100). The other types' kernels decode at about half bf16's speed: dequantized
 # after loading unless SHARDSERVE_GGUF_DEQUANTIZE=0 asks for the memory (benchmarks/BENCHMARKS.md).
 GPU_DEFAULT_KEPT = ("Q4_0",)
@@ -297,6 +297,8 @@ class GgufLinearMethod(LinearMethod):
         return out.view(*x.shape[:-1], layer.output_size)
 
     def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+        if self.gpu_runs:   # a Q4_0 gate_up on CUDA: the W4A16 GEMV's gated form (SiLU-and-mul inside)
+            return triton_gguf.gated(x, self.gpu_runs, layer)
         if self._int8_gated is None:
             return None
         out = self._int8_gated(x)

@@ -58,6 +58,19 @@ def test_fused_layer_of_two_types(rows):
     _close(triton_gguf.matmul(x.float(), runs, 896), want)   # fp32 activations: IEEE products or dequantize + cuBLAS
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_q4_0_gate_up_gated_form(rows):
+    """A Q4_0 gate_up on the W4A16 GEMV's gated form: silu(gate) * up, as matmul then SiLU-and-mul."""
+    from types import SimpleNamespace
+    runs, _, ref = _runs("Q4_0", 2 * 2048, 1024)
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    y = (x.float() @ ref.bfloat16().float().T)
+    want = torch.nn.functional.silu(y[:, :2048]) * y[:, 2048:]
+    got = triton_gguf.gated(x, runs, SimpleNamespace(output_shard_sizes=[2048, 2048]))
+    _close(got, want)
+    assert triton_gguf.gated(x.float(), runs, SimpleNamespace(output_shard_sizes=[2048, 2048])) is None
+
+
 @pytest.mark.parametrize("qtype,mixed,keep,dtype", [
     ("Q4_K", "Q6_K", "0", "float32"),   # Q4_K_M-style, kept on asking: the planes kernels, fused runs of two types
     ("Q4_0", None, None, "bfloat16"),   # kept by default: the W4A16 kernels (bf16 activations)

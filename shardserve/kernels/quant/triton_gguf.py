@@ -24,7 +24,8 @@ where q . x is one batched tensor-core product per half over all NU units [NU, B
   weight's bytes, about half the bf16 GEMV's speed: the unpacking, not the memory, bounds them.
 - `dequantize`: the weight as bf16/fp16 [n, K] (s q + m in fp32, rounded once), for cuBLAS on more
   rows (prefill).
-- Q4_0 runs go to the W4A16 kernels instead (gguf_layout.gpu_weight: the same format).
+- Q4_0 runs go to the W4A16 kernels instead (gguf_layout.gpu_weight: the same format), a Q4_0
+  gate_up to their gated form (`gated`).
 Each kernel begins with `pdl.start(PDL)` (kernels/pdl.py); `gemv` lets the next kernel launch after
 its main loop. Under TRITON_INTERPRET=1 they run on CPU tensors (the CPU tests do that).
 """
@@ -33,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from shardserve.kernels import pdl
-from shardserve.kernels.quant import reference, triton_w4a16, triton_w4a16_gemv
+from shardserve.kernels.quant import reference, triton_w4a16, triton_w4a16_gemv, tuned
 from shardserve.kernels.quant.gguf_layout import GgufPlanes, Int4Weight
 from shardserve.utils import cdiv
 
@@ -369,6 +370,17 @@ def _int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Te
     if x.shape[0] <= triton_w4a16_gemv.MAX_ROWS:
         return triton_w4a16_gemv.gemv(x, *args, bias=bias)
     return triton_w4a16.matmul_dot(x, *args, bias=bias)
+
+
+def gated(x: torch.Tensor, parts: list[tuple[slice, GgufPlanes | Int4Weight]], layer) -> torch.Tensor | None:
+    """silu(x Wg^T) * (x Wu^T) in one W4A16 GEMV for a merged gate/up held as one Q4_0 run, 1 to
+    triton_w4a16_gemv.MAX_ROWS bf16/fp16 rows on CUDA; None elsewhere (then matmul + SiLU-and-mul)."""
+    sizes = layer.output_shard_sizes
+    if (len(parts) != 1 or not isinstance(parts[0][1], Int4Weight) or len(sizes) != 2 or sizes[0] != sizes[1]
+            or not tuned.ENABLED or not x.is_cuda or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16)
+            or not 0 < x.shape[0] <= triton_w4a16_gemv.MAX_ROWS):
+        return None
+    return triton_w4a16_gemv.gemv(x if x.stride(-1) == 1 else x.contiguous(), *parts[0][1].args(), gated=True)
 
 
 def matmul(x: torch.Tensor, parts: list[tuple[slice, GgufPlanes | Int4Weight]], n: int,
