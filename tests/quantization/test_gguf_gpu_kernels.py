@@ -15,6 +15,7 @@ import torch
 from shardserve.kernels.quant import gguf_layout
 from tests.quantization.test_gguf_quant import _weights
 
+TRITON_REASON = "triton comes with xgrammar, a core dependency: only a broken install lacks it"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -74,7 +75,7 @@ def check_kernels() -> None:
 
 
 def test_triton_kernels_under_the_interpreter():
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason=TRITON_REASON)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
     code = "from tests.quantization.test_gguf_gpu_kernels import check_kernels; check_kernels()"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
@@ -85,7 +86,7 @@ def test_triton_kernels_under_the_interpreter():
 def test_which_types_a_gpu_keeps(monkeypatch):
     """Q4_0 (on the W4A16 kernels, faster than bf16) by default; every type with the switch at 0
     (the memory, at about half bf16's decode speed); none at 1."""
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason=TRITON_REASON)
     from shardserve.quantization.gguf import DEQUANTIZE_SWITCH, gpu_keeps
     monkeypatch.delenv(DEQUANTIZE_SWITCH, raising=False)
     assert [t for t in gguf_layout.TYPES if gpu_keeps(t)] == ["Q4_0"]
