@@ -6,7 +6,7 @@
 `--layers`: per Llama-3-8B linear shape and GGUF type, the time of one matmul at 1 and 4 rows
 inside a CUDA graph of back-to-back calls rotating over enough weight copies to miss the L2 cache
 (benchmarks/quant_gemv.py's harness), the weight held as a layer holds it (`gguf_layout.gpu_weight`:
-planes, Q4_0 in the W4A16 layout) and multiplied as a layer multiplies it (`triton_gguf.matmul`),
+planes, Q4_0 in the W4A16 layout) and multiplied as a layer multiplies it (`kernels/quant/gguf_matmul.py`),
 beside the bf16 Triton GEMV (1-4 rows) and cuBLAS; GB/s = the bytes the weight holds over the time;
 the run's copy bandwidth. `--sweep` also times the planes GEMV's settings (strip width, warps,
 inputs per step, pipeline stages, loop).
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quant_gemv import copies, graph_time  # noqa: E402
 
 from shardserve.kernels.gemv import triton_gemv  # noqa: E402
-from shardserve.kernels.quant import gguf_layout, triton_gguf  # noqa: E402
+from shardserve.kernels.quant import gguf_layout, gguf_matmul, triton_gguf  # noqa: E402
 
 ROWS = (1, 4)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -86,7 +86,7 @@ def layers(types: list[str], sweep: bool) -> dict:
                 weight = gguf_layout.gpu_weight(raw, type_name, k)   # as a layer holds it (Q4_0: W4A16 layout)
                 held = sum(p.numel() * p.element_size() for p in weight.planes.values())
                 ws = _copies(weight, copies(held))
-                t = graph_time(lambda w: triton_gguf.matmul(x, [(slice(0, n), w)], n), ws)
+                t = graph_time(lambda w: gguf_matmul.matmul(x, [(slice(0, n), w)], n), ws)
                 entry = {"us": t * 1e6, "gbs": held / t / 1e9, "bits_per_weight": 8 * held / (n * k)}
                 if sweep:   # the planes kernels' settings
                     ws = _copies(gguf_layout.to_planes(raw, type_name, k), len(ws))

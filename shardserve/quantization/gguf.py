@@ -41,7 +41,7 @@ from torch import nn
 
 from shardserve.kernels.cpu import quant_ops
 from shardserve.kernels.cpu.decoder_stack import StackLinear, chained, panels_linear
-from shardserve.kernels.quant import gguf_layout, reference, triton_gguf, tuned
+from shardserve.kernels.quant import gguf_layout, gguf_matmul, reference, triton_gguf, tuned
 from shardserve.layers.linear import LinearBase, LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, linear
 
 logger = logging.getLogger("shardserve")
@@ -298,7 +298,7 @@ class GgufLinearMethod(LinearMethod):
 
     def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
         if self.gpu_runs:   # a Q4_0 gate_up on CUDA: the W4A16 GEMV's gated form (SiLU-and-mul inside)
-            return triton_gguf.gated(x, self.gpu_runs, layer)
+            return gguf_matmul.gated(x, self.gpu_runs, layer)
         if self._int8_gated is None:
             return None
         out = self._int8_gated(x)
@@ -331,7 +331,7 @@ class GgufLinearMethod(LinearMethod):
             x2 = x.reshape(-1, x.shape[-1])
             x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
             if tuned.ENABLED and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16, torch.float32):
-                out = triton_gguf.matmul(x2, self.gpu_runs, layer.output_size, bias)
+                out = gguf_matmul.matmul(x2, self.gpu_runs, layer.output_size, bias)
             else:   # SHARDSERVE_QUANT_KERNELS=0: dequantize, then cuBLAS
                 out = F.linear(x2, reference.gguf_weight(self.gpu_runs, layer.output_size, x2.dtype), bias)
             return out.view(*x.shape[:-1], layer.output_size)

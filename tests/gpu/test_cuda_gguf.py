@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardserve.kernels.quant import gguf_layout, triton_gguf
+from shardserve.kernels.quant import gguf_layout, gguf_matmul, triton_gguf
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -43,7 +43,7 @@ def test_kernels_match_dequantize_then_matmul(type_name, rows, dtype):
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     want = x.float() @ ref.to(dtype).float().T + bias.float()
-    _close(triton_gguf.matmul(x, runs, n, bias), want)
+    _close(gguf_matmul.matmul(x, runs, n, bias), want)
     for tiles in ((16, 4, 512, 4, 0), (64, 4, 256, 3, 1), (32, 4, 512, 3, 2)) if rows <= triton_gguf.GEMV_ROWS else ():
         _close(triton_gguf.gemv(x, planes, bias, tiles=tiles), want)   # every loop (Q4_0 too, planes)
 
@@ -55,8 +55,8 @@ def test_fused_layer_of_two_types(rows):
     runs = [(slice(0, 512), a[0][1]), (slice(512, 768), b[0][1]), (slice(768, 896), c[0][1])]
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
     want = x.float() @ torch.cat([ref_a, ref_b, ref_c]).bfloat16().float().T
-    _close(triton_gguf.matmul(x, runs, 896), want)
-    _close(triton_gguf.matmul(x.float(), runs, 896), want)   # fp32 activations: IEEE products or dequantize + cuBLAS
+    _close(gguf_matmul.matmul(x, runs, 896), want)
+    _close(gguf_matmul.matmul(x.float(), runs, 896), want)   # fp32 activations: IEEE products or dequantize + cuBLAS
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -67,9 +67,9 @@ def test_q4_0_gate_up_gated_form(rows):
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
     y = (x.float() @ ref.bfloat16().float().T)
     want = torch.nn.functional.silu(y[:, :2048]) * y[:, 2048:]
-    got = triton_gguf.gated(x, runs, SimpleNamespace(output_shard_sizes=[2048, 2048]))
+    got = gguf_matmul.gated(x, runs, SimpleNamespace(output_shard_sizes=[2048, 2048]))
     _close(got, want)
-    assert triton_gguf.gated(x.float(), runs, SimpleNamespace(output_shard_sizes=[2048, 2048])) is None
+    assert gguf_matmul.gated(x.float(), runs, SimpleNamespace(output_shard_sizes=[2048, 2048])) is None
 
 
 @pytest.mark.parametrize("qtype,mixed,keep,dtype", [

@@ -40,7 +40,7 @@ def test_q4_0_in_the_w4a16_layout_is_the_same_weight():
 
 def check_kernels() -> None:
     """Run under TRITON_INTERPRET=1: every kernel, type and row count against the planes' values."""
-    from shardserve.kernels.quant import triton_gguf
+    from shardserve.kernels.quant import gguf_matmul, triton_gguf
     torch.manual_seed(0)
     for type_name in gguf_layout.TYPES:
         n, k = 24, 512 if type_name.endswith("_K") else 480   # 480: a last step past K (masked)
@@ -70,7 +70,7 @@ def check_kernels() -> None:
     ref = torch.cat([r for _, r in weights])
     for rows in (2, 20):   # the GEMV; the weight dequantized for the matmul
         x = torch.randn(rows, 256)
-        torch.testing.assert_close(triton_gguf.matmul(x, runs, 32).double(), x.double() @ ref.double().T,
+        torch.testing.assert_close(gguf_matmul.matmul(x, runs, 32).double(), x.double() @ ref.double().T,
                                    rtol=1e-5, atol=1e-3)
 
 

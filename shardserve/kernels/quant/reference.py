@@ -35,7 +35,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def gguf_weight(parts: list[tuple[slice, gguf_layout.GgufPlanes | gguf_layout.Int4Weight]], n: int,
                 dtype: torch.dtype) -> torch.Tensor:
-    """Runs of output rows of GGUF weights as the GPU holds them (triton_gguf.matmul's argument) ->
+    """Runs of output rows of GGUF weights as the GPU holds them (gguf_matmul.matmul's argument) ->
     the weight [n, K] in `dtype`, computed in fp32 and rounded once."""
     first = parts[0][1]
     w = torch.empty(n, first.k, dtype=dtype, device=next(iter(first.planes.values())).device)
