@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+import gguf_bench  # benchmarks/, the script's folder
+
 THREADS = "2"
 PATHS = {   # name: environment
     "blocks, x to ~16 bits (int16; the default)": {},
@@ -49,14 +51,7 @@ def measure(dtype: str, seed: int) -> dict:
     def prompt(n: int) -> list[int]:   # fresh tokens each time: no prefix-cache hit
         return [rng.randrange(100, 49000) for _ in range(n)]
 
-    def timed(ids: list[int], n: int) -> float:
-        t = time.perf_counter()
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t
-
-    timed(prompt(16), 4)   # warm-up
-    first = min(timed(prompt(128), 1) for _ in range(2))
-    decode = max(127 / (timed(prompt(128), 128) - first) for _ in range(3))   # llama-bench: 3 reps + a warm-up
+    first, decode = gguf_bench.single_stream(llm, prompt, prefill_reps=2)
     batch = [prompt(128) for _ in range(16)]
     t = time.perf_counter()
     outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), use_tqdm=False)

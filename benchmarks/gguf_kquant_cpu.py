@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gguf_bench  # noqa: E402  (benchmarks/, the script's folder)
 
 THREADS = "2"
 SHAPE = dict(hidden=1024, layers=16, heads=16, kv_heads=4, ffn=2816, vocab=32000)
@@ -54,11 +55,9 @@ def _tensor_type(kind: str, gname: str, layer: int) -> str:
 def write_file(kind: str) -> str:
     """The random-weight model of `kind` (cached)."""
     from tests.models import gguf_files
-    root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardserve", "bench")
-    path = os.path.join(root, f"llama-{'-'.join(str(v) for v in SHAPE.values())}-{kind}.gguf")
+    path = gguf_bench.cached_file(f"llama-{'-'.join(str(v) for v in SHAPE.values())}-{kind}.gguf")
     if os.path.exists(path):
         return path
-    os.makedirs(root, exist_ok=True)
     rng = np.random.default_rng(0)
 
     def blocks(rows: int, cols: int, qtype: str) -> np.ndarray:
@@ -74,7 +73,7 @@ def measure(path: str, dtype: str, seed: int) -> dict:
     """Runs in the child process."""
     import torch
 
-    from shardserve import LLM, SamplingParams
+    from shardserve import LLM
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     t = time.perf_counter()
     llm = LLM(path, dtype=dtype, kv_cache_memory="1GiB", max_model_len=1024, show_progress=False, max_num_seqs=4)
@@ -86,15 +85,7 @@ def measure(path: str, dtype: str, seed: int) -> dict:
     def prompt(n: int) -> list[int]:   # fresh tokens each time: no prefix-cache hit
         return [rng.randrange(300, SHAPE["vocab"]) for _ in range(n)]
 
-    def timed(ids: list[int], n: int) -> float:
-        t = time.perf_counter()
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t
-
-    timed(prompt(16), 4)   # warm-up
-    # The least of 3 each: a neighbour's burst on this shared machine only ever adds time.
-    first = min(timed(prompt(128), 1) for _ in range(3))
-    decode = 127 / (min(timed(prompt(128), 128) for _ in range(3)) - first)
+    first, decode = gguf_bench.single_stream(llm, prompt, prefill_reps=3)
     return {"weights_gib": sum(held.values()) / (1 << 30), "load_s": load_s, "prefill_tok_s": 128 / first,
             "decode_tok_s": decode}
 

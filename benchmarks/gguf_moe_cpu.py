@@ -28,6 +28,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gguf_bench  # noqa: E402  (benchmarks/, the script's folder)
 
 THREADS = "2"
 SHAPE = dict(hidden=1024, layers=8, heads=16, kv_heads=4, head_dim=64, experts=32, top_k=8, inter=512, vocab=32000)
@@ -38,11 +39,9 @@ def write_file(experts_type: str) -> str:
     import gguf
 
     from tests.models import gguf_files
-    root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardserve", "bench")
-    path = os.path.join(root, f"qwen3moe-{'-'.join(str(v) for v in SHAPE.values())}-{experts_type}.gguf")
+    path = gguf_bench.cached_file(f"qwen3moe-{'-'.join(str(v) for v in SHAPE.values())}-{experts_type}.gguf")
     if os.path.exists(path):
         return path
-    os.makedirs(root, exist_ok=True)
     h, hd, e, inter, vocab = SHAPE["hidden"], SHAPE["head_dim"], SHAPE["experts"], SHAPE["inter"], SHAPE["vocab"]
     cfg = {"num_attention_heads": SHAPE["heads"], "num_key_value_heads": SHAPE["kv_heads"], "hidden_size": h,
            "head_dim": hd, "intermediate_size": inter, "num_hidden_layers": SHAPE["layers"],
