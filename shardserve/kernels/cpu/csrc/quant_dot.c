@@ -782,23 +782,32 @@ static void one_group(int isa, int type, const uint8_t *grp, int bytes, const Ac
  * output computed by one thread (the MLP without a pass over the [M, N] product). Returns -1 for a
  * type other than Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K, K not a multiple of its block, levels
  * not 1 or 2 or a gated N that does not split into groups, -2 when out of memory. */
-int gguf_linear_q8(int isa, int type, int levels, int gated, const float *x, int64_t ldx, const uint8_t *w,
-                   const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    int unit;
-    const int gbytes = group_block(type, &unit), bytes = gbytes / 8;   /* bytes: a row's block (32-value types) */
-    if (!gbytes || K % unit || (levels != 1 && levels != 2) || (gated && (N % 16 || bias)))
-        return -1;
-    const int64_t nb = K / 32, wblocks = K / unit, groups = gated ? N / 16 : (N + 7) / 8, up = gated ? N / 16 : 0;
+/* Acts for M rows of K values in one allocation (free(acts.q) releases it), or q == NULL. */
+static Acts acts_alloc(int64_t M, int64_t K, int levels) {
+    const int64_t nb = K / 32;
     Acts a = {.K = K, .nb = nb, .levels = levels};
     char *mem = malloc((size_t)(levels * M * K + M * nb * 20));
     if (!mem)
-        return -2;
+        return a;
     a.q = (int8_t *)mem;
     a.q2 = levels == 2 ? a.q + M * K : 0;
     a.d = (float *)(mem + levels * M * K);
     a.s = a.d + M * nb;
     a.c = (int32_t *)(a.s + M * nb);
     a.c16 = a.c + M * nb;
+    return a;
+}
+
+int gguf_linear_q8(int isa, int type, int levels, int gated, const float *x, int64_t ldx, const uint8_t *w,
+                   const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    int unit;
+    const int gbytes = group_block(type, &unit), bytes = gbytes / 8;   /* bytes: a row's block (32-value types) */
+    if (!gbytes || K % unit || (levels != 1 && levels != 2) || (gated && (N % 16 || bias)))
+        return -1;
+    const int64_t wblocks = K / unit, groups = gated ? N / 16 : (N + 7) / 8, up = gated ? N / 16 : 0;
+    Acts a = acts_alloc(M, K, levels);
+    if (!a.q)
+        return -2;
     int failed = 0;
 #pragma omp parallel if (M * N * K > 65536)
     {
@@ -827,7 +836,7 @@ int gguf_linear_q8(int isa, int type, int levels, int gated, const float *x, int
         }
         free(pair);
     }
-    free(mem);
+    free(a.q);
     return failed ? -2 : 0;
 }
 
@@ -843,22 +852,6 @@ static Acts acts_row(const Acts *a, int64_t m) {
     r.c = a->c + m * a->nb;
     r.c16 = a->c16 + 2 * m * a->nb;
     return r;
-}
-
-/* Acts for M rows of K values in one allocation (free(acts.q) releases it), or q == NULL. */
-static Acts acts_alloc(int64_t M, int64_t K, int levels) {
-    const int64_t nb = K / 32;
-    Acts a = {.K = K, .nb = nb, .levels = levels};
-    char *mem = malloc((size_t)(levels * M * K + M * nb * 20));
-    if (!mem)
-        return a;
-    a.q = (int8_t *)mem;
-    a.q2 = levels == 2 ? a.q + M * K : 0;
-    a.d = (float *)(mem + levels * M * K);
-    a.s = a.d + M * nb;
-    a.c = (int32_t *)(a.s + M * nb);
-    a.c16 = a.c + M * nb;
-    return a;
 }
 
 /* y[T, H] = sum over each token's picks, in ascending expert id, of weight * down(silu(gate) * up)
