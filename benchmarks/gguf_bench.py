@@ -1,8 +1,12 @@
 """What the CPU GGUF benchmarks (gguf_cpu.py, gguf_kquant_cpu.py, gguf_moe_cpu.py) share: where their
-random-weight files are cached, and the single-stream measure llama-bench's is matched against."""
+random-weight files are cached, each contender's fresh child process, and the single-stream measure
+llama-bench's is matched against."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 
 
@@ -28,3 +32,13 @@ def single_stream(llm, prompt, prefill_reps: int) -> tuple[float, float]:
     timed(prompt(16), 4)   # warm-up
     first = min(timed(prompt(128), 1) for _ in range(prefill_reps))
     return first, 127 / (min(timed(prompt(128), 128) for _ in range(3)) - first)
+
+
+def run_child(script: str, args: list[str], threads: str, extra_env: dict[str, str]) -> dict:
+    """`script --child *args` in a fresh process with the SHARDSERVE_GGUF* / SHARDSERVE_CPU_* switches
+    of this one cleared, OMP_NUM_THREADS=threads and extra_env set; its `RESULT {json}` line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDSERVE_GGUF", "SHARDSERVE_CPU_"))}
+    env = {**env, "OMP_NUM_THREADS": threads, **extra_env}
+    out = subprocess.run([sys.executable, script, "--child", *args], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out.split("RESULT ", 1)[1])

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -93,11 +92,7 @@ def main() -> None:
             if name not in paths:
                 results[name].append(llama_cpp())
                 continue
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDSERVE_GGUF", "SHARDSERVE_CPU_"))}
-            env = {**env, "OMP_NUM_THREADS": THREADS, **paths[name]}
-            out = subprocess.run([sys.executable, __file__, "--child", args.dtype, str(r)], env=env,
-                                 capture_output=True, text=True, check=True).stdout
-            results[name].append(json.loads(out.split("RESULT ", 1)[1]))
+            results[name].append(gguf_bench.run_child(__file__, [args.dtype, str(r)], THREADS, paths[name]))
     best = {name: rounds[0] | {key: max(r[key] for r in rounds)
                                for key in ("prefill_tok_s", "decode_tok_s", "offline_tok_s")}
             for name, rounds in results.items()}

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -117,12 +116,9 @@ def main() -> None:
         loads.append(os.getloadavg()[0])
         for kind in kinds:
             for name, (tree, extra) in trees.items():
-                env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDSERVE_GGUF", "SHARDSERVE_CPU_"))}
-                env = {**env, "OMP_NUM_THREADS": args.threads, "PYTHONPATH": tree, **extra}
                 script = os.path.join(tree, "benchmarks", os.path.basename(__file__))
-                out = subprocess.run([sys.executable, script, "--child", paths[kind], args.dtype, str(r)], env=env,
-                                     capture_output=True, text=True, check=True).stdout
-                results[kind][name].append(json.loads(out.split("RESULT ", 1)[1]))
+                results[kind][name].append(gguf_bench.run_child(script, [paths[kind], args.dtype, str(r)], args.threads,
+                                                                {"PYTHONPATH": tree, **extra}))
     print(f"{args.dtype}, {args.threads} threads, ISA: {quant_ops.isa()}, best of {args.rounds} rounds; 1-minute load "
           f"average at each round's start: {', '.join(f'{x:.2f}' for x in loads)}")
     print("| file | contender | weights GiB | 128-token prefill tok/s | decode tok/s | decode vs dequantized |")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -118,12 +117,7 @@ def main() -> None:
                 results[name].append({"weights_gib": os.path.getsize(path) / (1 << 30),
                                       "prefill_tok_s": got["pp_tok_s"], "decode_tok_s": got["tg_tok_s"]})
                 continue
-            extra = paths[name]
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDSERVE_GGUF", "SHARDSERVE_CPU_"))}
-            env = {**env, "OMP_NUM_THREADS": THREADS, **extra}
-            out = subprocess.run([sys.executable, __file__, "--child", path, args.dtype, str(r)], env=env,
-                                 capture_output=True, text=True, check=True).stdout
-            results[name].append(json.loads(out.split("RESULT ", 1)[1]))
+            results[name].append(gguf_bench.run_child(__file__, [path, args.dtype, str(r)], THREADS, paths[name]))
     print(f"{args.dtype}, {THREADS} threads, best of {args.rounds} rounds; 1-minute load average at each round's "
           f"start: {', '.join(f'{x:.2f}' for x in loads)}")
     print("| contender | weights GiB | 128-token prefill tok/s | decode tok/s |")
