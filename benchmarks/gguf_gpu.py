@@ -1,23 +1,24 @@
 """Issue 25: GGUF weights kept in their blocks on one GPU (kernels/quant/triton_gguf.py).
 
-    python3 benchmarks/gguf_gpu.py [--layers [--sweep]] [--model q4_k_m,q4_0] [--types Q4_K,Q6_K]
+    python3 benchmarks/gguf_gpu.py [--layers [--sweep]] [--model q4_k_m,q4_k,q4_0] [--types Q4_K,Q6_K]
         [--json out.json]
 
 `--layers`: per Llama-3-8B linear shape and GGUF type, the time of one matmul at 1 and 4 rows
 inside a CUDA graph of back-to-back calls rotating over enough weight copies to miss the L2 cache
 (benchmarks/quant_gemv.py's harness), the weight held as a layer holds it (`gguf_layout.gpu_weight`:
-planes, Q4_0 in the W4A16 layout) and multiplied as a layer multiplies it (`kernels/quant/gguf_matmul.py`),
+planes, Q4_0 / Q4_1 / Q4_K in the W4A16 layout) and multiplied as a layer multiplies it (`kernels/quant/gguf_matmul.py`),
 beside the bf16 Triton GEMV (1-4 rows) and cuBLAS; GB/s = the bytes the weight holds over the time;
 the run's copy bandwidth. `--sweep` also times the planes GEMV's settings (strip width, warps,
 inputs per step, pipeline stages, loop).
 
 `--model`: random-weight Llama-3-8B-shaped GGUF files written here (blocks of random bytes with
 small scales; `q4_k_m`: Q4_K, with attn_v and ffn_down in Q6_K in every third layer as llama.cpp's
-Q4_K_M mixes them; `q4_0`: Q4_0; the LM head Q6_K), then `shardserve bench latency` (batch 1, 128
-tokens in, 64 out) on each kept in blocks (SHARDSERVE_GGUF_DEQUANTIZE=0), beside `--random-weights
-llama-3-8b` in bf16 (what a file dequantized at load runs, without the minutes gguf-py takes to
-expand 8B weights), each in a fresh process; the roofline is every byte a decode step reads over the
-run's copy bandwidth.
+Q4_K_M mixes them; `q4_k`: Q4_K only; `q4_0`: Q4_0; the LM head Q6_K), then `shardserve bench
+latency` (batch 1, 128 tokens in, 64 out) on each as the defaults keep it (q4_k_m also with
+SHARDSERVE_GGUF_DEQUANTIZE=0: every type in blocks), beside `--random-weights llama-3-8b` in bf16
+(what a file dequantized at load runs, without the minutes gguf-py takes to expand 8B weights),
+each in a fresh process; the file roofline is every byte of the file's linears and LM head a
+decode step reads over the run's copy bandwidth.
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def layers(types: list[str], sweep: bool) -> dict:
             row["bf16_gbs"] = n * k * 2 / min(v for v in row.values()) / 1e3
             for type_name in types:
                 raw = random_blocks(n, k, type_name)
-                weight = gguf_layout.gpu_weight(raw, type_name, k)   # as a layer holds it (Q4_0: W4A16 layout)
+                weight = gguf_layout.gpu_weight(raw, type_name, k)   # as a layer holds it (4-bit: W4A16 layout)
                 held = sum(p.numel() * p.element_size() for p in weight.planes.values())
                 ws = _copies(weight, copies(held))
                 t = graph_time(lambda w: gguf_matmul.matmul(x, [(slice(0, n), w)], n), ws)
@@ -103,11 +104,12 @@ def layers(types: list[str], sweep: bool) -> dict:
 
 
 def _tensor_type(kind: str, name: str, layer: int) -> str:
-    """q4_k_m: Q4_K with attn_v and ffn_down Q6_K in every third layer; q4_0: Q4_0; the LM head Q6_K."""
+    """q4_k_m: Q4_K with attn_v and ffn_down Q6_K in every third layer; q4_k: Q4_K; q4_0: Q4_0; the
+    LM head Q6_K."""
     if name == "output.weight":
         return "Q6_K"
-    if kind == "q4_0":
-        return "Q4_0"
+    if kind in ("q4_0", "q4_k"):
+        return kind.upper()
     if layer % 3 == 0 and name.endswith(("attn_v.weight", "ffn_down.weight")):
         return "Q6_K"
     return "Q4_K"
@@ -140,10 +142,15 @@ def model(kinds: list[str]) -> dict:
     for kind in kinds:
         path = os.path.join(tempfile.gettempdir(), f"random-llama-3-8b-{kind}.gguf")
         read = write_model(path, kind)
-        r = latency(["--model", path, "--dtype", "bfloat16"], {"SHARDSERVE_GGUF_DEQUANTIZE": "0"})
-        out[f"gguf {kind} kept in blocks"] = {"decode_step_ms": r["decode_step_ms"], "prefill_ms": r["prefill_s"] * 1e3,
-                                              "linear_and_head_bytes": read, "roofline_ms": (read + kv) / bw * 1e3}
-        print(kind, out[f"gguf {kind} kept in blocks"], flush=True)
+        # the default (Q4_0 / Q4_1 / Q4_K kept, Q4_K_M's Q6_K rows dense), and every type kept (=0)
+        for label, env in (("default", {}), ("every type kept", {"SHARDSERVE_GGUF_DEQUANTIZE": "0"})):
+            if label != "default" and kind != "q4_k_m":
+                continue
+            r = latency(["--model", path, "--dtype", "bfloat16"], env)
+            out[f"gguf {kind} {label}"] = {"decode_step_ms": r["decode_step_ms"], "prefill_ms": r["prefill_s"] * 1e3,
+                                           "file_linear_and_head_bytes": read,
+                                           "file_roofline_ms": (read + kv) / bw * 1e3}
+            print(kind, label, out[f"gguf {kind} {label}"], flush=True)
         os.remove(path)
     r = latency(["--random-weights", "llama-3-8b", "--dtype", "bfloat16"], {})
     bf16 = out["bf16 --random-weights llama-3-8b"] = {"decode_step_ms": r["decode_step_ms"],
@@ -156,7 +163,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", action="store_true")
     p.add_argument("--sweep", action="store_true", help="--layers: also the planes kernels' settings")
-    p.add_argument("--model", default=None, help="comma-separated files to write and time: q4_k_m, q4_0")
+    p.add_argument("--model", default=None, help="comma-separated files to write and time: q4_k_m, q4_k, q4_0")
     p.add_argument("--types", default=",".join(gguf_layout.TYPES))
     p.add_argument("--json", default=None)
     ns = p.parse_args()

@@ -10,7 +10,7 @@ kernels' tile settings; `--warm` only compiles them (run one process per shape a
 by side to fill Triton's cache before a timed sweep). Prefill (64-8192 rows): the tensor-core
 W4A16 kernel against dequantize-then-cuBLAS, FP8 `_scaled_mm` and bf16 cuBLAS.
 
-    python3 benchmarks/quant_gemv.py [--sweep [--write-configs]] [--json out.json] [--shapes qkv,o] [--warm]
+    python3 benchmarks/quant_gemv.py [--sweep [--write-configs]] [--json out.json] [--shapes qkv,o] [--only wgmma] [--warm]
 """
 from __future__ import annotations
 
@@ -155,7 +155,8 @@ def warm(sweep: bool, rows_list: list[int], shapes: list[str]) -> None:
         torch.cuda.synchronize()
 
 
-def run_decode(sweep: bool, rows_list: list[int], on_shape=None, shapes: list[str] = tuple(SHAPES)) -> list[dict]:
+def run_decode(sweep: bool, rows_list: list[int], on_shape=None, shapes: list[str] = tuple(SHAPES),
+               only: list[str] = ()) -> list[dict]:
     results = []
     for name in shapes:
         n, k, gated = SHAPES[name]
@@ -164,6 +165,8 @@ def run_decode(sweep: bool, rows_list: list[int], on_shape=None, shapes: list[st
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             for label, (fmt, fn, key, tiles) in decode_variants(rows, n, k, gated, sweep).items():
+                if only and not any(part in label for part in only):
+                    continue
                 try:
                     t = graph_time(lambda w, fn=fn: fn(x, w), pools[fmt])
                 except Exception as e:   # a tile setting the compiler refuses: noted, not fatal
@@ -226,6 +229,8 @@ def main() -> None:
     p.add_argument("--prefill-rows", default="64,256,1024,4096")
     p.add_argument("--json", default=None)
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--only", default="", help="time only the variants whose names hold one of these "
+                   "comma-separated parts (e.g. 'wgmma,runs8,bf16 triton')")
     p.add_argument("--warm", action="store_true", help="only compile the variants (fills Triton's cache)")
     p.add_argument("--write-configs", action="store_true",
                    help="write the fastest tiles into shardserve/kernels/quant/configs/ for this GPU")
@@ -246,7 +251,7 @@ def main() -> None:
     if ns.warm:
         warm(ns.sweep, rows_list, shapes)
         return
-    decode = run_decode(ns.sweep, rows_list, save, shapes)
+    decode = run_decode(ns.sweep, rows_list, save, shapes, [part for part in ns.only.split(",") if part])
     prefill = run_prefill([int(r) for r in ns.prefill_rows.split(",")]) if ns.prefill_rows else []
     save(decode, prefill)
     for (shape, rows) in dict.fromkeys((r["shape"], r["rows"]) for r in decode):

@@ -15,15 +15,17 @@ third of the bytes (benchmarks/BENCHMARKS.md, issue 25 session 16).
     SiLU-and-mul; the decoder stack chains the same calls). The token embedding (and an untied LM head)
     stays in its blocks too where its type is kept and takes the int8 kernels (layers/vocab.py), and
     so do MoE experts (quantization/gguf_moe.py); norms and MoE routers are dequantized at load.
-  - CUDA (`gpu_keeps`: Q4_0 by default, every type with SHARDSERVE_GGUF_DEQUANTIZE=0): Q4_0 in the
-    W4A16 kernels' layout, the others with each field of the blocks in a plane of its own
-    (kernels/quant/gguf_layout.py), dequantized in registers inside the matmul
-    (kernels/quant/triton_gguf.py); a fused q/k/v or gate/up whose parts differ in type (Q4_K_M's v
-    in Q6_K) keeps one run of rows per type. The embedding, LM head and MoE experts are dequantized
-    after loading there.
+  - CUDA (`gpu_keeps`: Q4_0, Q4_1 and Q4_K by default, every type with SHARDSERVE_GGUF_DEQUANTIZE=0):
+    those three in the W4A16 kernels' layout (an fp32 model's Q4_K as planes: exact), the others
+    with each field of the blocks in a plane of its own (kernels/quant/gguf_layout.py), dequantized
+    in registers inside the matmul (kernels/quant/triton_gguf.py); a fused q/k/v or gate/up whose
+    parts differ in type (Q4_K_M's v in Q6_K) keeps one run of rows per type, a run whose type is
+    not kept as dense rows. The embedding, LM head and MoE experts are dequantized after loading
+    there.
 - Dequantized after loading (into the layer's dtype), per layer: other GGUF types (F32, F16, BF16,
-  Q5_0, ...; a fused layer with a part of such a type as a whole, a debug log line says which), and
-  every CPU layer where the native kernels are off (no compiler, SHARDSERVE_CPU_KERNELS=0).
+  Q5_0, ...; on the CPU a fused layer with a part of such a type as a whole, on CUDA that part's
+  rows alone; a debug log line says which), and every CPU layer where the native kernels are off
+  (no compiler, SHARDSERVE_CPU_KERNELS=0).
 - Sharding: the loader hands each linear its tensor as uint8 [rows, blocks, block bytes], so the
   layers' own loaders slice rows for column parallelism (fused parts included) and whole blocks along
   K for row parallelism; a row-parallel split that would cut a block (K / TP not a multiple of 32,
@@ -75,10 +77,11 @@ def cpu_keeps(type_name: str) -> bool:
     return type_name in kept_types() and quant_ops.available()
 
 
-# Kept in their blocks on CUDA by default: Q4_0, on the W4A16 kernels (an 8B file decodes 1.84x faster
-# than bf16 on an H100). The other types' kernels decode at about half bf16's speed: dequantized
-# after loading unless SHARDSERVE_GGUF_DEQUANTIZE=0 asks for the memory (benchmarks/BENCHMARKS.md).
-GPU_DEFAULT_KEPT = ("Q4_0",)
+# Kept in their blocks on CUDA by default: the 4-bit types with a scale per 32 values, on the W4A16
+# kernels (an 8B Q4_0 file decodes 1.84x faster than bf16 on an H100, Q4_1 and Q4_K as fast per
+# layer). The other types' planes kernels decode at about half bf16's speed: dequantized after
+# loading unless SHARDSERVE_GGUF_DEQUANTIZE=0 asks for the memory (benchmarks/BENCHMARKS.md).
+GPU_DEFAULT_KEPT = gguf_layout.INT4_TYPES
 
 
 def gpu_keeps(type_name: str) -> bool:
@@ -99,7 +102,8 @@ def path_line(device: torch.device) -> str:
     if device.type == "cuda":
         kept = gguf_layout.TYPES if os.environ.get(DEQUANTIZE_SWITCH) == "0" else GPU_DEFAULT_KEPT
         return (f"GGUF weights of types {', '.join(kept)} kept in their blocks, dequantized inside the matmul "
-                "(Triton; Q4_0 on the W4A16 kernels; more than 16 rows: dequantized per call for cuBLAS), other "
+                "(Triton; Q4_0, Q4_1, Q4_K on the W4A16 kernels; more than 16 rows: dequantized per call for "
+                "cuBLAS), other "
                 f"types dequantized after loading ({DEQUANTIZE_SWITCH}=0 keeps every type: less memory, slower "
                 "decode; =1 dequantizes all)")
     if not quant_ops.available():
@@ -217,7 +221,7 @@ class GgufLinearMethod(LinearMethod):
         runs = self._runs(layer)
         types = {t for _, t in runs}
         device = layer.weight.device
-        if runs and device.type == "cuda" and all(gpu_keeps(t) for t in types):
+        if runs and device.type == "cuda" and any(gpu_keeps(t) for t in types):
             self._keep_on_gpu(layer, runs)
         elif len(types) == 1 and device.type == "cpu" and cpu_keeps(next(iter(types))):
             self._keep_on_cpu(layer, next(iter(types)))
@@ -239,11 +243,23 @@ class GgufLinearMethod(LinearMethod):
 
     def _keep_on_gpu(self, layer: LinearBase, runs: list[tuple[slice, str]]) -> None:
         """Each run of rows as the GPU kernels take it (kernels/quant/gguf_layout.py `gpu_weight`:
-        planes, or Q4_0 in the W4A16 layout), registered on the layer as parameters
-        `gguf<run>_<tensor>` (memory accounting sees them); the placeholder weight stays empty."""
+        planes, or the W4A16 layout; an fp32 model's exact), or, where its type is not kept (Q4_K_M's
+        Q6_K v or down by default), dequantized to dense rows of the layer's dtype; registered on the
+        layer as parameters `gguf<run>_<tensor>` (memory accounting sees them); the placeholder
+        weight stays empty."""
         self.type_name = "+".join(t for _, t in runs)
+        exact = layer.params_dtype == torch.float32
         for i, (rows, type_name) in enumerate(runs):
-            weight = gguf_layout.gpu_weight(self._buffers[type_name][rows], type_name, layer.input_size)
+            if not gpu_keeps(type_name):
+                logger.debug("GGUF: rows %d-%d of %s (%s) dequantized", rows.start, rows.stop, type(layer).__name__,
+                             type_name)
+                dense = dequantize_blocks(self._buffers[type_name][rows], type_name, layer.input_size)
+                param = nn.Parameter(dense.to(device=layer.weight.device, dtype=layer.params_dtype),
+                                     requires_grad=False)
+                layer.register_parameter(f"gguf{i}_dense", param)
+                self.gpu_runs.append((rows, param))
+                continue
+            weight = gguf_layout.gpu_weight(self._buffers[type_name][rows], type_name, layer.input_size, exact)
             for name, tensor in weight.planes.items():
                 param = nn.Parameter(tensor, requires_grad=False)
                 layer.register_parameter(f"gguf{i}_{name}", param)
@@ -297,7 +313,7 @@ class GgufLinearMethod(LinearMethod):
         return out.view(*x.shape[:-1], layer.output_size)
 
     def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
-        if self.gpu_runs:   # a Q4_0 gate_up on CUDA: the W4A16 GEMV's gated form (SiLU-and-mul inside)
+        if self.gpu_runs:   # a 4-bit gate_up on CUDA: the W4A16 GEMV's gated form (SiLU-and-mul inside)
             return gguf_matmul.gated(x, self.gpu_runs, layer)
         if self._int8_gated is None:
             return None

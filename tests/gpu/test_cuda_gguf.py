@@ -1,9 +1,10 @@
 """GGUF weights kept in their blocks on a GPU (quantization/gguf.py, kernels/quant/triton_gguf.py):
-each kernel (the GEMV's three loops, dequantize for cuBLAS; Q4_0 on the W4A16 kernels) and every type against
-dequantize-then-matmul, on sizes with a last step past K, with a bias and over a fused layer whose
-parts differ in type (Q4_0 among them); tiny GGUF Llamas kept in blocks (Q4_K with v and up in Q6_K,
-as Q4_K_M files mix them, on asking; Q4_0 by default) against the same file dequantized at load:
-close log-probs (same greedy tokens in fp32), fewer weight bytes."""
+each kernel (the planes GEMV's three loops, dequantize for cuBLAS; Q4_0, Q4_1 and Q4_K on the W4A16
+kernels, zero points and mins) and every type against dequantize-then-matmul, on sizes with a last
+step past K, with a bias and over a fused layer whose parts differ in type; the gated gate_up form;
+tiny GGUF Llamas kept in blocks (Q4_K with v and up in Q6_K, as Q4_K_M files mix them, on asking;
+Q4_0 and Q4_K by default) against the same file dequantized at load: close log-probs (same greedy
+tokens in fp32), fewer weight bytes."""
 from __future__ import annotations
 
 import pytest
@@ -59,11 +60,12 @@ def test_fused_layer_of_two_types(rows):
     _close(gguf_matmul.matmul(x.float(), runs, 896), want)   # fp32 activations: IEEE products or dequantize + cuBLAS
 
 
+@pytest.mark.parametrize("type_name", gguf_layout.INT4_TYPES)
 @pytest.mark.parametrize("rows", [1, 3])
-def test_q4_0_gate_up_gated_form(rows):
-    """A Q4_0 gate_up on the W4A16 GEMV's gated form: silu(gate) * up, as matmul then SiLU-and-mul."""
+def test_4_bit_gate_up_gated_form(rows, type_name):
+    """A 4-bit gate_up on the W4A16 GEMV's gated form: silu(gate) * up, as matmul then SiLU-and-mul."""
     from types import SimpleNamespace
-    runs, _, ref = _runs("Q4_0", 2 * 2048, 1024)
+    runs, _, ref = _runs(type_name, 2 * 2048, 1024)
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
     y = (x.float() @ ref.bfloat16().float().T)
     want = torch.nn.functional.silu(y[:, :2048]) * y[:, 2048:]
@@ -73,8 +75,10 @@ def test_q4_0_gate_up_gated_form(rows):
 
 
 @pytest.mark.parametrize("qtype,mixed,keep,dtype", [
-    ("Q4_K", "Q6_K", "0", "float32"),   # Q4_K_M-style, kept on asking: the planes kernels, fused runs of two types
+    ("Q4_K", "Q6_K", "0", "float32"),   # Q4_K_M-style, kept on asking (Q6_K): fused runs of two types
     ("Q4_0", None, None, "bfloat16"),   # kept by default: the W4A16 kernels (bf16 activations)
+    ("Q4_K", None, None, "bfloat16"),   # the same, with mins
+    ("Q4_K", "Q6_K", None, "bfloat16"),   # Q4_K_M-style by default: Q4_K kept, the Q6_K rows dense
 ])
 def test_tiny_file_kept_in_blocks_against_it_dequantized(tmp_path, monkeypatch, qtype, mixed, keep, dtype):
     from shardserve.llm import LLM
@@ -91,12 +95,15 @@ def test_tiny_file_kept_in_blocks_against_it_dequantized(tmp_path, monkeypatch, 
     write_gguf(ckpt, path, "Q8_0")
     prompt = random_prompt(5, 40)
     results = {}
-    for dequantize in (keep, "1"):
+    # kept (as asked), dequantized at load in the same dtype, and (bf16 runs) dequantized in fp32
+    runs = [(keep, dtype), ("1", dtype)] + ([("1", "float32")] if dtype != "float32" else [])
+    for dequantize, run_dtype in runs:
         if dequantize is None:
             monkeypatch.delenv("SHARDSERVE_GGUF_DEQUANTIZE", raising=False)
         else:
             monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", dequantize)
-        llm = LLM(path, dtype=dtype, device="cuda", kv_cache_memory="64MiB", show_progress=False, max_logprobs=-1)
+        llm = LLM(path, dtype=run_dtype, device="cuda", kv_cache_memory="64MiB", show_progress=False,
+                  max_logprobs=-1)
         try:
             model = llm.engine.executor.worker.model_runner.model
             kept = {name: m.quant_method.type_name for name, m in model.named_modules()
@@ -105,18 +112,23 @@ def test_tiny_file_kept_in_blocks_against_it_dequantized(tmp_path, monkeypatch, 
                                if ".layers." in name and "norm" not in name)
             tokens = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=16, temperature=0),
                                   use_tqdm=False)[0].outputs[0].token_ids
-            results[dequantize != "1"] = (kept, weight_bytes, prompt_logprobs(llm, prompt), list(tokens))
+            results[(dequantize != "1", run_dtype)] = (kept, weight_bytes, prompt_logprobs(llm, prompt), list(tokens))
         finally:
             llm.engine.shutdown()
-    (kept, kept_bytes, ours, tokens), (dense, dense_bytes, exact, dense_tokens) = results[True], results[False]
+    (kept, kept_bytes, ours, tokens) = results[(True, dtype)]
+    (dense, dense_bytes, exact, dense_tokens) = results[(False, dtype)]
     fused = {t for n, t in kept.items() if n.endswith(("qkv_proj", "gate_up_proj"))}
     assert fused == ({f"{qtype}+{mixed}"} if mixed else {qtype}), kept
     assert {t for n, t in kept.items() if n.endswith(("o_proj", "down_proj"))} == {qtype}, kept
     assert not dense   # dequantized at load: plain linears
-    # ~5 bits a weight against fp32's 32 or bf16's 16
-    assert kept_bytes < (0.25 if dtype == "float32" else 0.35) * dense_bytes, (kept_bytes, dense_bytes)
+    # ~5 bits a weight against fp32's 32 or bf16's 16 (by default Q4_K_M's v and up rows stay bf16)
+    bound = 0.25 if dtype == "float32" else 0.65 if mixed and keep is None else 0.35
+    assert kept_bytes < bound * dense_bytes, (kept_bytes, dense_bytes)
     if dtype == "float32":
         assert (ours - exact).abs().max().item() < 1e-3
         assert tokens == dense_tokens
-    else:   # bf16: the dequantized path rounds the weights to bf16, the kernels do not; near-ties may flip tokens
-        assert (ours - exact).abs().max().item() < 0.05
+    else:   # bf16: the dequantized path rounds the weights to bf16, the kernels do not (Q4_K's scales
+        # go to fp16): against the file's weights in fp32, no further off than that path (near-ties
+        # may flip tokens, so those are not compared)
+        fp32 = results[(False, "float32")][2]
+        assert (ours - fp32).abs().max().item() <= 1.5 * (exact - fp32).abs().max().item() + 0.01

@@ -30,17 +30,31 @@ def test_planes_expand_to_the_files_values(type_name):
     assert planes.nbytes() == file_bytes + unpacked
 
 
-def test_q4_0_in_the_w4a16_layout_is_the_same_weight():
+@pytest.mark.parametrize("type_name", gguf_layout.INT4_TYPES)
+def test_4_bit_types_in_the_w4a16_layout_are_the_same_weight(type_name):
+    """Q4_0 (zero point 8) and Q4_1 (fp16 mins) exactly; Q4_K's d * scale and dmin * min rounded to
+    fp16 once: within 2^-11 of each product."""
     from shardserve.kernels.quant import reference
-    raw, ref = _weights("Q4_0", 24, 544)   # 544: K padded to the layout's blocks of 8 x 32
-    w = gguf_layout.gpu_weight(raw, "Q4_0", 544)
+    k = 544 if type_name != "Q4_K" else 768   # 544: K padded to the layout's blocks of 8 x 32
+    raw, ref = _weights(type_name, 24, k)
+    w = gguf_layout.gpu_weight(raw, type_name, k)
     assert isinstance(w, gguf_layout.Int4Weight) and w.planes["scales"].dtype == torch.float16
-    assert torch.equal(reference.gguf_weight([(slice(0, 24), w)], 24, torch.float32), ref)
+    assert w.planes["zeros"].dtype == (torch.uint8 if type_name == "Q4_0" else torch.float16)
+    got = reference.gguf_weight([(slice(0, 24), w)], 24, torch.float32)
+    if type_name != "Q4_K":
+        assert torch.equal(got, ref)
+        return
+    planes = gguf_layout.to_planes(raw, type_name, k).planes
+    e = torch.arange(k)
+    scale = planes["d"].float()[:, e // 256] * planes["s"].float()[:, e // 32]
+    minimum = planes["dm"].float()[:, e // 256] * planes["m"].float()[:, e // 32]
+    assert ((got - ref).abs() <= 2.0 ** -11 * (15 * scale + minimum) + 1e-12).all()
+    assert not torch.equal(got, ref)   # some products do round
 
 
 def check_kernels() -> None:
     """Run under TRITON_INTERPRET=1: every kernel, type and row count against the planes' values."""
-    from shardserve.kernels.quant import gguf_matmul, triton_gguf
+    from shardserve.kernels.quant import gguf_matmul, reference, triton_gguf
     torch.manual_seed(0)
     for type_name in gguf_layout.TYPES:
         n, k = 24, 512 if type_name.endswith("_K") else 480   # 480: a last step past K (masked)
@@ -59,15 +73,16 @@ def check_kernels() -> None:
             torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
         assert torch.equal(triton_gguf.dequantize(w, torch.float32), ref), type_name
     # A fused layer whose parts differ in type: one run of rows per type, written into one output
-    # (Q4_0 in the W4A16 layout: fp32 activations take its torch reference; 20 rows its dequantize kernel).
+    # (Q4_K and Q4_0 in the W4A16 layout, mins and zero points: fp32 activations take its torch
+    # reference, 20 rows its dequantize kernel).
     parts = [("Q4_K", 16), ("Q6_K", 8), ("Q4_0", 8)]
     weights = [_weights(t, n, 256, seed=i) for i, (t, n) in enumerate(parts)]
     runs, start = [], 0
     for (type_name, n), (raw, _) in zip(parts, weights):
         runs.append((slice(start, start + n), gguf_layout.gpu_weight(raw, type_name, 256)))
         start += n
-    assert isinstance(runs[2][1], gguf_layout.Int4Weight)
-    ref = torch.cat([r for _, r in weights])
+    assert [isinstance(w, gguf_layout.Int4Weight) for _, w in runs] == [True, False, True]
+    ref = reference.gguf_weight(runs, 32, torch.float32)   # the layout's own values (Q4_K's rounded scales)
     for rows in (2, 20):   # the GEMV; the weight dequantized for the matmul
         x = torch.randn(rows, 256)
         torch.testing.assert_close(gguf_matmul.matmul(x, runs, 32).double(), x.double() @ ref.double().T,
@@ -84,12 +99,12 @@ def test_triton_kernels_under_the_interpreter():
 
 
 def test_which_types_a_gpu_keeps(monkeypatch):
-    """Q4_0 (on the W4A16 kernels, faster than bf16) by default; every type with the switch at 0
-    (the memory, at about half bf16's decode speed); none at 1."""
+    """Q4_0, Q4_1 and Q4_K (on the W4A16 kernels, faster than bf16) by default; every type with the
+    switch at 0 (the memory, at about half bf16's decode speed for the others); none at 1."""
     pytest.importorskip("triton", reason=TRITON_REASON)
     from shardserve.quantization.gguf import DEQUANTIZE_SWITCH, gpu_keeps
     monkeypatch.delenv(DEQUANTIZE_SWITCH, raising=False)
-    assert [t for t in gguf_layout.TYPES if gpu_keeps(t)] == ["Q4_0"]
+    assert [t for t in gguf_layout.TYPES if gpu_keeps(t)] == ["Q4_0", "Q4_1", "Q4_K"]
     monkeypatch.setenv(DEQUANTIZE_SWITCH, "0")
     assert all(gpu_keeps(t) for t in gguf_layout.TYPES) and not gpu_keeps("Q5_0")
     monkeypatch.setenv(DEQUANTIZE_SWITCH, "1")

@@ -20,9 +20,11 @@ the per-block min, "d" / "dm" the per-super-block scale and min of the K-quants)
 `dequantize` expands the planes with torch ops (the kernels-off path, SHARDSERVE_QUANT_KERNELS=0);
 the tests hold both it and the kernels to the CPU's dequantization of the file's blocks.
 
-Q4_0 is the W4A16 kernels' format exactly (d (q - 8): groups of 32, an fp16 scale, zero point 8),
-so `gpu_weight` hands it to them in their layout (kernels/quant/int4_layout.py, 4.75 bits per
-weight) instead of the planes: they are the faster kernels (benchmarks/BENCHMARKS.md).
+The 4-bit types with one scale per 32 values go to the W4A16 kernels instead of the planes, in their
+layout (kernels/quant/int4_layout.py): they are the faster kernels (benchmarks/BENCHMARKS.md). Q4_0
+is their format exactly (d (q - 8): an fp16 scale, zero point 8; 4.75 bits per weight); Q4_1 and
+Q4_K are q s - m, an fp16 scale and an fp16 min per block of 32 (the kernels' mins form; 5.0 bits
+per weight), exact for Q4_1, Q4_K's products d * scale and dmin * min rounded once to fp16.
 """
 from __future__ import annotations
 
@@ -90,19 +92,25 @@ def to_planes(raw: torch.Tensor, type_name: str, k: int) -> GgufPlanes:
     return GgufPlanes(type_name, n, k, {name: p.contiguous() for name, p in planes.items()})
 
 
-def dequantize(w: GgufPlanes) -> torch.Tensor:
-    """The planes expanded to fp32 [n, k], with the same arithmetic as the file format defines."""
-    p, k = w.planes, w.k
-    e = torch.arange(k, device=p["q"].device)
-    if w.type_name == "Q8_0":
-        return p["q"].float() * p["s"].float()[:, e // 32]
+def _low_bits(w: GgufPlanes) -> torch.Tensor:
+    """The 4 low bits of every value, int32 [n, k], from the "q" plane in the file's order."""
+    e = torch.arange(w.k, device=w.planes["q"].device)
     if w.type_name in ("Q4_0", "Q4_1"):   # byte j of a block: value j (low nibble), value j + 16 (high)
         byte, shift = (e // 32) * 16 + e % 16, 4 * ((e % 32) // 16)
     elif w.type_name in ("Q4_K", "Q5_K"):   # byte j of 32 per 64 values: value j (low), value j + 32 (high)
         byte, shift = (e // 64) * 32 + e % 32, 4 * ((e % 64) // 32)
     else:   # Q6_K: byte j of 64 per 128 values: value j (low), value j + 64 (high)
         byte, shift = (e // 128) * 64 + e % 64, 4 * ((e % 128) // 64)
-    q = (p["q"][:, byte].int() >> shift) & 15
+    return (w.planes["q"][:, byte].int() >> shift) & 15
+
+
+def dequantize(w: GgufPlanes) -> torch.Tensor:
+    """The planes expanded to fp32 [n, k], with the same arithmetic as the file format defines."""
+    p, k = w.planes, w.k
+    e = torch.arange(k, device=p["q"].device)
+    if w.type_name == "Q8_0":
+        return p["q"].float() * p["s"].float()[:, e // 32]
+    q = _low_bits(w)
     if w.type_name == "Q4_0":
         return p["s"].float()[:, e // 32] * (q - 8).float()
     if w.type_name == "Q4_1":
@@ -120,9 +128,9 @@ def dequantize(w: GgufPlanes) -> torch.Tensor:
 
 @dataclass
 class Int4Weight:
-    """A Q4_0 weight [n, k] in the W4A16 kernels' layout, groups (and runs) of 32 inputs: planes
-    "words" int32 [n, padded(k) / 8], "scales" fp16 [k / 32, n] (the blocks' d), "zeros" uint8
-    [k / 32, n] (8)."""
+    """A 4-bit GGUF weight [n, k] (INT4_TYPES) in the W4A16 kernels' layout, groups (and runs) of 32
+    inputs: planes "words" int32 [n, padded(k) / 8], "scales" fp16 [k / 32, n] and "zeros" [k / 32,
+    n]: uint8 zero points for Q4_0 (8: d (q - 8)), fp16 mins for Q4_1 and Q4_K (q s - m)."""
     n: int
     k: int
     planes: dict[str, torch.Tensor]
@@ -134,13 +142,32 @@ class Int4Weight:
         return p["words"], p["scales"], p["zeros"], self.k, self.group, self.run
 
 
-def gpu_weight(raw: torch.Tensor, type_name: str, k: int) -> GgufPlanes | Int4Weight:
-    """The file's blocks as the GPU kernels take them: Q4_0 in the W4A16 layout, the rest as planes."""
+def _scales_and_mins(w: GgufPlanes) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of 32 and row, [n, k / 32]: the W4A16 form's fp16 scale and zero point (Q4_0) or
+    min (w = q s - m). Q4_0 and Q4_1 as the file holds them; Q4_K's d * scale and dmin * min
+    (products of an fp16 and a 6-bit integer) rounded once to fp16, a relative 2^-11 at most, well
+    inside the bf16 activations' rounding."""
+    p = w.planes
+    if w.type_name == "Q4_0":
+        return p["s"], torch.full_like(p["s"], 8, dtype=torch.uint8)
+    if w.type_name == "Q4_1":   # d q + min
+        return p["s"], -p["m"]
+    sub = torch.arange(w.k // 32, device=p["s"].device) // 8   # Q4_K: the super-block of each block
+    return ((p["d"].float()[:, sub] * p["s"].float()).half(), (p["dm"].float()[:, sub] * p["m"].float()).half())
+
+
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")   # the types gpu_weight puts in the W4A16 layout
+
+
+def gpu_weight(raw: torch.Tensor, type_name: str, k: int, exact: bool = False) -> GgufPlanes | Int4Weight:
+    """The file's blocks as the GPU kernels take them: INT4_TYPES in the W4A16 layout, the rest as
+    planes; Q4_K as planes too where `exact` (an fp32 model: no scale rounded) or a scale overflows
+    fp16."""
     planes = to_planes(raw, type_name, k)
-    if type_name != "Q4_0":
+    if type_name not in INT4_TYPES or (exact and type_name == "Q4_K"):
         return planes
-    e = torch.arange(k, device=raw.device)
-    q = (planes.planes["q"][:, (e // 32) * 16 + e % 16].int() >> (4 * ((e % 32) // 16))) & 15   # [n, k]
-    scales = planes.planes["s"].t().contiguous()
-    return Int4Weight(planes.n, k, {"words": int4_layout.pack(q.t(), 32), "scales": scales,
-                                    "zeros": torch.full_like(scales, 8, dtype=torch.uint8)})
+    scales, zeros = _scales_and_mins(planes)
+    if not (scales.isfinite().all() and (zeros.dtype != torch.float16 or zeros.isfinite().all())):
+        return planes
+    return Int4Weight(planes.n, k, {"words": int4_layout.pack(_low_bits(planes).t(), 32),
+                                    "scales": scales.t().contiguous(), "zeros": zeros.t().contiguous()})

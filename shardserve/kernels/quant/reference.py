@@ -15,10 +15,14 @@ def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 def int4_weight(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int, group: int, run: int,
                 dtype: torch.dtype) -> torch.Tensor:
-    """Kernel-layout INT4 (int4_layout.pack) -> the weight [N, K] in `dtype`: (q - z) * s per group."""
+    """Kernel-layout INT4 (int4_layout.pack) -> the weight [N, K] in `dtype`: (q - z) * s per group
+    (fp16 "zeros": mins, q * s - m)."""
     q = int4_layout.unpack(words, k, run)                                   # [K, N]
     g = torch.arange(k, device=words.device) // group
-    w = (q - zeros.index_select(0, g).int()).float() * scales.index_select(0, g).float()
+    if zeros.dtype == torch.float16:
+        w = q.float() * scales.index_select(0, g).float() - zeros.index_select(0, g).float()
+    else:
+        w = (q - zeros.index_select(0, g).int()).float() * scales.index_select(0, g).float()
     return w.to(dtype).t()
 
 
@@ -33,14 +37,20 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.silu(y[..., :n]) * y[..., n:]
 
 
-def gguf_weight(parts: list[tuple[slice, gguf_layout.GgufPlanes | gguf_layout.Int4Weight]], n: int,
+def gguf_weight(parts: list[tuple[slice, gguf_layout.GgufPlanes | gguf_layout.Int4Weight | torch.Tensor]], n: int,
                 dtype: torch.dtype) -> torch.Tensor:
-    """Runs of output rows of GGUF weights as the GPU holds them (gguf_matmul.matmul's argument) ->
-    the weight [n, K] in `dtype`, computed in fp32 and rounded once."""
+    """Runs of output rows of GGUF weights as the GPU holds them (gguf_matmul.matmul's argument:
+    blocks, or dense rows) -> the weight [n, K] in `dtype`, computed in fp32 and rounded once."""
     first = parts[0][1]
-    w = torch.empty(n, first.k, dtype=dtype, device=next(iter(first.planes.values())).device)
+    if isinstance(first, torch.Tensor):
+        k, device = first.shape[1], first.device
+    else:
+        k, device = first.k, next(iter(first.planes.values())).device
+    w = torch.empty(n, k, dtype=dtype, device=device)
     for at, part in parts:
-        if isinstance(part, gguf_layout.Int4Weight):
+        if isinstance(part, torch.Tensor):
+            w[at] = part.to(dtype)
+        elif isinstance(part, gguf_layout.Int4Weight):
             w[at] = int4_weight(*part.args(), dtype=dtype)
         else:
             w[at] = gguf_layout.dequantize(part).to(dtype)

@@ -1,5 +1,7 @@
 """INT4 weight-only (W4A16) matmuls in Triton for CUDA, on GPTQ/AWQ weights repacked once into
 kernels/quant/int4_layout.py's layout (per row, blocks of 8 runs of RUN inputs in RUN int32 words).
+Zero points are uint8 (w = (q - z) s); fp16 "zeros" are mins instead (w = q s - m: GGUF's Q4_1 and
+Q4_K, kernels/quant/gguf_layout.py), the kernels' arithmetic picked by their dtype.
 
 Each 4-bit value q becomes the float 1 + q/16 by bit arithmetic alone (the nibble moved to the top
 of an fp32 mantissa under a zero exponent: a shift and one mask-and-or), and one multiply-add with
@@ -46,12 +48,14 @@ if triton is not None:
     @triton.jit
     def dequant_run(P, i: tl.constexpr, s_ptr, z_ptr, k0, k, rows_total, cols, col_ok, GROUP: tl.constexpr,
                     RUN: tl.constexpr):
-        """Run i of the block at k0 as fp32 weights [BLOCK_N, RUN], (q - z) * s; 0 where the run
-        starts past K."""
+        """Run i of the block at k0 as fp32 weights [BLOCK_N, RUN], (q - z) * s (fp16 "zeros": mins,
+        q * s - m); 0 where the run starts past K."""
         g = (k0 + RUN * i) // GROUP
         ok = col_ok & (cols * 0 + k0 + RUN * i < k)
         s = tl.load(s_ptr + g * rows_total + cols, mask=ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * rows_total + cols, mask=ok, other=0).to(tl.float32)
+        if z_ptr.dtype.element_ty == tl.float16:
+            return nibble(P, i) * (16.0 * s)[:, None] - (16.0 * s + z)[:, None]
         return nibble(P, i) * (16.0 * s)[:, None] - ((16.0 + z) * s)[:, None]
 
     @triton.jit

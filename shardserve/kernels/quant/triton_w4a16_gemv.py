@@ -82,15 +82,28 @@ if triton is not None:
         ok = col_ok & (k0 + RUN * a < k)
         s = tl.load(s_ptr + g * rows_total + cols, mask=ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * rows_total + cols, mask=ok, other=0).to(tl.float32)
+        if z_ptr.dtype.element_ty == tl.float16:   # mins: s (sum (MAGIC + q) x - MAGIC sum x) - m sum x
+            return y + tl.where(lanes[None, :] == a, 1.0, 0.0) * (s[:, None] * (acc - MAGIC * xs) - z[:, None] * xs)
         return y + tl.where(lanes[None, :] == a, s[:, None], 0.0) * (acc - (z + MAGIC)[:, None] * xs)
 
     @triton.jit
     def spread(s_ptr, z_ptr, off, ok, E, MAGIC: tl.constexpr):
-        """(S, MAGIC + Z) per accumulator element: the fp16 scales and zeros at off [..., 16] (column
-        i: run i of the block; 8 and up masked) times the one-hot E [..., 16, COLS], exact."""
+        """(S, MAGIC + Z) per accumulator element (fp16 "zeros", mins: (S, M)): the fp16 scales and
+        zeros at off [..., 16] (column i: run i of the block; 8 and up masked) times the one-hot
+        E [..., 16, COLS], exact."""
         s = tl.load(s_ptr + off, mask=ok, other=0.0)
+        if z_ptr.dtype.element_ty == tl.float16:
+            return tl.dot(s, E), tl.dot(tl.load(z_ptr + off, mask=ok, other=0.0), E)
         zm = (tl.load(z_ptr + off, mask=ok, other=0).to(tl.float16) + MAGIC).to(tl.float16)
         return tl.dot(s, E), tl.dot(zm, E)
+
+    @triton.jit
+    def apply_spread(y, S, ZM, t, xs, MINS: tl.constexpr, MAGIC: tl.constexpr):
+        """y + the runs' sums t (of (MAGIC + q) x) and xs (of x) scaled: S (t - ZM xs) for zero
+        points, S (t - MAGIC xs) - M xs for mins (spread's pair)."""
+        if MINS:
+            return y + S * (t - MAGIC * xs) - ZM * xs
+        return y + S * (t - ZM * xs)
 
     @triton.jit
     def pick(a0, a1, a2, a3, a4, a5, a6, a7, sel):
@@ -116,7 +129,7 @@ if triton is not None:
         ok = col_ok[:, None] & ((i < 8) & (k0 + RUN * i < k))[None, :]
         S, ZM = spread(s_ptr, z_ptr, g[None, :] * rows_total + cols[:, None], ok, E, MAGIC)
         t = pick(a0, a1, a2, a3, a4, a5, a6, a7, lanes[None, :])
-        return y + S * (t - ZM * xs)
+        return apply_spread(y, S, ZM, t, xs, z_ptr.dtype.element_ty == tl.float16, MAGIC)
 
     @triton.jit
     def block_sum(y, w_rows, x_cols, x_ok, s_ptr, z_ptr, blk, k, rows_total, cols, col_ok, lanes, x_k, E,
@@ -234,7 +247,7 @@ if triton is not None:
               & (tl.arange(0, H) >= 0)[:, None, None])
         S, ZM = spread(s_ptr, z_ptr, g[None, None, :] * rows_total + cols[None, :, None], ok, E, MAGIC)
         t = pick(a0, a1, a2, a3, a4, a5, a6, a7, lanes[None, None, :])
-        return y + S * (t - ZM * xs)
+        return apply_spread(y, S, ZM, t, xs, z_ptr.dtype.element_ty == tl.float16, MAGIC)
 
     @triton.jit
     def w4a16_gemvk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, words, stride_x,
