@@ -50,14 +50,18 @@ def test_kernels_match_dequantize_then_matmul(type_name, rows, dtype):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
-def test_fused_layer_of_two_types(rows):
+def test_fused_layer_of_several_types(rows):
+    """Runs in the W4A16 layout (Q4_K: mins, Q4_0: zero points), as planes (Q6_K) and as dense rows (a
+    type not kept: dequantized at load), each into its columns of one output."""
     (a, _, ref_a), (b, _, ref_b), (c, _, ref_c) = (_runs("Q4_K", 512, 1024), _runs("Q6_K", 256, 1024, seed=1),
                                                    _runs("Q4_0", 128, 1024, seed=2))
-    runs = [(slice(0, 512), a[0][1]), (slice(512, 768), b[0][1]), (slice(768, 896), c[0][1])]
+    ref_d = torch.randn(64, 1024, device="cuda") * 0.02
+    runs = [(slice(0, 512), a[0][1]), (slice(512, 768), b[0][1]), (slice(768, 896), c[0][1]),
+            (slice(896, 960), ref_d.bfloat16())]
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
-    want = x.float() @ torch.cat([ref_a, ref_b, ref_c]).bfloat16().float().T
-    _close(gguf_matmul.matmul(x, runs, 896), want)
-    _close(gguf_matmul.matmul(x.float(), runs, 896), want)   # fp32 activations: IEEE products or dequantize + cuBLAS
+    want = x.float() @ torch.cat([ref_a, ref_b, ref_c, ref_d]).bfloat16().float().T
+    _close(gguf_matmul.matmul(x, runs, 960), want)
+    _close(gguf_matmul.matmul(x.float(), runs, 960), want)   # fp32 activations: IEEE products or dequantize + cuBLAS
 
 
 @pytest.mark.parametrize("type_name", gguf_layout.INT4_TYPES)
