@@ -152,18 +152,26 @@ def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
     # layout the GPU kernels read); embeddings, LM head, norms and experts stay in the dtype.
     linear_elem, label = _linear_bytes(model_config.quantization, config, elem)
     in_dtype = counts["embed"] + counts["lm_head"] + counts["experts"]
-    total = (counts["total"] - in_dtype) * linear_elem + in_dtype * elem
+    if linear_elem is None:   # GGUF: what the ranks hold as loaded (blocks kept, parts dequantized)
+        total = tp * max(llm.engine.executor.collective_rpc("weight_bytes"))
+        experts = total * counts["experts"] / counts["total"]
+    else:
+        total = (counts["total"] - in_dtype) * linear_elem + in_dtype * elem
+        experts = counts["experts"] * elem
     return {"device": device, "tp": tp, "elem": elem, "counts": counts,
             "weight_bytes_per_rank": total / tp,
-            "dense_bytes_per_rank": (total - counts["experts"] * elem) / tp,
+            "dense_bytes_per_rank": (total - experts) / tp, "expert_bytes_per_rank": experts / tp,
             "bandwidth": measure_bandwidth(device),
             "peak_flops": measure_matmul_peak(device, model_config.compute_dtype),
             "dtype": str(model_config.dtype).replace("torch.", "") + label}
 
 
-def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> tuple[float, str]:
-    """Bytes per weight of the quantized linear layers, and a label for the dtype line."""
+def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> tuple[float | None, str]:
+    """Bytes per weight of the quantized linear layers (None: GGUF blocks, counted as held), and a
+    label for the dtype line."""
     stored = (config.get("quantization_config") or {}).get("quant_method")
+    if stored == "gguf":
+        return None, " GGUF weights (bytes as held)"
     if (requested or stored) == "fp8":
         return 1.0, " fp8 weights"
     if stored in ("gptq", "awq"):
@@ -207,7 +215,7 @@ def run_latency(ns) -> dict[str, Any]:
     step = (float(np.median(e2e)) - prefill) / (ns.output_len - 1) if ns.output_len > 1 else float("nan")
     context = ns.input_len + ns.output_len / 2   # average tokens attended over during decode
     kv = ns.batch_size * context * kv_bytes_per_token(config, lim["elem"]) / lim["tp"]
-    picked = lim["counts"]["experts"] * lim["elem"] / lim["tp"] * picked_expert_fraction(config, ns.batch_size)
+    picked = lim["expert_bytes_per_rank"] * picked_expert_fraction(config, ns.batch_size)
     read = lim["dense_bytes_per_rank"] + picked   # every weight byte of a dense model
     roofline = (read + kv) / lim["bandwidth"]
     flops = model_flops(lim["counts"], ns.batch_size * ns.input_len, ns.batch_size * ns.output_len)

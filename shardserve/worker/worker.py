@@ -64,6 +64,10 @@ class Worker:
                                                          else tuple(p.shape))
                 for n, p in self.model_runner.model.named_parameters()}
 
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's parameters as held (each tensor once: "Model loading took ...")."""
+        return sum({p.data_ptr(): p.numel() * p.element_size() for p in self.model_runner.model.parameters()}.values())
+
     def cpu_offload_bytes(self) -> int:
         """Bytes of this rank's weights streamed from pinned CPU memory (--cpu-offload-gb)."""
         offload = getattr(self.model_runner.model, "cpu_offload", None)

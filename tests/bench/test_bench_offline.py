@@ -55,6 +55,23 @@ def test_latency_and_throughput_with_random_weights(tmp_path, capsys):
     assert tp["tokens_per_second"] > tp["output_tokens_per_second"]
 
 
+def test_gguf_roofline_counts_the_bytes_held():
+    """A GGUF file kept in its blocks: the roofline's weight bytes are what the model holds (0.09 GiB
+    for the embedded Q4_1 SmolLM2), not its parameters at the serving dtype (0.27 GB in bf16)."""
+    from shardserve import LLM
+    from shardserve.bench.offline import _limits
+    from shardserve.models.loader import load_hf_config, resolve_model_path
+    path = resolve_model_path(None)
+    llm = LLM(path, kv_cache_memory="16MiB", max_model_len=256, show_progress=False)
+    try:
+        lim = _limits(llm, load_hf_config(path))
+        held = llm.engine.executor.collective_rpc("weight_bytes")[0]
+    finally:
+        llm.engine.shutdown()
+    assert lim["weight_bytes_per_rank"] == held < 0.11e9 and "GGUF" in lim["dtype"]
+    assert lim["dense_bytes_per_rank"] == held and lim["expert_bytes_per_rank"] == 0
+
+
 def test_profile_writes_a_trace_per_worker(tmp_path, capsys, monkeypatch):
     path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama")
     args = ["bench", "latency", "--random-weights", path, "--batch-size", "2", "--input-len", "6", "--output-len",
