@@ -192,11 +192,24 @@ def best_configs(decode: list[dict]) -> dict[str, list]:
     return {key: r["tiles"] for key, r in sorted(best.items())}
 
 
-def run_prefill(rows_list: list[int]) -> list[dict]:
+# (BLOCK_M, BLOCK_N, warps, stages) of the tensor-core W4A16 kernel on prefill row counts
+INT4_DOT_PREFILL = [(16, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3),
+                    (64, 128, 8, 3), (128, 128, 4, 3)]
+
+
+def int4_weight(n: int, k: int, group: int, run: int) -> tuple:
+    q = torch.randint(0, 16, (k, n), dtype=torch.int32, device="cuda")
+    s = (torch.rand(-(-k // group), n, device="cuda") * 0.004 + 0.001).half()
+    z = torch.randint(0, 16, s.shape, dtype=torch.uint8, device="cuda")
+    return int4_layout.pack(q, run), s, z
+
+
+def run_prefill(rows_list: list[int], sweep: bool = False) -> list[dict]:
     results = []
     for name in ("qkv", "down"):
         n, k, _ = SHAPES[name]
         base = make_weights(n, k, False)
+        g32 = int4_weight(n, k, 32, 32)   # GGUF Q4_0 / Q4_1 / Q4_K's groups
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
 
@@ -206,18 +219,25 @@ def run_prefill(rows_list: list[int]) -> list[dict]:
 
             variants = {"bf16 cuBLAS": ("bf16", lambda w: F.linear(x, w)), "fp8 _scaled_mm": ("fp8", scaled_mm),
                         "int4 dequantize+cuBLAS": ("int4", lambda w: F.linear(
-                            x, triton_w4a16.dequantize(*w, k, GROUP, RUN, torch.bfloat16)))}
-            variants["int4 dot (16, 64, 4, 2)"] = ("int4", lambda w: triton_w4a16.matmul_dot(
-                x, *w, k, GROUP, RUN, tiles=(16, 64, 4, 2)))
+                            x, triton_w4a16.dequantize(*w, k, GROUP, RUN, torch.bfloat16))),
+                        "int4 g32 dequantize+cuBLAS": ("g32", lambda w: F.linear(
+                            x, triton_w4a16.dequantize(*w, k, 32, 32, torch.bfloat16)))}
+            for t in INT4_DOT_PREFILL if sweep else INT4_DOT_PREFILL[:1]:
+                variants[f"int4 dot {t}"] = ("int4", lambda w, t=t: triton_w4a16.matmul_dot(
+                    x, *w, k, GROUP, RUN, tiles=t))
+                variants[f"int4 g32 dot {t}"] = ("g32", lambda w, t=t: triton_w4a16.matmul_dot(
+                    x, *w, k, 32, 32, tiles=t))
             for label, (fmt, fn) in variants.items():
+                weight = g32 if fmt == "g32" else base[fmt]
                 try:
-                    t = graph_time(fn, [base[fmt]] * 2, reps=5)
+                    t = graph_time(fn, [weight] * 2, reps=5)
                 except Exception as e:
                     print(f"prefill {name} rows {rows} {label}: {type(e).__name__}: {str(e)[:200]}")
                     continue
                 results.append({"shape": name, "rows": rows, "variant": label, "format": fmt, "us": t * 1e6,
                                 "tflops": 2 * rows * n * k / t / 1e12})
-        del base
+                print(f"  prefill {name} rows {rows} {label}: {t * 1e6:.1f} us", flush=True)
+        del base, g32
         torch.cuda.empty_cache()
     return results
 
@@ -247,12 +267,12 @@ def main() -> None:
             with open(path, "w") as f:
                 json.dump(best_configs(decode), f, indent=1)
 
-    rows_list, shapes = [int(r) for r in ns.rows.split(",")], ns.shapes.split(",")
+    rows_list, shapes = [int(r) for r in ns.rows.split(",") if r], ns.shapes.split(",")
     if ns.warm:
         warm(ns.sweep, rows_list, shapes)
         return
     decode = run_decode(ns.sweep, rows_list, save, shapes, [part for part in ns.only.split(",") if part])
-    prefill = run_prefill([int(r) for r in ns.prefill_rows.split(",")]) if ns.prefill_rows else []
+    prefill = run_prefill([int(r) for r in ns.prefill_rows.split(",")], ns.sweep) if ns.prefill_rows else []
     save(decode, prefill)
     for (shape, rows) in dict.fromkeys((r["shape"], r["rows"]) for r in decode):
         rs = [r for r in decode if r["shape"] == shape and r["rows"] == rows]

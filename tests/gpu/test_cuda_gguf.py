@@ -136,3 +136,43 @@ def test_tiny_file_kept_in_blocks_against_it_dequantized(tmp_path, monkeypatch, 
         # may flip tokens, so those are not compared)
         fp32 = results[(False, "float32")][2]
         assert (ours - fp32).abs().max().item() <= 1.5 * (exact - fp32).abs().max().item() + 0.01
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="GPU-only: TP=2 over NCCL needs two CUDA GPUs (run on a 2-GPU machine)")
+def test_tiny_file_kept_in_blocks_tp2_matches_tp1(tmp_path, monkeypatch):
+    """A Q4_K_M-style file as the defaults keep it over TP=2: column-parallel layers keep their rows'
+    blocks, row-parallel ones whole super-blocks of their inputs. fp32 (Q4_K as exact planes, Q6_K
+    dense): TP=1's prompt log-probs up to summation order. bf16 (Q4_K on the W4A16 kernels): no
+    further from TP=1's than TP=1's bf16 is from fp32, twice over (TP sums partial products in
+    another order)."""
+    import gc
+
+    from shardserve.llm import LLM
+    from tests.models import gguf_files
+    from tests.models.gguf_files import prompt_logprobs, random_prompt, write_gguf
+    from tests.quantization.test_gguf_quant import _typed_add_tensor
+    from tests.tiny_models import make_tiny_checkpoint
+
+    # 512 / 1024 wide: each rank's o_proj and down_proj inputs are whole 256-value super-blocks
+    ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama", hidden_size=512, intermediate_size=1024)
+    path = str(tmp_path / "tiny-Q4_K_M.gguf")
+    monkeypatch.setattr(gguf_files, "_add_tensor", _typed_add_tensor(gguf_files._add_tensor, "Q4_K", "Q6_K"))
+    write_gguf(ckpt, path, "Q8_0")
+    monkeypatch.delenv("SHARDSERVE_GGUF_DEQUANTIZE", raising=False)
+    prompt = random_prompt(7, 40)
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        for tp in (1, 2):
+            llm = LLM(path, dtype=dtype, device="cuda", kv_cache_memory="64MiB", show_progress=False,
+                      max_logprobs=-1, tensor_parallel_size=tp)
+            try:
+                got[dtype, tp] = prompt_logprobs(llm, prompt)
+            finally:
+                llm.engine.shutdown()
+                del llm
+                gc.collect()
+                torch.cuda.empty_cache()
+    assert (got["float32", 2] - got["float32", 1]).abs().max().item() < 1e-3
+    noise = (got["bfloat16", 1] - got["float32", 1]).abs().max().item()
+    assert (got["bfloat16", 2] - got["bfloat16", 1]).abs().max().item() <= max(0.05, 2 * noise), noise
