@@ -6,7 +6,8 @@
 `--layers`: per Llama-3-8B linear shape and GGUF type, the time of one matmul at 1 and 4 rows
 inside a CUDA graph of back-to-back calls rotating over enough weight copies to miss the L2 cache
 (benchmarks/quant_gemv.py's harness), the weight held as a layer holds it (`gguf_layout.gpu_weight`:
-planes, Q4_0 / Q4_1 / Q4_K in the W4A16 layout) and multiplied as a layer multiplies it (`kernels/quant/gguf_matmul.py`),
+planes, Q4_0 / Q4_1 / Q4_K in the W4A16 layout) and multiplied as a layer multiplies it
+(`kernels/quant/gguf_matmul.py`),
 beside the bf16 Triton GEMV (1-4 rows) and cuBLAS; GB/s = the bytes the weight holds over the time;
 the run's copy bandwidth. `--sweep` also times the planes GEMV's settings (strip width, warps,
 inputs per step, pipeline stages, loop).

@@ -10,7 +10,8 @@ kernels' tile settings; `--warm` only compiles them (run one process per shape a
 by side to fill Triton's cache before a timed sweep). Prefill (64-8192 rows): the tensor-core
 W4A16 kernel against dequantize-then-cuBLAS, FP8 `_scaled_mm` and bf16 cuBLAS.
 
-    python3 benchmarks/quant_gemv.py [--sweep [--write-configs]] [--json out.json] [--shapes qkv,o] [--only wgmma] [--warm]
+    python3 benchmarks/quant_gemv.py [--sweep [--write-configs]] [--json out.json] [--shapes qkv,o]
+        [--only runs8,mmak] [--warm]
 """
 from __future__ import annotations
 

@@ -99,6 +99,23 @@ def model_config(name: str) -> dict[str, Any]:
     return json.loads(json.dumps(MODELS[key]))   # a deep copy: callers may edit theirs
 
 
+_GGUF_LINEAR = re.compile(r"blk\.\d+\.(attn_(q|k|v|qkv|output)|ffn_(gate|up|down)(_shexp)?)\.weight")
+
+
+def gguf_linear_bytes(facts: dict[str, Any], dtype: str) -> float | None:
+    """Bytes per weight a GPU holds for a GGUF file's decoder linears served in `dtype` (bf16, fp16,
+    fp32): the types CUDA keeps in their blocks by default at their layout's size
+    (kernels/quant/gguf_layout.py), the rest dequantized to `dtype`. None for other sources."""
+    from shardserve.kernels.quant import gguf_layout
+    from shardserve.planner.memory import WEIGHT_BYTES
+    counts = facts.get("linear_elements_by_type") or {}
+    if facts.get("source") != "gguf" or not counts or dtype not in ("bf16", "fp16", "fp32"):
+        return None
+    held = sum(n * (gguf_layout.gpu_bits(t, exact=dtype == "fp32") / 8 if t in gguf_layout.INT4_TYPES
+                    else WEIGHT_BYTES[dtype]) for t, n in counts.items())
+    return held / sum(counts.values())
+
+
 def resolve_model(spec: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """MODEL as the user gave it -> (display name, HF config, facts about the source).
 
@@ -124,6 +141,11 @@ def resolve_model(spec: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
         from shardserve.models.gguf_loader import open_gguf
         reader = open_gguf(spec)
         kinds = sorted({t.tensor_type.name for t in reader.tensors})
+        linears: dict[str, int] = {}   # the decoder's linear weights (not MoE experts) by GGUF type
+        for t in reader.tensors:
+            if _GGUF_LINEAR.fullmatch(t.name):
+                linears[t.tensor_type.name] = linears.get(t.tensor_type.name, 0) + int(t.n_elements)
         return name, config, {"source": "gguf", "path": spec, "file_bytes": os.path.getsize(spec),
-                              "params": int(sum(int(t.n_elements) for t in reader.tensors)), "tensor_types": kinds}
+                              "params": int(sum(int(t.n_elements) for t in reader.tensors)), "tensor_types": kinds,
+                              "linear_elements_by_type": linears}
     return name, config, {"source": "checkpoint", "path": spec}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -58,6 +59,38 @@ def test_plan_reads_config_json_checkpoint_dir_and_gguf(tmp_path, capsys):
     assert g["model"]["source"] == "gguf" and g["model"]["file_bytes"] > 0 and "Q4_1" in g["model"]["tensor_types"]
     assert g["model"]["params_total"] == g["model"]["params"]          # config-derived count == GGUF tensors' count
     assert {r["tp"] for r in g["invalid_layouts"]} == {2, 4}             # SmolLM2: 9 heads, 3 KV heads
+
+
+def test_plan_counts_gguf_weights_as_a_gpu_holds_them(tmp_path, capsys, monkeypatch):
+    """A Q4_K_M-style file: its Q4_K linears at the W4A16 layout's bytes (gguf_layout.gpu_weight,
+    computed here on the CPU), its Q6_K v / up rows, embedding, LM head and norms at --dtype."""
+    import gguf
+    import torch
+
+    from shardserve.kernels.quant import gguf_layout
+    from tests.models import gguf_files
+    from tests.quantization.test_gguf_quant import _typed_add_tensor
+    from tests.tiny_models import make_tiny_checkpoint
+    ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama", hidden_size=256, intermediate_size=512)
+    path = str(tmp_path / "tiny-Q4_K_M.gguf")
+    monkeypatch.setattr(gguf_files, "_add_tensor", _typed_add_tensor(gguf_files._add_tensor, "Q4_K", "Q6_K"))
+    gguf_files.write_gguf(ckpt, path, "Q8_0")
+    linear = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight")
+    want = 0
+    for t in gguf.GGUFReader(path).tensors:
+        if linear.fullmatch(t.name) and t.tensor_type.name in gguf_layout.INT4_TYPES:
+            k = int(t.shape[0])   # GGUF lists the row length first
+            raw = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(int(t.n_elements) // k, -1)
+            held = gguf_layout.gpu_weight(raw, t.tensor_type.name, k).planes.values()
+            want += sum(p.numel() * p.element_size() for p in held)
+        else:   # dequantized to bf16
+            want += int(t.n_elements) * 2
+    plan = _plan_json(capsys, path, "--gpu", "h100-80gb", "--dtype", "bf16")
+    assert plan["model"]["linear_elements_by_type"].keys() == {"Q4_K", "Q6_K"}
+    assert plan["weights"]["bytes"] == want
+    capsys.readouterr()
+    assert main(["plan", path, "--gpu", "h100-80gb"]) == 0
+    assert "keeps Q4_0 / Q4_1 / Q4_K linears in their blocks" in capsys.readouterr().out
 
 
 def test_plan_errors_are_one_line():

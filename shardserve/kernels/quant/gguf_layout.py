@@ -159,6 +159,15 @@ def _scales_and_mins(w: GgufPlanes) -> tuple[torch.Tensor, torch.Tensor]:
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")   # the types gpu_weight puts in the W4A16 layout
 
 
+def gpu_bits(type_name: str, exact: bool = False) -> float:
+    """Bits per weight `gpu_weight` holds for one of INT4_TYPES (K a multiple of 256): 4 for the
+    quants, 16 / 32 for the fp16 scale, 8 / 32 (Q4_0's zero point) or 16 / 32 (a min); Q4_K kept
+    `exact` as planes: 4 + 2 x 8 / 32 for its byte scale and min + 2 x 16 / 256 for d and dmin."""
+    if exact and type_name == "Q4_K":
+        return 4.625
+    return 4.75 if type_name == "Q4_0" else 5.0
+
+
 def gpu_weight(raw: torch.Tensor, type_name: str, k: int, exact: bool = False) -> GgufPlanes | Int4Weight:
     """The file's blocks as the GPU kernels take them: INT4_TYPES in the W4A16 layout, the rest as
     planes; Q4_K as planes too where `exact` (an fp32 model: no scale rounded) or a scale overflows
