@@ -137,6 +137,7 @@ def latency(args: list[str], env: dict) -> dict:
 
 def model(kinds: list[str]) -> dict:
     bw = copy_bandwidth()
+    torch.cuda.empty_cache()   # the GPU's memory to the child processes
     out = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bw / 1e9}
     # KV read per step at 160 tokens on average, 8 KV heads of 128, 32 layers, bf16: small beside the weights.
     kv = 160 * 2 * LLAMA3_8B["layers"] * LLAMA3_8B["kv_heads"] * 128 * 2

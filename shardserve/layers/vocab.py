@@ -4,10 +4,15 @@ ranks; logits are gathered back to the full vocabulary for sampling.
 
 GGUF blocks: when a GGUF file is kept quantized, models/gguf_loader.py hands the embedding (and an
 untied LM head) its raw blocks if their type is kept (quantization/gguf.py `kept_types`) and takes
-the int8-activation CPU kernels (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K). The table then stays in its
-blocks, regrouped once (kernels/cpu/quant_ops.py `repack`) into the parameter itself, so a tied LM
-head shares the one copy: a lookup expands its rows, the LM head multiplies the blocks. Off the CPU
-the blocks are dequantized into the dense table instead."""
+the int8-activation CPU kernels (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) or the GPU keeps it. On the CPU
+the table then stays in its blocks, regrouped once (kernels/cpu/quant_ops.py `repack`) into the
+parameter itself, so a tied LM head shares the one copy: a lookup expands its rows, the LM head
+multiplies the blocks. On CUDA an untied embedding whose type the GPU keeps (quantization/gguf.py
+`gpu_keeps`: Q4_0, Q4_1, Q4_K by default) stays in its blocks as the linears hold them
+(kernels/quant/gguf_layout.py `gpu_weight`, registered as `gguf_<plane>` parameters) and a lookup
+expands its rows (`gguf_layout.rows`): an 8B Q4_K table takes 0.33 GB instead of 1.05. The LM head
+and a tied table are dequantized into the dense table there (the LM head multiplies every row each
+step: bf16 is its fast path), as is every other case."""
 from __future__ import annotations
 
 import torch
@@ -17,6 +22,7 @@ from torch import nn
 from shardserve.distributed.comm import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from shardserve.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from shardserve.kernels.cpu import quant_ops
+from shardserve.kernels.quant import gguf_layout
 from shardserve.layers.linear import linear
 from shardserve.utils import cdiv
 
@@ -51,12 +57,26 @@ class VocabParallelEmbedding(nn.Module):
         rows = loaded[self.vocab_start:self.vocab_start + self.per_rank]
         raw[:rows.shape[0]] = rows
         raw = raw.view(self.per_rank, -1)
-        if param.device.type != "cpu":
-            param.data.copy_(quant_ops.dequantize(raw, type_name, self.embedding_dim))
+        # (the loader tags whether the CPU kernels or the GPU keep this type: quantization/gguf.py)
+        if (param.device.type == "cuda" and type(self) is VocabParallelEmbedding and not getattr(param, "tied", False)
+                and getattr(loaded, "gguf_gpu_keeps", False)):
+            self._keep_on_gpu(param, raw.to(param.device), type_name)
+            return
+        if param.device.type != "cpu" or not getattr(loaded, "gguf_cpu_keeps", False):
+            param.data.copy_(quant_ops.dequantize(raw, type_name, self.embedding_dim).to(param.device))
             return
         param.data = quant_ops.repack(raw, type_name, self.embedding_dim)   # in place: a tied LM head follows
         param.gguf_type = type_name
         param.gguf_isa, param.gguf_act = quant_ops.isa(), quant_ops.activations()   # the switches, read at load
+
+    def _keep_on_gpu(self, param: nn.Parameter, raw: torch.Tensor, type_name: str) -> None:
+        weight = gguf_layout.gpu_weight(raw, type_name, self.embedding_dim, exact=self.params_dtype == torch.float32)
+        for name, tensor in weight.planes.items():
+            plane = nn.Parameter(tensor, requires_grad=False)
+            self.register_parameter(f"gguf_{name}", plane)
+            weight.planes[name] = plane
+        param.data = torch.empty(0, self.embedding_dim, dtype=param.dtype, device=param.device)   # no dense table
+        param.gguf_gpu = weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -68,6 +88,9 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        kept = getattr(self.weight, "gguf_gpu", None)
+        if kept is not None:
+            return gguf_layout.rows(kept, ids.reshape(-1)).view(*ids.shape, -1).to(self.params_dtype)
         gguf_type = getattr(self.weight, "gguf_type", None)
         if gguf_type is not None:
             out = quant_ops.rows(self.weight, gguf_type, self.embedding_dim, ids, self.per_rank)

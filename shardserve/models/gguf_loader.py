@@ -118,14 +118,12 @@ def _is_kept_experts(tensor) -> bool:
 
 
 def _is_kept_table(tensor) -> bool:
-    """The token embedding or LM head, kept in its blocks where the int8-activation kernels take its
-    type and kept_types() names it (layers/vocab.py); SHARDSERVE_GGUF_ACTIVATIONS=fp32 dequantizes
-    them as before."""
-    from shardserve.kernels.cpu import quant_ops
-    from shardserve.quantization.gguf import kept_types
+    """The token embedding or LM head, handed over as blocks where the CPU's int8-activation kernels
+    or the GPU would keep its type (layers/vocab.py decides by device and dequantizes otherwise);
+    SHARDSERVE_GGUF_ACTIVATIONS=fp32 dequantizes them on the CPU as before."""
+    from shardserve.quantization.gguf import cpu_keeps_table, gpu_keeps
     kind = tensor.tensor_type.name
-    return (tensor.name in ("token_embd.weight", "output.weight") and kind in quant_ops.INT8_TYPES
-            and kind in kept_types() and quant_ops.activations() != "fp32" and quant_ops.available())
+    return tensor.name in ("token_embd.weight", "output.weight") and (cpu_keeps_table(kind) or gpu_keeps(kind))
 
 
 def _keeps_quantized(reader) -> bool:
@@ -232,6 +230,10 @@ def iter_gguf_weights(reader, hf_config: dict[str, Any],
             weight = _reverse_llama_permute(weight, kv_heads)
         if kept:
             weight.gguf_type = tensor.tensor_type.name
+        if kept and _is_kept_table(tensor):   # where the table may stay in blocks (layers/vocab.py picks by device)
+            from shardserve.quantization.gguf import cpu_keeps_table, gpu_keeps
+            kind = weight.gguf_type
+            weight.gguf_cpu_keeps, weight.gguf_gpu_keeps = cpu_keeps_table(kind), gpu_keeps(kind)
         yield name, weight
 
 

@@ -165,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size) if self.model.is_last else None
         if spec.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight.tied = True   # one table for both: a GPU keeps it dense (layers/vocab.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):

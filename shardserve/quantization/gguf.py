@@ -77,6 +77,13 @@ def cpu_keeps(type_name: str) -> bool:
     return type_name in kept_types() and quant_ops.available()
 
 
+def cpu_keeps_table(type_name: str) -> bool:
+    """Whether a CPU embedding or LM head keeps blocks of this type: a kept type the int8-activation
+    kernels take, built, and not SHARDSERVE_GGUF_ACTIVATIONS=fp32 (layers/vocab.py)."""
+    return (type_name in quant_ops.INT8_TYPES and type_name in kept_types() and quant_ops.activations() != "fp32"
+            and quant_ops.available())
+
+
 # Kept in their blocks on CUDA by default: the 4-bit types with a scale per 32 values, on the W4A16
 # kernels (an 8B Q4_0 file decodes 1.84x faster than bf16 on an H100, Q4_1 and Q4_K as fast per
 # layer). The other types' planes kernels decode at about half bf16's speed: dequantized after

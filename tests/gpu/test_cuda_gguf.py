@@ -3,8 +3,8 @@ each kernel (the planes GEMV's three loops, dequantize for cuBLAS; Q4_0, Q4_1 an
 kernels, zero points and mins) and every type against dequantize-then-matmul, on sizes with a last
 step past K, with a bias and over a fused layer whose parts differ in type; the gated gate_up form;
 tiny GGUF Llamas kept in blocks (Q4_K with v and up in Q6_K, as Q4_K_M files mix them, on asking;
-Q4_0 and Q4_K by default) against the same file dequantized at load: close log-probs (same greedy
-tokens in fp32), fewer weight bytes."""
+Q4_0 and Q4_K by default; the token embedding in blocks too) against the same file dequantized at
+load: close log-probs (same greedy tokens in fp32), fewer weight bytes."""
 from __future__ import annotations
 
 import pytest
@@ -117,6 +117,10 @@ def test_tiny_file_kept_in_blocks_against_it_dequantized(tmp_path, monkeypatch, 
             tokens = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=16, temperature=0),
                                   use_tqdm=False)[0].outputs[0].token_ids
             results[(dequantize != "1", run_dtype)] = (kept, weight_bytes, prompt_logprobs(llm, prompt), list(tokens))
+            embedding = {name for name, _ in model.model.embed_tokens.named_parameters()}
+            # the (untied) token embedding stays in its blocks where the GPU keeps its type
+            assert (embedding != {"weight"}) == (dequantize != "1" and (keep == "0" or qtype in ("Q4_0", "Q4_K"))), \
+                embedding
         finally:
             llm.engine.shutdown()
     (kept, kept_bytes, ours, tokens) = results[(True, dtype)]

@@ -52,6 +52,31 @@ def test_4_bit_types_in_the_w4a16_layout_are_the_same_weight(type_name):
     assert not torch.equal(got, ref)   # some products do round
 
 
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("type_name", gguf_layout.TYPES)
+def test_rows_of_a_kept_table(type_name, exact):
+    """An embedding lookup on a table kept as a GPU holds it (W4A16 layout or planes): the rows of
+    the whole table's values, in the order asked, repeats included."""
+    from shardserve.kernels.quant import reference
+    raw, _ = _weights(type_name, 40, 512)
+    w = gguf_layout.gpu_weight(raw, type_name, 512, exact)
+    ids = torch.tensor([3, 0, 39, 3, 17])
+    want = reference.gguf_weight([(slice(0, 40), w)], 40, torch.float32)[ids]
+    assert torch.equal(gguf_layout.rows(w, ids), want)
+
+
+@pytest.mark.parametrize("type_name", gguf_layout.TYPES)
+def test_a_weight_repacked_in_chunks_is_the_same(type_name, monkeypatch):
+    """gpu_weight repacks CHUNK_ROWS rows at a time (bounded temporaries for an embedding table)."""
+    raw, _ = _weights(type_name, 40, 512)
+    whole = gguf_layout.gpu_weight(raw, type_name, 512)
+    monkeypatch.setattr(gguf_layout, "CHUNK_ROWS", 16)
+    chunked = gguf_layout.gpu_weight(raw, type_name, 512)
+    assert type(chunked) is type(whole) and chunked.n == 40 and chunked.planes.keys() == whole.planes.keys()
+    assert all(torch.equal(chunked.planes[n], whole.planes[n]) and chunked.planes[n].is_contiguous()
+               for n in whole.planes)
+
+
 def check_kernels() -> None:
     """Run under TRITON_INTERPRET=1: every kernel, type and row count against the planes' values."""
     from shardserve.kernels.quant import gguf_matmul, reference, triton_gguf

@@ -28,6 +28,7 @@ per weight), exact for Q4_1, Q4_K's products d * scale and dmin * min rounded on
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,22 @@ class Int4Weight:
         return p["words"], p["scales"], p["zeros"], self.k, self.group, self.run
 
 
+def rows(w: GgufPlanes | Int4Weight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64 [T]) of a weight as gpu_weight holds it, expanded to fp32 [T, k]: an
+    embedding lookup that leaves the table in its blocks (torch ops, capturable in a CUDA graph)."""
+    if isinstance(w, GgufPlanes):
+        return dequantize(GgufPlanes(w.type_name, ids.numel(), w.k, {name: p.index_select(0, ids)
+                                                                     for name, p in w.planes.items()}))
+    p = w.planes
+    q = int4_layout.unpack(p["words"].index_select(0, ids), w.k, w.run).t()          # [T, k]
+    group = torch.arange(w.k, device=ids.device) // w.group
+    scales = p["scales"].index_select(1, ids).t().float()[:, group]
+    zeros = p["zeros"].index_select(1, ids).t()[:, group]
+    if zeros.dtype == torch.float16:   # mins
+        return q.float() * scales - zeros.float()
+    return (q - zeros.int()).float() * scales
+
+
 def _scales_and_mins(w: GgufPlanes) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block of 32 and row, [n, k / 32]: the W4A16 form's fp16 scale and zero point (Q4_0) or
     min (w = q s - m). Q4_0 and Q4_1 as the file holds them; Q4_K's d * scale and dmin * min
@@ -168,10 +185,21 @@ def gpu_bits(type_name: str, exact: bool = False) -> float:
     return 4.75 if type_name == "Q4_0" else 5.0
 
 
+CHUNK_ROWS = 16384   # gpu_weight repacks a weight this many rows at a time (its int64 temporaries: ~8 x the rows' k)
+
+
 def gpu_weight(raw: torch.Tensor, type_name: str, k: int, exact: bool = False) -> GgufPlanes | Int4Weight:
     """The file's blocks as the GPU kernels take them: INT4_TYPES in the W4A16 layout, the rest as
     planes; Q4_K as planes too where `exact` (an fp32 model: no scale rounded) or a scale overflows
-    fp16."""
+    fp16. Large weights (an embedding table) are repacked CHUNK_ROWS rows at a time."""
+    if raw.shape[0] > CHUNK_ROWS:
+        parts = [gpu_weight(raw[i:i + CHUNK_ROWS], type_name, k, exact) for i in range(0, raw.shape[0], CHUNK_ROWS)]
+        if len({type(p) for p in parts}) == 1:   # (a chunk whose Q4_K scale overflowed fp16 stays planes)
+            axis = {"scales": 1, "zeros": 1} if isinstance(parts[0], Int4Weight) else {}
+            planes = {name: torch.cat([p.planes[name] for p in parts], axis.get(name, 0))
+                      for name in parts[0].planes}
+            return dataclasses.replace(parts[0], n=raw.shape[0], planes=planes)
+        return gpu_weight(raw, type_name, k, exact=True)   # Q4_K: all of it as planes then
     planes = to_planes(raw, type_name, k)
     if type_name not in INT4_TYPES or (exact and type_name == "Q4_K"):
         return planes
