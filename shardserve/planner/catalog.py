@@ -116,6 +116,16 @@ def gguf_linear_bytes(facts: dict[str, Any], dtype: str) -> float | None:
     return held / sum(counts.values())
 
 
+def gguf_embedding_bytes(facts: dict[str, Any], dtype: str) -> float | None:
+    """Bytes per weight a GPU holds for a GGUF file's token embedding: an untied table of a type the
+    GPU keeps stays in its blocks (layers/vocab.py); None where it is dequantized to `dtype`."""
+    from shardserve.kernels.quant import gguf_layout
+    kind = facts.get("embedding_type")
+    if facts.get("source") != "gguf" or facts.get("tied") or kind not in gguf_layout.INT4_TYPES:
+        return None
+    return gguf_layout.gpu_bits(kind, exact=dtype == "fp32") / 8
+
+
 def resolve_model(spec: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """MODEL as the user gave it -> (display name, HF config, facts about the source).
 
@@ -145,7 +155,9 @@ def resolve_model(spec: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
         for t in reader.tensors:
             if _GGUF_LINEAR.fullmatch(t.name):
                 linears[t.tensor_type.name] = linears.get(t.tensor_type.name, 0) + int(t.n_elements)
+        table = {t.name: t.tensor_type.name for t in reader.tensors if t.name in ("token_embd.weight", "output.weight")}
         return name, config, {"source": "gguf", "path": spec, "file_bytes": os.path.getsize(spec),
                               "params": int(sum(int(t.n_elements) for t in reader.tensors)), "tensor_types": kinds,
-                              "linear_elements_by_type": linears}
+                              "linear_elements_by_type": linears, "embedding_type": table.get("token_embd.weight"),
+                              "tied": "output.weight" not in table}
     return name, config, {"source": "checkpoint", "path": spec}

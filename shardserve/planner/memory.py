@@ -33,11 +33,13 @@ class Part:
 class ModelShape:
     """The sizing view of an HF config. Raises ValueError naming the key that is missing."""
 
-    def __init__(self, config: dict[str, Any], linear_bytes: dict[str, float] | None = None) -> None:
+    def __init__(self, config: dict[str, Any], linear_bytes: dict[str, float] | None = None,
+                 embed_bytes: dict[str, float] | None = None) -> None:
         c = self.config = config
-        # Per dtype, bytes per weight of the (non-expert) linears where they are not WEIGHT_BYTES's:
-        # a GGUF file's, part of them kept in blocks (catalog.gguf_linear_bytes).
+        # Per dtype, bytes per weight of the (non-expert) linears and of the token embedding where they
+        # are not the dtype's: a GGUF file's, kept in blocks (catalog.gguf_linear_bytes / _embedding_bytes).
         self.linear_bytes = linear_bytes or {}
+        self.embed_bytes = embed_bytes or {}
         try:
             self.hidden, self.layers, self.heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
             self.vocab = c["vocab_size"]
@@ -162,7 +164,7 @@ class ModelShape:
         other = WEIGHT_BYTES[dtype] if dtype in ("fp32", "bf16", "fp16") else 2.0
         rows = math.ceil(self.vocab / tp) * self.hidden        # vocab-parallel, padded to equal slices
         if first and batch is None and not (self.tie and last):   # tied: one table serves both ends
-            total += rows * other
+            total += rows * self.embed_bytes.get(dtype, other)
         if last:
             total += rows * other + self.hidden * other
         return total

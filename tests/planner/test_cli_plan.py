@@ -62,8 +62,9 @@ def test_plan_reads_config_json_checkpoint_dir_and_gguf(tmp_path, capsys):
 
 
 def test_plan_counts_gguf_weights_as_a_gpu_holds_them(tmp_path, capsys, monkeypatch):
-    """A Q4_K_M-style file: its Q4_K linears at the W4A16 layout's bytes (gguf_layout.gpu_weight,
-    computed here on the CPU), its Q6_K v / up rows, embedding, LM head and norms at --dtype."""
+    """A Q4_K_M-style file: its Q4_K linears and (untied) embedding at the W4A16 layout's bytes
+    (gguf_layout.gpu_weight, computed here on the CPU), its Q6_K v / up rows, LM head and norms at
+    --dtype."""
     import gguf
     import torch
 
@@ -78,7 +79,8 @@ def test_plan_counts_gguf_weights_as_a_gpu_holds_them(tmp_path, capsys, monkeypa
     linear = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight")
     want = 0
     for t in gguf.GGUFReader(path).tensors:
-        if linear.fullmatch(t.name) and t.tensor_type.name in gguf_layout.INT4_TYPES:
+        kept = linear.fullmatch(t.name) or t.name == "token_embd.weight"
+        if kept and t.tensor_type.name in gguf_layout.INT4_TYPES:
             k = int(t.shape[0])   # GGUF lists the row length first
             raw = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(int(t.n_elements) // k, -1)
             held = gguf_layout.gpu_weight(raw, t.tensor_type.name, k).planes.values()
@@ -90,7 +92,7 @@ def test_plan_counts_gguf_weights_as_a_gpu_holds_them(tmp_path, capsys, monkeypa
     assert plan["weights"]["bytes"] == want
     capsys.readouterr()
     assert main(["plan", path, "--gpu", "h100-80gb"]) == 0
-    assert "keeps Q4_0 / Q4_1 / Q4_K linears in their blocks" in capsys.readouterr().out
+    assert "keeps Q4_0 / Q4_1 / Q4_K linears and an untied embedding" in capsys.readouterr().out
 
 
 def test_plan_errors_are_one_line():
