@@ -20,8 +20,8 @@ third of the bytes (benchmarks/BENCHMARKS.md, issue 25 session 16).
     with each field of the blocks in a plane of its own (kernels/quant/gguf_layout.py), dequantized
     in registers inside the matmul (kernels/quant/triton_gguf.py); a fused q/k/v or gate/up whose
     parts differ in type (Q4_K_M's v in Q6_K) keeps one run of rows per type, a run whose type is
-    not kept as dense rows. The embedding, LM head and MoE experts are dequantized after loading
-    there.
+    not kept as dense rows. An untied token embedding of a kept type stays in its blocks too
+    (layers/vocab.py); the LM head and MoE experts are dequantized after loading there.
 - Dequantized after loading (into the layer's dtype), per layer: other GGUF types (F32, F16, BF16,
   Q5_0, ...; on the CPU a fused layer with a part of such a type as a whole, on CUDA that part's
   rows alone; a debug log line says which), and every CPU layer where the native kernels are off
