@@ -152,11 +152,8 @@ def rows(w: GgufPlanes | Int4Weight, ids: torch.Tensor) -> torch.Tensor:
     p = w.planes
     q = int4_layout.unpack(p["words"].index_select(0, ids), w.k, w.run).t()          # [T, k]
     group = torch.arange(w.k, device=ids.device) // w.group
-    scales = p["scales"].index_select(1, ids).t().float()[:, group]
-    zeros = p["zeros"].index_select(1, ids).t()[:, group]
-    if zeros.dtype == torch.float16:   # mins
-        return q.float() * scales - zeros.float()
-    return (q - zeros.int()).float() * scales
+    return int4_layout.values(q, p["scales"].index_select(1, ids).t()[:, group],
+                              p["zeros"].index_select(1, ids).t()[:, group])
 
 
 def _scales_and_mins(w: GgufPlanes) -> tuple[torch.Tensor, torch.Tensor]:

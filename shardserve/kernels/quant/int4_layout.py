@@ -42,6 +42,14 @@ def unpack(words: torch.Tensor, k: int, run: int) -> torch.Tensor:
     return v.permute(1, 3, 2, 0).reshape(-1, n)[:k]
 
 
+def values(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """fp32 weights from values q and, elementwise, their group's scale and zero point ((q - z) s)
+    or, where `zeros` is fp16, min (q s - m: GGUF's Q4_1 / Q4_K in this layout)."""
+    if zeros.dtype == torch.float16:
+        return q.float() * scales.float() - zeros.float()
+    return (q - zeros.int()).float() * scales.float()
+
+
 def compact_scales(scales: torch.Tensor) -> torch.Tensor:
     """fp16 when it holds every scale exactly (fp16 checkpoints: the usual case), else fp32."""
     half = scales.half()

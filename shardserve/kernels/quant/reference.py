@@ -19,11 +19,7 @@ def int4_weight(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     (fp16 "zeros": mins, q * s - m)."""
     q = int4_layout.unpack(words, k, run)                                   # [K, N]
     g = torch.arange(k, device=words.device) // group
-    if zeros.dtype == torch.float16:
-        w = q.float() * scales.index_select(0, g).float() - zeros.index_select(0, g).float()
-    else:
-        w = (q - zeros.index_select(0, g).int()).float() * scales.index_select(0, g).float()
-    return w.to(dtype).t()
+    return int4_layout.values(q, scales.index_select(0, g), zeros.index_select(0, g)).to(dtype).t()
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
