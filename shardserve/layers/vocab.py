@@ -63,11 +63,19 @@ class VocabParallelEmbedding(nn.Module):
             self._keep_on_gpu(param, raw.to(param.device), type_name)
             return
         if param.device.type != "cpu" or not getattr(loaded, "gguf_cpu_keeps", False):
-            param.data.copy_(quant_ops.dequantize(raw, type_name, self.embedding_dim).to(param.device))
+            param.data.copy_(self._dequantized(raw, type_name).to(param.device))
             return
         param.data = quant_ops.repack(raw, type_name, self.embedding_dim)   # in place: a tied LM head follows
         param.gguf_type = type_name
         param.gguf_isa, param.gguf_act = quant_ops.isa(), quant_ops.activations()   # the switches, read at load
+
+    def _dequantized(self, raw: torch.Tensor, type_name: str) -> torch.Tensor:
+        """The table's fp32 values on the CPU: the native kernels' expansion where they are built, else
+        the planes' torch expansion (the same values), a few thousand rows at a time."""
+        if quant_ops.available():
+            return quant_ops.dequantize(raw, type_name, self.embedding_dim)
+        return torch.cat([gguf_layout.dequantize(gguf_layout.to_planes(raw[i:i + 4096], type_name, self.embedding_dim))
+                          for i in range(0, raw.shape[0], 4096)])
 
     def _keep_on_gpu(self, param: nn.Parameter, raw: torch.Tensor, type_name: str) -> None:
         weight = gguf_layout.gpu_weight(raw, type_name, self.embedding_dim, exact=self.params_dtype == torch.float32)
