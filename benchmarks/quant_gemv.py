@@ -251,7 +251,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--only", default="", help="time only the variants whose names hold one of these "
-                   "comma-separated parts (e.g. 'wgmma,runs8,bf16 triton')")
+                   "comma-separated parts (e.g. 'runs8,mmak,bf16 triton')")
     p.add_argument("--warm", action="store_true", help="only compile the variants (fills Triton's cache)")
     p.add_argument("--write-configs", action="store_true",
                    help="write the fastest tiles into shardserve/kernels/quant/configs/ for this GPU")
