@@ -104,26 +104,34 @@ _GGUF_LINEAR = re.compile(r"blk\.\d+\.(attn_(q|k|v|qkv|output)|ffn_(gate|up|down
 
 def gguf_linear_bytes(facts: dict[str, Any], dtype: str) -> float | None:
     """Bytes per weight a GPU holds for a GGUF file's decoder linears served in `dtype` (bf16, fp16,
-    fp32): the types CUDA keeps in their blocks by default at their layout's size
-    (kernels/quant/gguf_layout.py), the rest dequantized to `dtype`. None for other sources."""
-    from shardserve.kernels.quant import gguf_layout
+    fp32): the 4-bit types CUDA keeps in their blocks (quantization/gguf.py `gpu_keeps`, so
+    SHARDSERVE_GGUF_DEQUANTIZE=1 counts none) at their layout's size (kernels/quant/gguf_layout.py),
+    the rest at `dtype` (with =0 the other types' planes are smaller: an upper bound). None for other
+    sources."""
     from shardserve.planner.memory import WEIGHT_BYTES
     counts = facts.get("linear_elements_by_type") or {}
     if facts.get("source") != "gguf" or not counts or dtype not in ("bf16", "fp16", "fp32"):
         return None
-    held = sum(n * (gguf_layout.gpu_bits(t, exact=dtype == "fp32") / 8 if t in gguf_layout.INT4_TYPES
-                    else WEIGHT_BYTES[dtype]) for t, n in counts.items())
+    held = sum(n * (_gpu_bits(t, dtype) or WEIGHT_BYTES[dtype]) for t, n in counts.items())
     return held / sum(counts.values())
 
 
 def gguf_embedding_bytes(facts: dict[str, Any], dtype: str) -> float | None:
     """Bytes per weight a GPU holds for a GGUF file's token embedding: an untied table of a type the
     GPU keeps stays in its blocks (layers/vocab.py); None where it is dequantized to `dtype`."""
-    from shardserve.kernels.quant import gguf_layout
     kind = facts.get("embedding_type")
-    if facts.get("source") != "gguf" or facts.get("tied") or kind not in gguf_layout.INT4_TYPES:
+    if facts.get("source") != "gguf" or facts.get("tied") or kind is None:
         return None
-    return gguf_layout.gpu_bits(kind, exact=dtype == "fp32") / 8
+    return _gpu_bits(kind, dtype)
+
+
+def _gpu_bits(type_name: str, dtype: str) -> float | None:
+    """Bytes per weight of a 4-bit GGUF type a GPU keeps in the W4A16 layout, else None."""
+    from shardserve.kernels.quant import gguf_layout
+    from shardserve.quantization.gguf import gpu_keeps
+    if type_name not in gguf_layout.INT4_TYPES or not gpu_keeps(type_name):
+        return None
+    return gguf_layout.gpu_bits(type_name, exact=dtype == "fp32") / 8
 
 
 def resolve_model(spec: str) -> tuple[str, dict[str, Any], dict[str, Any]]:

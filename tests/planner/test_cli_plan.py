@@ -90,6 +90,10 @@ def test_plan_counts_gguf_weights_as_a_gpu_holds_them(tmp_path, capsys, monkeypa
     plan = _plan_json(capsys, path, "--gpu", "h100-80gb", "--dtype", "bf16")
     assert plan["model"]["linear_elements_by_type"].keys() == {"Q4_K", "Q6_K"}
     assert plan["weights"]["bytes"] == want
+    monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", "1")   # everything dequantized: every tensor at bf16
+    dense = _plan_json(capsys, path, "--gpu", "h100-80gb", "--dtype", "bf16")
+    assert dense["weights"]["bytes"] == 2 * sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)
+    monkeypatch.delenv("SHARDSERVE_GGUF_DEQUANTIZE")
     capsys.readouterr()
     assert main(["plan", path, "--gpu", "h100-80gb"]) == 0
     assert "keeps Q4_0 / Q4_1 / Q4_K linears and an untied embedding" in capsys.readouterr().out
