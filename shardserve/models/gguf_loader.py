@@ -117,13 +117,16 @@ def _is_kept_experts(tensor) -> bool:
     return bool(m) and m.group(2) in _EXPERTS and tensor.tensor_type.name in kept_types()
 
 
-def _is_kept_table(tensor) -> bool:
-    """The token embedding or LM head, handed over as blocks where the CPU's int8-activation kernels
-    or the GPU would keep its type (layers/vocab.py decides by device and dequantizes otherwise);
+def _table_keeps(tensor) -> tuple[bool, bool]:
+    """For the token embedding or LM head: whether the CPU's int8-activation kernels, and whether the
+    GPU, would keep its type in blocks (either: it is handed over as blocks tagged with both, and
+    layers/vocab.py decides by device); (False, False) for other tensors.
     SHARDSERVE_GGUF_ACTIVATIONS=fp32 dequantizes them on the CPU as before."""
     from shardserve.quantization.gguf import cpu_keeps_table, gpu_keeps
+    if tensor.name not in ("token_embd.weight", "output.weight"):
+        return False, False
     kind = tensor.tensor_type.name
-    return tensor.name in ("token_embd.weight", "output.weight") and (cpu_keeps_table(kind) or gpu_keeps(kind))
+    return cpu_keeps_table(kind), gpu_keeps(kind)
 
 
 def _keeps_quantized(reader) -> bool:
@@ -219,7 +222,8 @@ def iter_gguf_weights(reader, hf_config: dict[str, Any],
         if name is None or not wanted(name):   # skipped before dequantizing
             continue
         experts = keep and _is_kept_experts(tensor)
-        kept = experts or (keep and (_is_kept_linear(tensor.name) or _is_kept_table(tensor)))
+        table = _table_keeps(tensor) if keep else (False, False)
+        kept = experts or (keep and (_is_kept_linear(tensor.name) or any(table)))
         weight = raw_blocks(tensor) if kept else dequantize(tensor)
         if experts:   # [experts x rows, ...] -> [experts, rows, blocks, bytes]
             weight = weight.view(int(tensor.shape[-1]), -1, *weight.shape[1:])
@@ -230,10 +234,8 @@ def iter_gguf_weights(reader, hf_config: dict[str, Any],
             weight = _reverse_llama_permute(weight, kv_heads)
         if kept:
             weight.gguf_type = tensor.tensor_type.name
-        if kept and _is_kept_table(tensor):   # where the table may stay in blocks (layers/vocab.py picks by device)
-            from shardserve.quantization.gguf import cpu_keeps_table, gpu_keeps
-            kind = weight.gguf_type
-            weight.gguf_cpu_keeps, weight.gguf_gpu_keeps = cpu_keeps_table(kind), gpu_keeps(kind)
+        if any(table):   # where the table may stay in blocks (layers/vocab.py picks by device)
+            weight.gguf_cpu_keeps, weight.gguf_gpu_keeps = table
         yield name, weight
 
 

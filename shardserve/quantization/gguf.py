@@ -110,9 +110,8 @@ def path_line(device: torch.device) -> str:
         kept = gguf_layout.TYPES if os.environ.get(DEQUANTIZE_SWITCH) == "0" else GPU_DEFAULT_KEPT
         return (f"GGUF weights of types {', '.join(kept)} kept in their blocks, dequantized inside the matmul "
                 "(Triton; Q4_0, Q4_1, Q4_K on the W4A16 kernels; more than 16 rows: dequantized per call for "
-                "cuBLAS), other "
-                f"types dequantized after loading ({DEQUANTIZE_SWITCH}=0 keeps every type: less memory, slower "
-                "decode; =1 dequantizes all)")
+                f"cuBLAS), other types dequantized after loading ({DEQUANTIZE_SWITCH}=0 keeps every type: less "
+                "memory, slower decode; =1 dequantizes all)")
     if not quant_ops.available():
         return "GGUF weights dequantized after loading: the native CPU kernels are off (no compiler or " \
                "SHARDSERVE_CPU_KERNELS=0)"
