@@ -1,7 +1,7 @@
 """Issue 25: GGUF weights kept in their blocks on one GPU (kernels/quant/triton_gguf.py).
 
     python3 benchmarks/gguf_gpu.py [--layers [--sweep]] [--model q4_k_m,q4_k,q4_0] [--types Q4_K,Q6_K]
-        [--json out.json]
+        [--moe] [--json out.json]
 
 `--layers`: per Llama-3-8B linear shape and GGUF type, the time of one matmul at 1 and 4 rows
 inside a CUDA graph of back-to-back calls rotating over enough weight copies to miss the L2 cache
@@ -20,6 +20,13 @@ SHARDSERVE_GGUF_DEQUANTIZE=0: every type in blocks), beside `--random-weights ll
 (what a file dequantized at load runs, without the minutes gguf-py takes to expand 8B weights),
 each in a fresh process; the file roofline is every byte of the file's linears and LM head a
 decode step reads over the run's copy bandwidth.
+
+`--moe`: one fused-MoE layer of Qwen3-30B-A3B's expert shapes (128 experts, hidden 2048,
+intermediate 768, top-8), random Q4_0 / Q4_1 / Q4_K experts kept as CUDA keeps them
+(`int4_experts.from_gguf_blocks`) and random GPTQ-style ones (group 128), each by the INT4 MoE's
+vector kernel and by its tiles, against the Q4_K experts dequantized to bf16 (what a GGUF MoE ran
+before, and any bf16 checkpoint runs: the fused bf16 MoE kernel), at 1 to 512 tokens; inside a CUDA
+graph over 8 random routings, so a call reads other experts than the last.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quant_gemv import copies, graph_time  # noqa: E402
 
 from shardserve.kernels.gemv import triton_gemv  # noqa: E402
+from shardserve.kernels.moe import int4_experts, reference, triton_moe, triton_moe_int4  # noqa: E402
 from shardserve.kernels.quant import gguf_layout, gguf_matmul, triton_gguf  # noqa: E402
 
 ROWS = (1, 4)
@@ -161,12 +169,76 @@ def model(kinds: list[str]) -> dict:
     return out
 
 
+def _gptq_experts(experts: int, n: int, k: int, group: int = 128) -> int4_experts.Int4Experts:
+    """Random GPTQ-style experts (uint8 zero points, fp16 scales, group 128) for comparison."""
+    words = torch.stack([int4_experts.pack_along_k(torch.randint(0, 16, (n, k), device="cuda"))
+                         for _ in range(experts)])
+    scales = (torch.rand(experts, k // group, n, device="cuda") * 2e-3).half()
+    zeros = torch.randint(6, 10, (experts, k // group, n), device="cuda", dtype=torch.uint8)
+    index = (torch.arange(k, device="cuda", dtype=torch.int32) // group).expand(experts, k)
+    return int4_experts.Int4Experts(words, scales, zeros, index, group_size=group)
+
+
+def moe() -> dict:
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+    out = {"device": torch.cuda.get_device_name(), "shape": dict(E=experts, H=hidden, I=inter, top_k=top_k),
+           "rows": []}
+    held = {}
+    for type_name in gguf_layout.INT4_TYPES:
+        w13 = int4_experts.from_gguf_blocks(random_blocks(experts * 2 * inter, hidden, type_name).view(
+            experts, 2 * inter, -1), type_name, hidden, torch.device("cuda"))
+        w2 = int4_experts.from_gguf_blocks(random_blocks(experts * hidden, inter, type_name).view(
+            experts, hidden, -1), type_name, inter, torch.device("cuda"))
+        held[type_name] = (w13, w2)
+    held["GPTQ g128"] = (_gptq_experts(experts, 2 * inter, hidden), _gptq_experts(experts, hidden, inter))
+    b13, b2 = (w.dequantize_all(torch.bfloat16) for w in held["Q4_K"])
+    out["bytes"] = {"bf16": (b13.numel() + b2.numel()) * 2, **{
+        t: sum(p.numel() * p.element_size() for w in ws for p in (w.qweight, w.scales, w.zeros))
+        for t, ws in held.items()}}
+    for tokens in (1, 2, 4, 8, 16, 64, 512):
+        x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16) * 0.1
+        routings = [reference.route_topk(torch.randn(tokens, experts, device="cuda"), top_k, True) for _ in range(8)]
+        cfg = triton_moe.default_config(tokens, experts, top_k)
+        bf16 = graph_time(lambda r: triton_moe.fused_moe(x, b13, b2, *r, config=cfg), routings)
+        row = {"tokens": tokens, "bf16_us": bf16 * 1e6}
+        for type_name, (w13, w2) in held.items():
+            entry = row[type_name] = {}
+            # the vector kernel (decode) and the tiles; the default picks by triton_moe_int4.VEC_PICKS
+            for kernel, vec in (("vec", True), ("tiles", False)):
+                if vec and tokens * top_k > 512:
+                    continue
+                t = graph_time(lambda r: triton_moe_int4.fused_moe(x, w13, w2, *r, config={**cfg, "VEC": vec}),
+                               routings)
+                entry[f"{kernel}_us"], entry[f"{kernel}_speedup"] = t * 1e6, bf16 / t
+        out["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    print(json.dumps(out["bytes"]), flush=True)
+    # the vector kernel's tiles (BLOCK_N, BLOCK_K, warps, stages), Q4_K and GPTQ, 1 and 8 tokens
+    default, out["vec_sweep"] = triton_moe_int4.VEC_TILES, {}
+    for tokens in (1, 8):
+        x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16) * 0.1
+        routings = [reference.route_topk(torch.randn(tokens, experts, device="cuda"), top_k, True) for _ in range(8)]
+        for tiles in ((16, 256, 4, 3), (32, 256, 4, 3), (16, 512, 4, 3), (32, 512, 8, 3), (64, 256, 8, 3),
+                      (16, 256, 2, 3), (8, 256, 2, 4), (32, 128, 4, 4)):
+            triton_moe_int4.VEC_TILES = tiles
+            for type_name in ("Q4_K", "GPTQ g128"):
+                w13, w2 = held[type_name]
+                cfg = {**triton_moe.default_config(tokens, experts, top_k), "VEC": True}
+                t = graph_time(lambda r: triton_moe_int4.fused_moe(x, w13, w2, *r, config=cfg), routings)
+                out["vec_sweep"][f"{tokens} {type_name} {tiles}"] = t * 1e6
+        print(json.dumps({k: round(v, 1) for k, v in out["vec_sweep"].items() if k.startswith(f"{tokens} ")}),
+              flush=True)
+    triton_moe_int4.VEC_TILES = default
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", action="store_true")
     p.add_argument("--sweep", action="store_true", help="--layers: also the planes kernels' settings")
     p.add_argument("--model", default=None, help="comma-separated files to write and time: q4_k_m, q4_k, q4_0")
     p.add_argument("--types", default=",".join(gguf_layout.TYPES))
+    p.add_argument("--moe", action="store_true", help="one Qwen3-30B-A3B-shaped MoE layer, 4-bit experts kept")
     p.add_argument("--json", default=None)
     ns = p.parse_args()
     result = {}
@@ -174,6 +246,8 @@ def main() -> None:
         result["layers"] = layers(ns.types.split(","), ns.sweep)
     if ns.model:
         result["model"] = model(ns.model.split(","))
+    if ns.moe:
+        result["moe"] = moe()
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -11,9 +11,12 @@ picked experts' blocks (kernels/moe/gguf_experts.py runs them, one expert at a t
 - Parts of a type not kept arrive as values (the loader dequantizes them). After loading, the experts
   are kept where the device is the CPU, the block kernels are built, gate and up share one type
   and every part's type is one `kept_types()` names (as for the linears): regrouped for the
-  int8-activation kernels (or the file's rows with SHARDSERVE_GGUF_ACTIVATIONS=fp32). Otherwise
-  (CUDA, other types, mixed gate/up types) the blocks are dequantized into the stacked float weights
-  the unquantized paths run, as before this method existed.
+  int8-activation kernels (or the file's rows with SHARDSERVE_GGUF_ACTIVATIONS=fp32). On CUDA (not
+  fp32) where gate and up share one type and every part is Q4_0, Q4_1 or Q4_K (and the GPU keeps
+  it: quantization/gguf.py `gpu_keeps`): converted into kernels/moe/int4_experts.py's layout, groups
+  of 32 with a zero point or an fp16 min, for the fused INT4 MoE kernel. Otherwise (other types,
+  mixed gate/up types) the blocks are dequantized into the stacked float weights the unquantized
+  paths run, as before this method existed.
 """
 from __future__ import annotations
 
@@ -22,10 +25,12 @@ from torch import nn
 
 from shardserve.kernels.cpu import quant_ops
 from shardserve.kernels.cpu.decoder_stack import StackMoe
-from shardserve.kernels.moe import torch_moe
+from shardserve.kernels.moe import int4_experts, torch_moe
 from shardserve.kernels.moe.gguf_experts import GgufExperts
+from shardserve.kernels.moe.int4_experts import Int4Experts
+from shardserve.kernels.quant import gguf_layout
 from shardserve.layers.moe import FusedMoE, MoEMethod, experts_matmul
-from shardserve.quantization.gguf import block_size, cpu_keeps, dequantize_blocks
+from shardserve.quantization.gguf import block_size, cpu_keeps, dequantize_blocks, gpu_keeps
 
 
 class GgufMoEMethod(MoEMethod):
@@ -33,6 +38,7 @@ class GgufMoEMethod(MoEMethod):
         self.types: dict[str, str | None] = {}       # "gate" / "up" / "down" -> GGUF type (None: values)
         self._raw: dict[str, torch.Tensor] = {}      # the same -> this rank's blocks (or values) while loading
         self.kept: dict[str, GgufExperts] = {}       # "w13" / "w2" -> the experts in blocks, after loading
+        self.int4: dict[str, Int4Experts] = {}       # the same on CUDA, 4-bit types in the INT4 experts' layout
         self.dtype = torch.float32                   # the model's dtype, for experts dequantized after loading
 
     def create_weights(self, layer: FusedMoE) -> None:
@@ -82,6 +88,10 @@ class GgufMoEMethod(MoEMethod):
             raise ValueError(f"{layer.prefix}: the GGUF file lacks some of the experts' gate, up and down tensors")
         keep = (device.type == "cpu" and all(cpu_keeps(t) for t in self.types.values())
                 and self.types["gate"] == self.types["up"])
+        if (device.type == "cuda" and self.dtype != torch.float32 and self.types["gate"] == self.types["up"]
+                and all(t in gguf_layout.INT4_TYPES and gpu_keeps(t) for t in self.types.values())):
+            self._keep_int4(layer, device)
+            return
         isa, act = quant_ops.isa(), quant_ops.activations()
         for part, kinds, k in (("w13", ("gate", "up"), layer.hidden_size), ("w2", ("down",), layer.intermediate_size)):
             if keep:
@@ -97,6 +107,21 @@ class GgufMoEMethod(MoEMethod):
             setattr(layer, f"{part}_weight", nn.Parameter(held, requires_grad=False))
         self._raw.clear()
 
+    def _keep_int4(self, layer: FusedMoE, device: torch.device) -> None:
+        """CUDA, every part Q4_0 / Q4_1 / Q4_K: the experts in kernels/moe/int4_experts.py's layout
+        (groups of 32 with an fp16 scale and a zero point or an fp16 min), run by the fused INT4 MoE
+        kernel."""
+        for part, kinds, k in (("w13", ("gate", "up"), layer.hidden_size), ("w2", ("down",), layer.intermediate_size)):
+            raw = torch.cat([self._raw[kind] for kind in kinds], dim=1)   # gate rows, then up rows
+            experts = int4_experts.from_gguf_blocks(raw, self.types[kinds[0]], k, device)
+            for name in ("qweight", "scales", "zeros"):   # parameters, so the layer's bytes count them
+                layer.register_parameter(f"{part}_{name}", nn.Parameter(getattr(experts, name), requires_grad=False))
+            layer.register_buffer(f"{part}_group_index", experts.group_index, persistent=False)
+            self.int4[part] = experts
+            setattr(layer, f"{part}_weight", nn.Parameter(torch.empty(experts.shape[0], 0, dtype=self.dtype,
+                                                                      device=device), requires_grad=False))
+        self._raw.clear()
+
     def stack_experts(self, layer: FusedMoE) -> StackMoe | None:
         """The one-call kernel `apply` runs (torch_moe.fused_moe's condition), for the decoder stack."""
         w13, w2 = self.kept.get("w13"), self.kept.get("w2")
@@ -106,6 +131,12 @@ class GgufMoEMethod(MoEMethod):
 
     def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.int4:   # CUDA, 4-bit types: the fused INT4 kernel (the torch path for other activations)
+            w13, w2 = self.int4["w13"], self.int4["w2"]
+            from shardserve.kernels.moe import triton_moe_int4
+            if triton_moe_int4.handles(hidden, w13):
+                return triton_moe_int4.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+            return torch_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
         if not self.kept:   # dequantized after loading: the unquantized experts' paths
             return experts_matmul(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
         return torch_moe.fused_moe(hidden, self.kept["w13"], self.kept["w2"], topk_weights, topk_ids)

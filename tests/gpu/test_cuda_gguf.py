@@ -180,3 +180,53 @@ def test_tiny_file_kept_in_blocks_tp2_matches_tp1(tmp_path, monkeypatch):
     assert (got["float32", 2] - got["float32", 1]).abs().max().item() < 1e-3
     noise = (got["bfloat16", 1] - got["float32", 1]).abs().max().item()
     assert (got["bfloat16", 2] - got["bfloat16", 1]).abs().max().item() <= max(0.05, 2 * noise), noise
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_tiny_moe_file_experts_kept_on_gpu(tmp_path, monkeypatch, qtype):
+    """GGUF MoE experts of a 4-bit type stay in blocks on CUDA (kernels/moe/int4_experts.py's layout,
+    the fused INT4 MoE kernel; zero points or mins): fewer expert bytes, and in bf16 no further from
+    the fp32 dequantized file than the bf16 dequantized path."""
+    import gc
+
+    from shardserve.layers.moe import FusedMoE
+    from shardserve.llm import LLM
+    from tests.models import gguf_files
+    from tests.models.gguf_files import prompt_logprobs, random_prompt, write_moe_gguf
+    from tests.tiny_models import make_tiny_checkpoint
+
+    original = gguf_files._add_tensor
+
+    def add(w, gname, data, qtype_name):   # the stacked experts as qtype, the rest Q8_0
+        original(w, gname, data, qtype if gname.endswith("_exps.weight") else qtype_name)
+    monkeypatch.setattr(gguf_files, "_add_tensor", add)
+    # 256 wide: whole K-quant super-blocks along every expert input
+    ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), "qwen3_moe", hidden_size=256, moe_intermediate_size=256,
+                                intermediate_size=512)
+    path = str(tmp_path / "tiny-moe.gguf")
+    write_moe_gguf(ckpt, path, "Q8_0")
+    prompt = random_prompt(11, 30)
+    got = {}
+    for dequantize, dtype in ((None, "bfloat16"), ("1", "bfloat16"), ("1", "float32")):
+        if dequantize is None:
+            monkeypatch.delenv("SHARDSERVE_GGUF_DEQUANTIZE", raising=False)
+        else:
+            monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", dequantize)
+        llm = LLM(path, dtype=dtype, device="cuda", kv_cache_memory="64MiB", show_progress=False, max_logprobs=-1)
+        try:
+            model = llm.engine.executor.worker.model_runner.model
+            moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+            # SHARDSERVE_GGUF_DEQUANTIZE=1: the loader hands dense experts over, no GGUF method at all
+            assert moes and all(bool(m.quant_method and m.quant_method.int4) == (dequantize is None) for m in moes)
+            held = sum(p.numel() * p.element_size() for m in moes for p in m.parameters())
+            got[dequantize, dtype] = (held, prompt_logprobs(llm, prompt))
+        finally:
+            llm.engine.shutdown()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    (kept_bytes, ours), (dense_bytes, dense), (_, fp32) = got[None, "bfloat16"], got["1", "bfloat16"], \
+        got["1", "float32"]
+    assert kept_bytes < 0.45 * dense_bytes, (kept_bytes, dense_bytes)
+    noise = (dense - fp32).abs().max().item()
+    assert (ours - fp32).abs().max().item() <= 1.5 * noise + 0.01, noise

@@ -78,6 +78,23 @@ def test_triton_fused_moe_any_tile_config(block_m):
     _check(triton_moe.fused_moe(x, w13, w2, weights, ids, config=cfg), x, w13, w2, weights, ids)
 
 
+@pytest.mark.parametrize("tokens", [1, 64, 600])
+def test_triton_fused_moe_fp32_in_full_precision(tokens):
+    """fp32 models on CUDA run the fused kernel too (the torch path syncs with the host, which CUDA
+    graphs cannot capture), with fp32 products, not tf32: near the fp32 reference, far inside tf32's
+    ~1e-3 relative rounding."""
+    from shardserve.kernels.moe import triton_moe
+    torch.manual_seed(tokens)
+    w13, w2 = _weights(32, 512, 256, torch.float32)
+    x = torch.randn(tokens, 512, device="cuda")
+    weights, ids = _routing(tokens, 32, 4, "ep")
+    assert triton_moe.handles(x, w13)
+    got = triton_moe.fused_moe(x, w13, w2, weights, ids)
+    want = reference.fused_moe(x, w13, w2, weights, ids)
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max().item() <= 2e-5 * want.abs().max().item()
+
+
 @pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 8, 128, 16), (9, 2, 8, 64), (700, 8, 128, 32)])
 def test_align_groups_picks_by_expert(tokens, top_k, experts, block_m):
     from shardserve.kernels.moe.align import max_padded_len, moe_align

@@ -64,10 +64,16 @@ CASES = [  # tokens, experts, hidden, inter, top_k, ep, group, desc_act, phase o
 ]
 
 
-@pytest.mark.parametrize("aligned", [False, True])
+# The vector kernel (regular groups only: desc_act falls back to tiles), the tiles with one scale row
+# per block, and the tiles with the per-input group lookup.
+KERNELS = {"vec": {"VEC": True}, "aligned": {"VEC": False, "ALIGNED_GROUPS": True},
+           "per_input": {"VEC": False, "ALIGNED_GROUPS": False}}
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,ep,group,desc_act,phase", CASES)
 def test_int4_fused_moe_matches_dequantized_reference(tokens, experts, hidden, inter, top_k, ep, group, desc_act,
-                                                      phase, aligned):
+                                                      phase, kernel):
     from shardserve.kernels.moe import triton_moe, triton_moe_int4
     torch.manual_seed(tokens * 7 + experts)
     w13 = _int4(experts, 2 * inter, hidden, group, desc_act)
@@ -75,7 +81,7 @@ def test_int4_fused_moe_matches_dequantized_reference(tokens, experts, hidden, i
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = _routing(tokens, experts, top_k, ep)
     assert triton_moe_int4.handles(x, w13)
-    cfg = {**triton_moe.default_config(tokens, experts, top_k), "ALIGNED_GROUPS": aligned}
+    cfg = {**triton_moe.default_config(tokens, experts, top_k), **KERNELS[kernel]}
     _check(triton_moe_int4.fused_moe(x, w13, w2, weights, ids, config=cfg), x, w13, w2, weights, ids)
 
 
@@ -91,13 +97,15 @@ def test_int4_fused_moe_any_tile_config_fp16(block_m):
     _check(triton_moe_int4.fused_moe(x, w13, w2, weights, ids, config=cfg), x, w13, w2, weights, ids)
 
 
-def test_int4_fused_moe_replays_in_cuda_graph():
-    from shardserve.kernels.moe import triton_moe_int4
+@pytest.mark.parametrize("vec", [True, False])
+def test_int4_fused_moe_replays_in_cuda_graph(vec):
+    from shardserve.kernels.moe import triton_moe, triton_moe_int4
     torch.manual_seed(5)
     w13, w2 = _int4(64, 512, 512, 128), _int4(64, 512, 256, 128)
     x = torch.randn(4, 512, device="cuda").to(torch.bfloat16)
     weights, ids = _routing(4, 64, 4, False)
-    run = lambda: triton_moe_int4.fused_moe(x, w13, w2, weights, ids)   # noqa: E731
+    cfg = {**triton_moe.default_config(4, 64, 4), "VEC": vec}
+    run = lambda: triton_moe_int4.fused_moe(x, w13, w2, weights, ids, config=cfg)   # noqa: E731
     run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardserve.kernels.quant import gguf_layout, int4_layout
+
 PACK = 8   # 4-bit values per int32 word
 
 
@@ -44,7 +46,7 @@ def unpack_along_k(words: torch.Tensor) -> torch.Tensor:
 class Int4Experts:
     qweight: torch.Tensor       # int32 [E, N, K / 8]
     scales: torch.Tensor        # fp16 / fp32 [E, G, N]
-    zeros: torch.Tensor         # uint8 [E, G, N]
+    zeros: torch.Tensor         # uint8 [E, G, N]; fp16: mins (w = q s - m, GGUF's Q4_1 / Q4_K)
     group_index: torch.Tensor   # int32 [E, K] (stride 0 over E when shared)
     # Regular groups (no activation order): group_index[k] == (k + group_phase) // group_size, which
     # lets the CUDA kernel take one scale row per block; 0: use group_index alone.
@@ -61,10 +63,24 @@ class Int4Experts:
         """One expert's weight [N, K] in `dtype`: the only full-width copy the torch path makes."""
         q = unpack_along_k(self.qweight[expert])                    # [N, K]
         g = self.group_index[expert].long()
-        z = self.zeros[expert].index_select(0, g).t().to(torch.int32)   # [N, K]
-        s = self.scales[expert].index_select(0, g).t().float()
-        return ((q - z).float() * s).to(dtype)
+        return int4_layout.values(q, self.scales[expert].index_select(0, g).t(),
+                                  self.zeros[expert].index_select(0, g).t()).to(dtype)
 
     def dequantize_all(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Every expert [E, N, K] (tests and the oracle only)."""
         return torch.stack([self.dequantize(e, dtype) for e in range(self.shape[0])])
+
+
+def from_gguf_blocks(raw: torch.Tensor, type_name: str, k: int, device: torch.device) -> Int4Experts:
+    """GGUF experts of a 4-bit type (kernels/quant/gguf_layout.py INT4_TYPES; raw uint8 [E, N, bytes
+    per row], any device) -> groups of 32 on `device`, with Q4_0's zero points or Q4_1 / Q4_K's fp16
+    mins, converted one expert at a time so the temporaries stay one expert wide."""
+    e, n = raw.shape[:2]
+    words, scales, zeros = [], [], []
+    for i in range(e):
+        q, s, z = gguf_layout.int4_values(raw[i].reshape(n, -1).to(device), type_name, k)
+        words.append(pack_along_k(q))
+        scales.append(s.t())
+        zeros.append(z.t())
+    index = (torch.arange(k, device=device, dtype=torch.int32) // 32).expand(e, k)
+    return Int4Experts(torch.stack(words), torch.stack(scales), torch.stack(zeros), index, group_size=32)

@@ -39,7 +39,7 @@ def _kernels():
                         N, K, num_valid, stride_am, stride_be, stride_bn, stride_cm, stride_se,
                         A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
                         B_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
         # Programs run M-block groups of GROUP_M at a time over all N tiles, so the blocks of one expert
         # (which share its B) are in flight together and B comes from L2 more often.
         pid = tl.program_id(0)
@@ -76,13 +76,14 @@ def _kernels():
                 k_ok = offs_k < K - k0
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a, b.to(a.dtype), acc)   # .to: FP8 widened in registers (a no-op otherwise)
+            # .to: FP8 widened in registers (a no-op otherwise); PRECISION: fp32 in full ("ieee", not tf32)
+            acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
             if GATED:
                 if EVEN_K:
                     bu = tl.load(b_ptrs + up_shift, mask=n_ok[None, :], other=0.0)
                 else:
                     bu = tl.load(b_ptrs + up_shift, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                acc_up = tl.dot(a, bu.to(a.dtype), acc_up)
+                acc_up = tl.dot(a, bu.to(a.dtype), acc_up, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
 
@@ -168,10 +169,11 @@ def _triton_available() -> bool:
 
 
 def handles(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None = None) -> bool:
-    """True where this kernel can run: CUDA tensors, bf16/fp16 activations, experts of the same dtype
-    or FP8 (E4M3) with their row scales, and Triton installed."""
-    fp8 = w13.dtype == torch.float8_e4m3fn and w13_scale is not None
-    return (hidden.is_cuda and w13.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+    """True where this kernel can run: CUDA tensors, bf16/fp16 activations with experts of the same dtype
+    or FP8 (E4M3) with their row scales, fp32 with fp32 experts (full-precision products: a model run
+    in fp32 on CUDA, whose CUDA graphs the host-synced torch path would break), and Triton installed."""
+    fp8 = w13.dtype == torch.float8_e4m3fn and w13_scale is not None and hidden.dtype != torch.float32
+    return (hidden.is_cuda and w13.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (w13.dtype == hidden.dtype or fp8) and _triton_available())
 
 
@@ -192,7 +194,9 @@ def moe_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.T
                A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0,
                B_SCALED=b_scale is not None, BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=cfg["BLOCK_SIZE_N"],
                BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"], num_warps=cfg["num_warps"],
-               num_stages=cfg["num_stages"])
+               # fp32 tiles take twice the shared memory of the 16-bit ones the configs are tuned for
+               num_stages=min(cfg["num_stages"], 2) if a.dtype == torch.float32 else cfg["num_stages"],
+               PRECISION="ieee" if a.dtype == torch.float32 else "tf32")
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -173,6 +173,14 @@ def _scales_and_mins(w: GgufPlanes) -> tuple[torch.Tensor, torch.Tensor]:
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")   # the types gpu_weight puts in the W4A16 layout
 
 
+def int4_values(raw: torch.Tensor, type_name: str, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 4-bit weight's blocks (INT4_TYPES) -> (values int32 [n, k], fp16 scales [n, k / 32], zero
+    points uint8 (Q4_0) or fp16 mins [n, k / 32]): w = (q - z) s or q s - m per block of 32, for
+    layouts other than gpu_weight's (kernels/moe/int4_experts.py's)."""
+    planes = to_planes(raw, type_name, k)
+    return (_low_bits(planes), *_scales_and_mins(planes))
+
+
 def gpu_bits(type_name: str, exact: bool = False) -> float:
     """Bits per weight `gpu_weight` holds for one of INT4_TYPES (K a multiple of 256): 4 for the
     quants, 16 / 32 for the fp16 scale, 8 / 32 (Q4_0's zero point) or 16 / 32 (a min); Q4_K kept
