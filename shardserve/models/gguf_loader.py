@@ -26,6 +26,9 @@ import torch
 
 _ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
           "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe",
+                "MixtralForCausalLM": "mixtral"}   # HF's model_type of each class, as its config.json says
 _MOE_ARCHS = {"qwen3moe": True, "olmoe": False, "llama": True}   # arch -> renormalise the top-k weights
 _SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"}
 _LAYER_NAMES = {
@@ -102,6 +105,7 @@ def gguf_to_hf_config(reader) -> dict[str, Any]:
         cfg["sliding_window"] = int(window)
     if int(meta("expert_count", 0) or 0) or arch in ("qwen3moe", "olmoe"):
         cfg.update(_moe_config(arch, meta, tensor_names, cfg["num_hidden_layers"]))
+    cfg["model_type"] = _MODEL_TYPES[cfg["architectures"][0]]
     return cfg
 
 

@@ -100,6 +100,7 @@ def model_config(name: str) -> dict[str, Any]:
 
 
 _GGUF_LINEAR = re.compile(r"blk\.\d+\.(attn_(q|k|v|qkv|output)|ffn_(gate|up|down)(_shexp)?)\.weight")
+_GGUF_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
 
 def gguf_linear_bytes(facts: dict[str, Any], dtype: str) -> float | None:
@@ -114,6 +115,25 @@ def gguf_linear_bytes(facts: dict[str, Any], dtype: str) -> float | None:
         return None
     held = sum(n * (_gpu_bits(t, dtype) or WEIGHT_BYTES[dtype]) for t, n in counts.items())
     return held / sum(counts.values())
+
+
+def gguf_expert_bytes(facts: dict[str, Any], dtype: str) -> float | None:
+    """Bytes per weight a GPU holds for a GGUF MoE file's routed experts served in `dtype`: a layer
+    whose gate, up and down are 4-bit types CUDA keeps (gate and up of one type; bf16 / fp16 models)
+    holds them in the INT4 experts' layout (quantization/gguf_moe.py), as many bits a weight as the
+    linears' layout; other layers dequantize their experts to `dtype`. None for other sources."""
+    from shardserve.planner.memory import WEIGHT_BYTES
+    layers = facts.get("expert_elements_by_types") or {}
+    if facts.get("source") != "gguf" or not layers or dtype not in ("bf16", "fp16", "fp32"):
+        return None
+    held = 0.0
+    for types, n in layers.items():
+        gate, up, down = types.split(",")
+        bits = [_gpu_bits(t, dtype) for t in (gate, up, down)]
+        kept = dtype != "fp32" and gate == up and None not in bits
+        # gate, up and down hold the same number of weights each
+        held += n * (sum(bits) / 3 if kept else WEIGHT_BYTES[dtype])
+    return held / sum(layers.values())
 
 
 def gguf_embedding_bytes(facts: dict[str, Any], dtype: str) -> float | None:
@@ -163,9 +183,18 @@ def resolve_model(spec: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
         for t in reader.tensors:
             if _GGUF_LINEAR.fullmatch(t.name):
                 linears[t.tensor_type.name] = linears.get(t.tensor_type.name, 0) + int(t.n_elements)
+        experts: dict[int, dict[str, tuple[str, int]]] = {}   # layer -> gate / up / down -> (type, weights)
+        for t in reader.tensors:
+            if (m := _GGUF_EXPERTS.fullmatch(t.name)):
+                experts.setdefault(int(m[1]), {})[m[2]] = (t.tensor_type.name, int(t.n_elements))
+        by_types: dict[str, int] = {}   # "gate,up,down" GGUF types -> the routed experts' weights
+        for parts in experts.values():
+            if len(parts) == 3:
+                key = ",".join(parts[p][0] for p in ("gate", "up", "down"))
+                by_types[key] = by_types.get(key, 0) + sum(n for _, n in parts.values())
         table = {t.name: t.tensor_type.name for t in reader.tensors if t.name in ("token_embd.weight", "output.weight")}
         return name, config, {"source": "gguf", "path": spec, "file_bytes": os.path.getsize(spec),
                               "params": int(sum(int(t.n_elements) for t in reader.tensors)), "tensor_types": kinds,
-                              "linear_elements_by_type": linears, "embedding_type": table.get("token_embd.weight"),
-                              "tied": "output.weight" not in table}
+                              "linear_elements_by_type": linears, "expert_elements_by_types": by_types,
+                              "embedding_type": table.get("token_embd.weight"), "tied": "output.weight" not in table}
     return name, config, {"source": "checkpoint", "path": spec}

@@ -34,12 +34,14 @@ class ModelShape:
     """The sizing view of an HF config. Raises ValueError naming the key that is missing."""
 
     def __init__(self, config: dict[str, Any], linear_bytes: dict[str, float] | None = None,
-                 embed_bytes: dict[str, float] | None = None) -> None:
+                 embed_bytes: dict[str, float] | None = None, expert_bytes: dict[str, float] | None = None) -> None:
         c = self.config = config
-        # Per dtype, bytes per weight of the (non-expert) linears and of the token embedding where they
-        # are not the dtype's: a GGUF file's, kept in blocks (catalog.gguf_linear_bytes / _embedding_bytes).
+        # Per dtype, bytes per weight of the (non-expert) linears, of the token embedding and of the
+        # routed experts where they are not the dtype's: a GGUF file's, kept in blocks
+        # (catalog.gguf_linear_bytes / _embedding_bytes / _expert_bytes).
         self.linear_bytes = linear_bytes or {}
         self.embed_bytes = embed_bytes or {}
+        self.expert_bytes = expert_bytes or {}
         try:
             self.hidden, self.layers, self.heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
             self.vocab = c["vocab_size"]
@@ -140,11 +142,11 @@ class ModelShape:
         if key not in self._cache:
             wb = WEIGHT_BYTES[dtype]
             other = wb if dtype in ("fp32", "bf16", "fp16") else 2.0
-            linear = self.linear_bytes.get(dtype, wb)
+            linear, expert = self.linear_bytes.get(dtype, wb), self.expert_bytes.get(dtype, wb)
             sums = [0.0]
             for parts in self._parts:
                 sums.append(sums[-1] + sum(p.params * self._share(p, tp, ep) * (picked if p.expert else 1.0)
-                                           * ((wb if p.expert else linear) if p.linear else other) for p in parts))
+                                           * ((expert if p.expert else linear) if p.linear else other) for p in parts))
             self._cache[key] = sums
         return self._cache[key]
 

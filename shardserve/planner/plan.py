@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shardserve.planner.catalog import gguf_embedding_bytes, gguf_linear_bytes
+from shardserve.planner.catalog import gguf_embedding_bytes, gguf_expert_bytes, gguf_linear_bytes
 from shardserve.planner.cost import Cluster, LayoutCost, activation_reserve, ep_size, evaluate, offload_decode_ms
 from shardserve.planner.hardware import GPUS, LINKS
 from shardserve.planner.memory import WEIGHT_BYTES, ModelShape, config_dtype, norm_dtype
@@ -211,8 +211,8 @@ def advice(shape: ModelShape, inputs: PlanInputs, rows: list[dict[str, Any]], dt
 def make_plan(inputs: PlanInputs) -> dict[str, Any]:
     dtype, kv = resolve_dtypes(inputs)
     linear, embed = gguf_linear_bytes(inputs.source, dtype), gguf_embedding_bytes(inputs.source, dtype)
-    shape = ModelShape(inputs.config, {dtype: linear} if linear is not None else None,
-                       {dtype: embed} if embed is not None else None)
+    expert = gguf_expert_bytes(inputs.source, dtype)
+    shape = ModelShape(inputs.config, *({dtype: b} if b is not None else None for b in (linear, embed, expert)))
     context = inputs.max_model_len or shape.max_position_embeddings
     if context < 1 or inputs.concurrency < 1:
         raise ValueError("--max-model-len and --concurrency must be positive")

@@ -47,9 +47,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(f"Model: {m['name']} ({m['source']}, {m['architecture']}): {params}, {m['layers']} layers, {attn}")
     if m.get("source") == "gguf":
         lines.append(f"  GGUF file: {m['file_bytes'] / 1e9:,.2f} GB ({', '.join(m['tensor_types'])}); "
-                     "on GPUs shardserve keeps Q4_0 / Q4_1 / Q4_K linears and an untied embedding of those types "
-                     "in their blocks (4.75-5 bits a weight) and dequantizes the rest (LM head, other types) to "
-                     "--dtype: the weights below count them so")
+                     "on GPUs shardserve keeps Q4_0 / Q4_1 / Q4_K linears, MoE experts and an untied embedding of "
+                     "those types in their blocks (4.75-5 bits a weight) and dequantizes the rest (LM head, other "
+                     "types) to --dtype: the weights below count them so")
     others = ", ".join(f"{d} {b / 1e9:,.1f} GB" for d, b in w["bytes_by_dtype"].items() if d != s["dtype"])
     lines.append(f"Weights ({s['dtype']}): {w['bytes'] / 1e9:,.1f} GB ({gib(w['bytes'])}); {others}")
     lines.append(f"KV cache ({s['kv_cache_dtype']}): {kv_size(kv['bytes_per_token_per_layer'])} per token per layer, "

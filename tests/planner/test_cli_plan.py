@@ -96,7 +96,44 @@ def test_plan_counts_gguf_weights_as_a_gpu_holds_them(tmp_path, capsys, monkeypa
     monkeypatch.delenv("SHARDSERVE_GGUF_DEQUANTIZE")
     capsys.readouterr()
     assert main(["plan", path, "--gpu", "h100-80gb"]) == 0
-    assert "keeps Q4_0 / Q4_1 / Q4_K linears and an untied embedding" in capsys.readouterr().out
+    assert "keeps Q4_0 / Q4_1 / Q4_K linears, MoE experts and an untied embedding" in capsys.readouterr().out
+
+
+def test_plan_counts_gguf_moe_experts_as_a_gpu_holds_them(tmp_path, capsys, monkeypatch):
+    """A MoE file with Q4_K experts, but for layer 0's down in Q6_K: layer 1's experts at the INT4
+    experts' bytes (int4_experts.from_gguf_blocks, computed here on the CPU), layer 0's (a type CUDA
+    does not keep among them) and everything else at --dtype."""
+    import gguf
+    import torch
+
+    from shardserve.kernels.moe.int4_experts import from_gguf_blocks
+    from tests.models import gguf_files
+    from tests.tiny_models import make_tiny_checkpoint
+    original = gguf_files._add_tensor
+
+    def add(w, gname, data, qtype_name):
+        if gname.endswith("_exps.weight"):
+            qtype_name = "Q6_K" if gname == "blk.0.ffn_down_exps.weight" else "Q4_K"
+        original(w, gname, data, qtype_name)
+    monkeypatch.setattr(gguf_files, "_add_tensor", add)
+    ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), "qwen3_moe", hidden_size=256, moe_intermediate_size=256,
+                                intermediate_size=512, mlp_only_layers=[])   # both layers sparse
+    path = str(tmp_path / "tiny-moe.gguf")
+    gguf_files.write_moe_gguf(ckpt, path, "Q8_0")
+    want = 0
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name.startswith("blk.1.ffn_") and t.name.endswith("_exps.weight"):
+            k, n = int(t.shape[0]), int(t.shape[1])   # GGUF lists the row length first
+            raw = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(-1, n, t.data.shape[-1])
+            held = from_gguf_blocks(raw, t.tensor_type.name, k, torch.device("cpu"))
+            want += sum(p.numel() * p.element_size() for p in (held.qweight, held.scales, held.zeros))
+        else:
+            want += int(t.n_elements) * 2
+    plan = _plan_json(capsys, path, "--gpu", "h100-80gb", "--dtype", "bf16")
+    assert plan["model"]["expert_elements_by_types"].keys() == {"Q4_K,Q4_K,Q6_K", "Q4_K,Q4_K,Q4_K"}
+    assert plan["weights"]["bytes"] == want
+    fp32 = _plan_json(capsys, path, "--gpu", "h100-80gb", "--dtype", "fp32")   # fp32: experts dequantized
+    assert fp32["weights"]["bytes"] == 4 * sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)
 
 
 def test_plan_errors_are_one_line():
