@@ -1,7 +1,7 @@
 """Issue 25: GGUF weights kept in their blocks on one GPU (kernels/quant/triton_gguf.py).
 
     python3 benchmarks/gguf_gpu.py [--layers [--sweep]] [--model q4_k_m,q4_k,q4_0] [--types Q4_K,Q6_K]
-        [--moe] [--json out.json]
+        [--moe] [--moe-model] [--json out.json]
 
 `--layers`: per Llama-3-8B linear shape and GGUF type, the time of one matmul at 1 and 4 rows
 inside a CUDA graph of back-to-back calls rotating over enough weight copies to miss the L2 cache
@@ -27,6 +27,11 @@ intermediate 768, top-8), random Q4_0 / Q4_1 / Q4_K experts kept as CUDA keeps t
 vector kernel and by its tiles, against the Q4_K experts dequantized to bf16 (what a GGUF MoE ran
 before, and any bf16 checkpoint runs: the fused bf16 MoE kernel), at 1 to 512 tokens; inside a CUDA
 graph over 8 random routings, so a call reads other experts than the last.
+
+`--moe-model`: a random-weight Qwen3-30B-A3B-shaped GGUF file (attention, experts and embedding
+Q4_K, LM head Q6_K) written here, then `shardserve bench latency` (batch 1, 128 in / 64 out) on it as
+the defaults keep it (experts and attention 4-bit), beside `--random-weights qwen3-30b-a3b` in bf16,
+each in a fresh process.
 """
 from __future__ import annotations
 
@@ -232,6 +237,27 @@ def moe() -> dict:
     return out
 
 
+def moe_model() -> dict:
+    from shardserve.planner.catalog import model_config
+    from tests.models import gguf_files
+    bw = copy_bandwidth()
+    torch.cuda.empty_cache()
+    out = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bw / 1e9}
+    path = os.path.join(tempfile.gettempdir(), "random-qwen3-30b-a3b-q4_k.gguf")
+    read = gguf_files.write_random_qwen3_moe(
+        path, model_config("qwen3-30b-a3b"), lambda name, layer: "Q6_K" if name == "output.weight" else "Q4_K",
+        lambda rows, cols, qtype: random_blocks(rows, cols, qtype, device="cpu").numpy().reshape(rows, -1))
+    out["file_bytes"] = os.path.getsize(path)
+    for label, args in (("gguf q4_k", ["--model", path]), ("bf16 --random-weights", ["--random-weights",
+                                                                                    "qwen3-30b-a3b"])):
+        r = latency([*args, "--dtype", "bfloat16"], {})
+        out[label] = {k: r[k] for k in ("decode_step_ms", "prefill_s", "weight_gb_per_rank", "roofline_step_ms")}
+        print(label, out[label], flush=True)
+    out["gguf q4_k"]["file_roofline_ms"] = read / bw * 1e3   # weights a step reads (top-8 experts), no KV
+    os.remove(path)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", action="store_true")
@@ -239,6 +265,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="comma-separated files to write and time: q4_k_m, q4_k, q4_0")
     p.add_argument("--types", default=",".join(gguf_layout.TYPES))
     p.add_argument("--moe", action="store_true", help="one Qwen3-30B-A3B-shaped MoE layer, 4-bit experts kept")
+    p.add_argument("--moe-model", action="store_true", help="a random Qwen3-30B-A3B-shaped Q4_K file, end to end")
     p.add_argument("--json", default=None)
     ns = p.parse_args()
     result = {}
@@ -248,6 +275,8 @@ def main() -> None:
         result["model"] = model(ns.model.split(","))
     if ns.moe:
         result["moe"] = moe()
+    if ns.moe_model:
+        result["moe_model"] = moe_model()
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -223,6 +223,52 @@ def write_random_llama(path: str, shape: dict, tensor_type, blocks, rope_theta: 
     return read
 
 
+def write_random_qwen3_moe(path: str, config: dict, tensor_type, blocks) -> int:
+    """A random-weight Qwen3-MoE GGUF with the shapes of an HF `config` (the planner catalog's
+    qwen3-30b-a3b, say), for the benchmarks: tensor_type(gguf name, layer or -1) names each matrix's
+    GGUF type, blocks(rows, cols, type) gives its bytes (uint8 [rows, row bytes]); norms are ones and
+    the routers random fp32. Returns the bytes a decode step reads of its attention matrices, LM head
+    and top-k of the experts (on average, each token's picks)."""
+    import gguf
+    global VOCAB
+    c = config
+    h, hd, e, inter, vocab = c["hidden_size"], c["head_dim"], c["num_experts"], c["moe_intermediate_size"], \
+        c["vocab_size"]
+    cfg = {k: c[k] for k in ("num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
+                             "intermediate_size", "num_hidden_layers", "vocab_size", "rms_norm_eps")}
+    cfg.update(max_position_embeddings=8192, rope_parameters={"rope_theta": c["rope_theta"]}, bos_token_id=256,
+               eos_token_id=257)
+    VOCAB = vocab   # the token list padded to this vocabulary
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_name(os.path.basename(path))
+    _write_metadata(w, cfg, "Q8_0")
+    w.add_expert_count(e)
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(inter)
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    tensors = [("token_embd.weight", (vocab, h), -1), ("output.weight", (vocab, h), -1)]
+    for i in range(c["num_hidden_layers"]):
+        tensors += [(f"blk.{i}.{name}.weight", shape, i) for name, shape in (
+            ("attn_q", (q, h)), ("attn_k", (kv, h)), ("attn_v", (kv, h)), ("attn_output", (h, q)),
+            ("ffn_gate_exps", (e, inter, h)), ("ffn_up_exps", (e, inter, h)), ("ffn_down_exps", (e, h, inter)))]
+    w.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    rng = np.random.default_rng(0)
+    for i in range(c["num_hidden_layers"]):
+        for name, n in (("attn_norm", h), ("ffn_norm", h), ("attn_q_norm", hd), ("attn_k_norm", hd)):
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ones(n, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", rng.standard_normal((e, h), dtype=np.float32))
+    read = 0
+    for name, shape, layer in tensors:
+        qtype = tensor_type(name, layer)
+        rows = int(np.prod(shape[:-1]))
+        raw = blocks(rows, shape[-1], qtype).reshape(*shape[:-1], -1)
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        if name != "token_embd.weight":
+            read += raw.nbytes * (c["num_experts_per_tok"] / e if "_exps" in name else 1)
+    _finish(w)
+    return int(read)
+
+
 def write_gguf(ckpt_dir: str, out_path: str, qtype_name: str, rope_freqs: np.ndarray | None = None) -> None:
     """Convert a tiny HF llama checkpoint the way convert_hf_to_gguf.py does (Llama 3.1 rope
     scaling goes into a rope_freqs tensor of per-frequency divisors, as llama.cpp stores it)."""
