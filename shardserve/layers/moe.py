@@ -59,6 +59,16 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.route_topk's picks and weights: one Triton kernel on CUDA (kernels/moe/triton_route.py),
+    torch elsewhere."""
+    if router_logits.is_cuda:
+        from shardserve.kernels.moe import triton_route
+        if triton_route.handles(router_logits, top_k):
+            return triton_route.route_topk(router_logits, top_k, renormalize)
+    return reference.route_topk(router_logits, top_k, renormalize)
+
+
 def experts_matmul(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                    w2_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,7 +191,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> this rank's partial sum [T, H] of the picked experts' outputs."""
-        topk_weights, topk_ids = reference.route_topk(router_logits, self.top_k, self.renormalize)
+        topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
         if self.load is not None:
             ids = topk_ids.reshape(-1).long()
             self.load.scatter_add_(0, ids, torch.ones_like(ids))

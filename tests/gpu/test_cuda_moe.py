@@ -78,6 +78,32 @@ def test_triton_fused_moe_any_tile_config(block_m):
     _check(triton_moe.fused_moe(x, w13, w2, weights, ids, config=cfg), x, w13, w2, weights, ids)
 
 
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (7, 60, 4), (300, 8, 2), (33, 128, 8)])
+def test_route_kernel_picks_the_reference_experts(tokens, experts, top_k):
+    """kernels/moe/triton_route.py against reference.route_topk on the GPU (bf16 and fp32 logits),
+    and replayed in a CUDA graph."""
+    from shardserve.kernels.moe import triton_route
+    torch.manual_seed(tokens)
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.randn(tokens, experts, device="cuda").to(dtype)
+        for renormalize in (True, False):
+            want_w, want_ids = reference.route_topk(logits, top_k, renormalize)
+            got_w, got_ids = triton_route.route_topk(logits, top_k, renormalize)
+            # bf16 logits tie now and then: the picks may swap places among equals, never differ in value
+            same = torch.equal(got_ids, want_ids) or torch.equal(
+                logits.gather(1, got_ids.long()), logits.gather(1, want_ids.long()))
+            assert same, (got_ids, want_ids)
+            torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+    logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w, ids = triton_route.route_topk(logits, top_k, True)
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    want_w, want_ids = reference.route_topk(logits, top_k, True)
+    assert torch.equal(logits.gather(1, ids.long()), logits.gather(1, want_ids.long()))
+
+
 @pytest.mark.parametrize("tokens", [1, 64, 600])
 def test_triton_fused_moe_fp32_in_full_precision(tokens):
     """fp32 models on CUDA run the fused kernel too (the torch path syncs with the host, which CUDA
