@@ -2,14 +2,9 @@
 CPU (TRITON_INTERPRET=1, in a subprocess) against reference.route_topk; tests/gpu runs it compiled."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.triton_interpreter import run_interpreted
 
 
 def check_kernel() -> None:
@@ -40,10 +35,4 @@ def check_kernel() -> None:
 
 
 def test_route_kernel_under_the_interpreter():
-    pytest.importorskip("triton", reason="triton comes with xgrammar, a core dependency: only a broken install "
-                                         "lacks it")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    code = "from tests.layers.test_triton_route import check_kernel; check_kernel()"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_interpreted("tests.layers.test_triton_route", "check_kernel")

@@ -5,18 +5,12 @@ the switch is read when the kernels are defined) against dequantize-then-matmul,
 arithmetic is checked on every CI run; tests/gpu/test_cuda_gguf.py runs them compiled."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from shardserve.kernels.quant import gguf_layout
 from tests.quantization.test_gguf_quant import _weights
-
-TRITON_REASON = "triton comes with xgrammar, a core dependency: only a broken install lacks it"
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.triton_interpreter import TRITON_REASON, run_interpreted
 
 
 @pytest.mark.parametrize("type_name", gguf_layout.TYPES)
@@ -115,12 +109,7 @@ def check_kernels() -> None:
 
 
 def test_triton_kernels_under_the_interpreter():
-    pytest.importorskip("triton", reason=TRITON_REASON)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    code = "from tests.quantization.test_gguf_gpu_kernels import check_kernels; check_kernels()"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_interpreted("tests.quantization.test_gguf_gpu_kernels", "check_kernels")
 
 
 def test_which_types_a_gpu_keeps(monkeypatch):

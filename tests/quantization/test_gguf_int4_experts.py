@@ -5,16 +5,12 @@ once to fp16), and the fused INT4 MoE kernel's two matmuls (zero points, and min
 subprocess) against the torch path on the same experts. tests/gpu runs them compiled."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from shardserve.kernels.quant import gguf_layout
+from tests.triton_interpreter import run_interpreted
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 E, H, INTER, TOKENS, TOP = 4, 256, 256, 5, 2
 
 
@@ -74,10 +70,4 @@ def check_kernel() -> None:
 
 
 def test_fused_int4_moe_kernel_under_the_interpreter():
-    pytest.importorskip("triton", reason="triton comes with xgrammar, a core dependency: only a broken install "
-                                         "lacks it")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    code = "from tests.quantization.test_gguf_int4_experts import check_kernel; check_kernel()"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_interpreted("tests.quantization.test_gguf_int4_experts", "check_kernel")
