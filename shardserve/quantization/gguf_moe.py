@@ -27,7 +27,6 @@ from shardserve.kernels.cpu import quant_ops
 from shardserve.kernels.cpu.decoder_stack import StackMoe
 from shardserve.kernels.moe import int4_experts, torch_moe
 from shardserve.kernels.moe.gguf_experts import GgufExperts
-from shardserve.kernels.moe.int4_experts import Int4Experts
 from shardserve.kernels.quant import gguf_layout
 from shardserve.layers.moe import FusedMoE, MoEMethod, experts_matmul
 from shardserve.quantization.gguf import block_size, cpu_keeps, dequantize_blocks, gpu_keeps
@@ -38,7 +37,7 @@ class GgufMoEMethod(MoEMethod):
         self.types: dict[str, str | None] = {}       # "gate" / "up" / "down" -> GGUF type (None: values)
         self._raw: dict[str, torch.Tensor] = {}      # the same -> this rank's blocks (or values) while loading
         self.kept: dict[str, GgufExperts] = {}       # "w13" / "w2" -> the experts in blocks, after loading
-        self.int4: dict[str, Int4Experts] = {}       # the same on CUDA, 4-bit types in the INT4 experts' layout
+        self.int4: dict[str, int4_experts.Int4Experts] = {}   # the same on CUDA, 4-bit types, INT4 experts' layout
         self.dtype = torch.float32                   # the model's dtype, for experts dequantized after loading
 
     def create_weights(self, layer: FusedMoE) -> None:
