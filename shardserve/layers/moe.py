@@ -45,6 +45,7 @@ from shardserve.distributed.parallel_state import (
 from shardserve.kernels.cpu import moe_route
 from shardserve.kernels.cpu.decoder_stack import StackMoe
 from shardserve.kernels.moe import reference, torch_moe
+from shardserve.kernels.moe.int4_experts import Int4Experts
 from shardserve.layers.linear import ReplicatedLinear, default_weight_loader, quant_method_for
 
 
@@ -69,12 +70,17 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return reference.route_topk(router_logits, top_k, renormalize)
 
 
-def experts_matmul(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+def experts_matmul(hidden: torch.Tensor, w13: torch.Tensor | Int4Experts, w2: torch.Tensor | Int4Experts,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                    w2_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The grouped expert matmuls: Triton's fused kernel on CUDA, torch grouped by expert elsewhere.
-    w13_scale / w2_scale: per-row scales of FP8 experts (None: the weights are plain floats)."""
-    if hidden.is_cuda:
+    """The grouped expert matmuls: Triton's fused kernels on CUDA (float / FP8 experts, or INT4 ones),
+    torch grouped by expert elsewhere. w13_scale / w2_scale: per-row scales of FP8 experts (None: the
+    weights are plain floats)."""
+    if hidden.is_cuda and isinstance(w13, Int4Experts):
+        from shardserve.kernels.moe import triton_moe_int4
+        if triton_moe_int4.handles(hidden, w13):
+            return triton_moe_int4.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    elif hidden.is_cuda:
         from shardserve.kernels.moe import triton_moe
         if triton_moe.handles(hidden, w13, w13_scale):
             return triton_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,

@@ -180,12 +180,11 @@ def resolve_model(spec: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
         reader = open_gguf(spec)
         kinds = sorted({t.tensor_type.name for t in reader.tensors})
         linears: dict[str, int] = {}   # the decoder's linear weights (not MoE experts) by GGUF type
+        experts: dict[int, dict[str, tuple[str, int]]] = {}   # layer -> gate / up / down -> (type, weights)
         for t in reader.tensors:
             if _GGUF_LINEAR.fullmatch(t.name):
                 linears[t.tensor_type.name] = linears.get(t.tensor_type.name, 0) + int(t.n_elements)
-        experts: dict[int, dict[str, tuple[str, int]]] = {}   # layer -> gate / up / down -> (type, weights)
-        for t in reader.tensors:
-            if (m := _GGUF_EXPERTS.fullmatch(t.name)):
+            elif (m := _GGUF_EXPERTS.fullmatch(t.name)):
                 experts.setdefault(int(m[1]), {})[m[2]] = (t.tensor_type.name, int(t.n_elements))
         by_types: dict[str, int] = {}   # "gate,up,down" GGUF types -> the routed experts' weights
         for parts in experts.values():

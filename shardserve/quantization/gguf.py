@@ -21,7 +21,8 @@ third of the bytes (benchmarks/BENCHMARKS.md, issue 25 session 16).
     in registers inside the matmul (kernels/quant/triton_gguf.py); a fused q/k/v or gate/up whose
     parts differ in type (Q4_K_M's v in Q6_K) keeps one run of rows per type, a run whose type is
     not kept as dense rows. An untied token embedding of a kept type stays in its blocks too
-    (layers/vocab.py); the LM head and MoE experts are dequantized after loading there.
+    (layers/vocab.py), and MoE experts of Q4_0 / Q4_1 / Q4_K in the INT4 experts' layout
+    (quantization/gguf_moe.py); the LM head is dequantized after loading there.
 - Dequantized after loading (into the layer's dtype), per layer: other GGUF types (F32, F16, BF16,
   Q5_0, ...; on the CPU a fused layer with a part of such a type as a whole, on CUDA that part's
   rows alone; a debug log line says which), and every CPU layer where the native kernels are off

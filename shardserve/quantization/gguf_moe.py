@@ -130,12 +130,8 @@ class GgufMoEMethod(MoEMethod):
 
     def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        if self.int4:   # CUDA, 4-bit types: the fused INT4 kernel (the torch path for other activations)
-            w13, w2 = self.int4["w13"], self.int4["w2"]
-            from shardserve.kernels.moe import triton_moe_int4
-            if triton_moe_int4.handles(hidden, w13):
-                return triton_moe_int4.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
-            return torch_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+        if self.int4:   # CUDA, 4-bit types: the fused INT4 kernels
+            return experts_matmul(hidden, self.int4["w13"], self.int4["w2"], topk_weights, topk_ids)
         if not self.kept:   # dequantized after loading: the unquantized experts' paths
             return experts_matmul(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
         return torch_moe.fused_moe(hidden, self.kept["w13"], self.kept["w2"], topk_weights, topk_ids)

@@ -29,10 +29,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shardserve.kernels.moe import torch_moe
 from shardserve.kernels.moe.int4_experts import Int4Experts, pack_along_k
 from shardserve.kernels.quant.int4_layout import compact_scales
-from shardserve.layers.moe import FusedMoE, MoEMethod
+from shardserve.layers.moe import FusedMoE, MoEMethod, experts_matmul
 from shardserve.quantization.int4 import PACK, Int4Config, unpack_int4
 
 
@@ -203,8 +202,4 @@ class Int4MoEMethod(MoEMethod):
     def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         w13, w2 = (self.experts(layer, part) for part in self.parts)
-        if hidden.is_cuda:
-            from shardserve.kernels.moe import triton_moe_int4
-            if triton_moe_int4.handles(hidden, w13):
-                return triton_moe_int4.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
-        return torch_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+        return experts_matmul(hidden, w13, w2, topk_weights, topk_ids)
