@@ -230,3 +230,51 @@ def test_tiny_moe_file_experts_kept_on_gpu(tmp_path, monkeypatch, qtype):
     assert kept_bytes < 0.45 * dense_bytes, (kept_bytes, dense_bytes)
     noise = (dense - fp32).abs().max().item()
     assert (ours - fp32).abs().max().item() <= 1.5 * noise + 0.01, noise
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="GPU-only: TP=2 over NCCL needs two CUDA GPUs (run on a 2-GPU machine)")
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
+def test_tiny_moe_file_experts_kept_on_gpu_tp2_and_ep2(tmp_path, monkeypatch, qtype):
+    """4-bit GGUF experts kept on CUDA, sliced over TP=2 (each rank's down inputs whole blocks:
+    256 of a 512-wide intermediate) and whole over EP=2: in bf16 no further from one GPU's
+    log-probs than one GPU's bf16 is from the fp32 dequantized file, twice over (TP sums partial
+    products in another order)."""
+    import gc
+
+    from shardserve.llm import LLM
+    from tests.models import gguf_files
+    from tests.models.gguf_files import prompt_logprobs, random_prompt, write_moe_gguf
+    from tests.tiny_models import make_tiny_checkpoint
+
+    original = gguf_files._add_tensor
+
+    def add(w, gname, data, qtype_name):   # the stacked experts as qtype, the rest Q8_0
+        original(w, gname, data, qtype if gname.endswith("_exps.weight") else qtype_name)
+    monkeypatch.setattr(gguf_files, "_add_tensor", add)
+    ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), "qwen3_moe", hidden_size=256, moe_intermediate_size=512,
+                                intermediate_size=512)
+    path = str(tmp_path / "tiny-moe.gguf")
+    write_moe_gguf(ckpt, path, "Q8_0")
+    prompt = random_prompt(13, 30)
+    got = {}
+    runs = [("1", "float32", {}), (None, "bfloat16", {}), (None, "bfloat16", dict(tensor_parallel_size=2)),
+            (None, "bfloat16", dict(tensor_parallel_size=2, enable_expert_parallel=True))]
+    for dequantize, dtype, layout in runs:
+        if dequantize is None:
+            monkeypatch.delenv("SHARDSERVE_GGUF_DEQUANTIZE", raising=False)
+        else:
+            monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", dequantize)
+        llm = LLM(path, dtype=dtype, device="cuda", kv_cache_memory="64MiB", show_progress=False, max_logprobs=-1,
+                  enforce_eager=True, **layout)
+        try:
+            got[dtype, tuple(layout)] = prompt_logprobs(llm, prompt)
+        finally:
+            llm.engine.shutdown()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    one = got["bfloat16", ()]
+    noise = (one - got["float32", ()]).abs().max().item()
+    for layout in (("tensor_parallel_size",), ("tensor_parallel_size", "enable_expert_parallel")):
+        assert (got["bfloat16", layout] - one).abs().max().item() <= max(0.05, 2 * noise), (layout, noise)
