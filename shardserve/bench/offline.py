@@ -149,9 +149,10 @@ def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
     elem = torch.tensor([], dtype=model_config.dtype).element_size()
     counts = param_counts(config)
     # FP8 layers hold one byte per weight, INT4 ones half a byte and a scale and zero per group (the
-    # layout the GPU kernels read); embeddings, LM head, norms and experts stay in the dtype.
+    # layout the GPU kernels read); embeddings, LM head (unless quantized), norms and experts stay in the dtype.
     linear_elem, label = _linear_bytes(model_config.quantization, config, elem)
-    in_dtype = counts["embed"] + counts["lm_head"] + counts["experts"]
+    head_quantized = bool((config.get("quantization_config") or {}).get("lm_head"))   # GPTQ's lm_head: true
+    in_dtype = counts["embed"] + (0 if head_quantized else counts["lm_head"]) + counts["experts"]
     if linear_elem is None:   # GGUF: what the ranks hold as loaded (blocks kept, parts dequantized)
         total = tp * max(llm.engine.executor.collective_rpc("weight_bytes"))
         experts = total * counts["experts"] / counts["total"]

@@ -112,7 +112,8 @@ def linear_methods(factory: Callable[["LinearBase"], LinearMethod | None] | None
 
 def quant_method_for(layer: nn.Module) -> object | None:
     """What the current factory gives `layer`: a LinearMethod, a MoEMethod for a MoE layer's experts
-    (layers/moe.py), or None (unquantized, or built outside `linear_methods`)."""
+    (layers/moe.py), for an LM head a LinearMethod where the format quantizes it (layers/vocab.py),
+    or None (unquantized, or built outside `linear_methods`)."""
     return _METHOD_FACTORY(layer) if _METHOD_FACTORY is not None else None
 
 

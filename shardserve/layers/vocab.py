@@ -12,7 +12,13 @@ multiplies the blocks. On CUDA an untied embedding whose type the GPU keeps (qua
 (kernels/quant/gguf_layout.py `gpu_weight`, registered as `gguf_<plane>` parameters) and a lookup
 expands its rows (`gguf_layout.rows`): an 8B Q4_K table takes 0.33 GB instead of 1.05. The LM head
 and a tied table are dequantized into the dense table there (the LM head multiplies every row each
-step: bf16 is its fast path), as is every other case."""
+step: bf16 is its fast path), as is every other case.
+
+A quantized LM head (a GPTQ checkpoint with `quantization_config.lm_head: true`, as GPTQModel and
+AutoRound write it, `lm_head.qweight` ...): while the model is built under a format whose factory says
+the head is quantized (layers/linear.py `quant_method_for`), ParallelLMHead holds no dense table but
+a column-parallel linear of that format over its vocab slice (`linear`), which loads `lm_head.*` and
+computes the logits; on CUDA the INT4 kernels then read a quarter of the head's bytes per step."""
 from __future__ import annotations
 
 import torch
@@ -23,7 +29,7 @@ from shardserve.distributed.comm import tensor_model_parallel_all_gather, tensor
 from shardserve.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from shardserve.kernels.cpu import quant_ops
 from shardserve.kernels.quant import gguf_layout
-from shardserve.layers.linear import linear
+from shardserve.layers.linear import ColumnParallelLinear, linear, quant_method_for
 from shardserve.utils import cdiv
 
 
@@ -111,9 +117,25 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     packed_weight_layout = "packed"   # only multiplies: packed for the native kernel
 
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.linear = None
+        if quant_method_for(self) is not None:   # the checkpoint's head is quantized (the module docstring)
+            if num_embeddings % self.tp_size:
+                raise ValueError(f"a quantized LM head's {num_embeddings} vocabulary rows do not split evenly over "
+                                 f"tensor_parallel_size={self.tp_size}")
+            self.linear = ColumnParallelLinear(embedding_dim, num_embeddings)
+            self.register_parameter("weight", None)   # no dense table
+
+    def parameter_name(self, checkpoint_name: str) -> str:
+        """The parameter a checkpoint's `lm_head.<name>` loads into."""
+        return "lm_head.linear." + checkpoint_name[len("lm_head."):] if self.linear is not None else checkpoint_name
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         gguf_type = getattr(self.weight, "gguf_type", None)
-        if gguf_type is not None:
+        if self.linear is not None:
+            logits = self.linear(hidden)
+        elif gguf_type is not None:
             w = self.weight
             logits = quant_ops.linear_int8(hidden, w, gguf_type, self.per_rank, isa_name=w.gguf_isa, act=w.gguf_act)
         else:

@@ -163,6 +163,9 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec = LlamaSpec.from_hf(config)
         self.model = LlamaModel(spec)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size) if self.model.is_last else None
+        if spec.tie_word_embeddings and self.lm_head is not None and self.lm_head.linear is not None:
+            raise ValueError("the checkpoint quantizes the LM head (quantization_config.lm_head=true) but ties it "
+                             "to the embedding (tie_word_embeddings=true); only untied quantized heads are supported")
         if spec.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.weight.tied = True   # one table for both: a GPU keeps it dense (layers/vocab.py)
@@ -203,7 +206,9 @@ class LlamaForCausalLM(nn.Module):
                 return [checkpoint_name]
             return ["lm_head.weight"] if self.spec.tie_word_embeddings and self.lm_head is not None else []
         if checkpoint_name.startswith("lm_head."):
-            return [] if self.lm_head is None or self.spec.tie_word_embeddings else [checkpoint_name]
+            if self.lm_head is None or self.spec.tie_word_embeddings:
+                return []
+            return [self.lm_head.parameter_name(checkpoint_name)]
         if checkpoint_name.startswith("model.norm.") and self.model.norm is None:
             return []
         return [checkpoint_name]

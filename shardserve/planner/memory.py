@@ -50,6 +50,8 @@ class ModelShape:
         self.kv_heads = c.get("num_key_value_heads") or self.heads
         self.head_dim = c.get("head_dim") or self.hidden // self.heads
         self.tie = bool(c.get("tie_word_embeddings", False))
+        # GPTQ's lm_head: true: the LM head is held like the linears (layers/vocab.py)
+        self.head_quantized = bool((c.get("quantization_config") or {}).get("lm_head"))
         self.mla = "kv_lora_rank" in c
         self.experts = int(c.get("n_routed_experts") or c.get("num_local_experts") or c.get("num_experts") or 0)
         self.top_k = int(c.get("num_experts_per_tok") or 0)
@@ -168,7 +170,8 @@ class ModelShape:
         if first and batch is None and not (self.tie and last):   # tied: one table serves both ends
             total += rows * self.embed_bytes.get(dtype, other)
         if last:
-            total += rows * other + self.hidden * other
+            head = self.linear_bytes.get(dtype, WEIGHT_BYTES[dtype]) if self.head_quantized else other
+            total += rows * head + self.hidden * other
         return total
 
     # ---- KV cache --------------------------------------------------------------------------------

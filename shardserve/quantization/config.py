@@ -9,6 +9,7 @@ from torch import nn
 
 from shardserve.layers.linear import LinearBase, LinearMethod
 from shardserve.layers.moe import FusedMoE, MoEMethod
+from shardserve.layers.vocab import ParallelLMHead
 from shardserve.quantization.fp8 import Fp8Config
 from shardserve.quantization.fp8_moe import Fp8MoEMethod
 from shardserve.quantization.gguf import GgufConfig
@@ -70,13 +71,15 @@ def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
 
 def linear_method_factory(config: QuantConfig | None) -> Callable[[nn.Module], LinearMethod | MoEMethod | None] | None:
     """Each layer's method: linear layers from their format's config, a MoE layer's experts from
-    `moe_method`."""
+    `moe_method`; an LM head's only where the format quantizes it (GPTQ's `lm_head: true`)."""
     if config is None:
         return None
 
     def method(layer: nn.Module) -> LinearMethod | MoEMethod | None:
         if isinstance(layer, FusedMoE):
             return moe_method(config, layer)
+        if isinstance(layer, ParallelLMHead):   # the head stays in the dtype unless the checkpoint says otherwise
+            return config.linear_method(layer) if getattr(config, "lm_head", False) else None
         assert isinstance(layer, LinearBase)
         return config.linear_method(layer)
     return method

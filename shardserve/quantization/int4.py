@@ -36,8 +36,11 @@ kernels cannot tile (other than 32, 64 or a multiple of 128 inputs, or a row-par
 inputs cut groups or pick them out of order) keep the checkpoint's packing and are dequantized with torch ops at every
 call (graph-safe, slow).
 
+GPTQ's `lm_head: true` (GPTQModel, AutoRound): the LM head is one more INT4 layer, column-parallel
+over the vocabulary (layers/vocab.py); a tied embedding cannot share it and is refused.
+
 Refused at start-up, naming the key: bits other than 4; GPTQ checkpoint_format other than gptq and
-gptq_v2 (marlin repacks), a quantized lm_head, per-module `dynamic` overrides; AWQ versions other than
+gptq_v2 (marlin repacks), per-module `dynamic` overrides; AWQ versions other than
 gemm (gemv packs differently), zero_point false, modules_to_not_convert other than MoE routers
 (`gate`). MoE experts in INT4 are quantization/int4_moe.py's.
 """
@@ -123,6 +126,7 @@ def _same_order_for_every_part(g_idx: nn.Parameter) -> None:
 
 class Int4Config:
     name = "int4"
+    lm_head = False   # GPTQ's lm_head: true quantizes the LM head too
 
     def __init__(self, group_size: int | None, desc_act: bool = False, zero_offset: int = 0) -> None:
         self.group_size = group_size     # None: one group over all inputs
@@ -146,14 +150,13 @@ class GptqConfig(Int4Config):
         if cfg.get("pack_dtype", "int32") != "int32":
             raise ValueError(f"GPTQ quantization_config.pack_dtype={cfg['pack_dtype']!r} is not supported; only "
                              "int32 words are")
-        if cfg.get("lm_head"):
-            raise ValueError("GPTQ checkpoints with a quantized LM head (quantization_config.lm_head=true) are "
-                             "not supported")
         if cfg.get("dynamic"):
             raise ValueError("GPTQ checkpoints with per-module overrides (quantization_config.dynamic) are not "
                              "supported")
-        return cls(_group_size(cfg, "GPTQ", "group_size"), bool(cfg.get("desc_act", False)),
-                   zero_offset=1 if fmt == "gptq" else 0)
+        config = cls(_group_size(cfg, "GPTQ", "group_size"), bool(cfg.get("desc_act", False)),
+                     zero_offset=1 if fmt == "gptq" else 0)
+        config.lm_head = bool(cfg.get("lm_head", False))
+        return config
 
 
 class AwqConfig(Int4Config):

@@ -60,6 +60,17 @@ def test_quantized_weights_keep_embeddings_16_bit():
     assert round(m.weight_bytes("int4", 1, range(80), True, True) / 1e9, 1) == 40.0
 
 
+def test_gptq_quantized_lm_head_is_held_like_the_linears():
+    """GPTQ's lm_head: true: the head at INT4's bytes, the embedding still 16-bit."""
+    config = model_config("llama-3.1-70b")
+    plain = ModelShape({**config, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+    head = ModelShape({**config, "quantization_config": {"quant_method": "gptq", "bits": 4, "lm_head": True}})
+    saved = 128256 * 8192 * (2 - (0.5 + 3 / 128))
+    assert plain.weight_bytes("int4", 1, range(80), True, True) - head.weight_bytes("int4", 1, range(80), True, True) \
+        == pytest.approx(saved)
+    assert plain.weight_bytes("int4", 1, range(80), True, False) == head.weight_bytes("int4", 1, range(80), True, False)
+
+
 def test_moe_total_and_active_qwen3_30b_a3b():
     m = ModelShape(model_config("qwen3-30b-a3b"))
     h = 2048

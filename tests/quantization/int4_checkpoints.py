@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.quantization.checkpoints import write_quantized_checkpoint
+from tests.quantization.checkpoints import is_quantized_linear, write_quantized_checkpoint
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # AutoAWQ's order of 8 outputs within a word
 
@@ -85,11 +85,15 @@ def quantized_tensors(fmt: str, base: str, weight: torch.Tensor, group_size: int
 
 
 def write_int4_checkpoint(src: str, dst: str, fmt: str, group_size: int, desc_act: bool = False,
-                          sym: bool = False, **config_overrides) -> dict[str, torch.Tensor]:
+                          sym: bool = False, lm_head: bool = False, **config_overrides) -> dict[str, torch.Tensor]:
     """`src` as a GPTQ (`fmt="gptq"`: v1 zeros, `"gptq_v2"`) or AWQ (`"awq"`, GEMM) checkpoint: every decoder
-    linear quantized, the rest as it was, config.json's quantization_config as the tools write it
-    (updated with `config_overrides`). Returns the dequantized weights by HF name."""
+    linear quantized (lm_head: the LM head too, GPTQ's `lm_head: true`), the rest as it was, config.json's
+    quantization_config as the tools write it (updated with `config_overrides`). Returns the
+    dequantized weights by HF name."""
     config = {**(gptq_config(group_size, desc_act, sym, fmt) if fmt != "awq" else awq_config(group_size)),
               **config_overrides}
+    if lm_head:
+        config["lm_head"] = True
     return write_quantized_checkpoint(
-        src, dst, lambda base, t: quantized_tensors(fmt, base, t, group_size, desc_act, sym), config)
+        src, dst, lambda base, t: quantized_tensors(fmt, base, t, group_size, desc_act, sym), config,
+        select=lambda name: is_quantized_linear(name) or (lm_head and name == "lm_head.weight"))

@@ -100,10 +100,36 @@ def test_qwen2_biases_and_uneven_groups(tmp_path):
     llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("tp,packed", [(1, False), (1, True), (2, False)])
+def test_gptq_quantized_lm_head_matches_hf(tmp_path, monkeypatch, tp, packed):
+    """GPTQ's `lm_head: true`: the head is an INT4 layer too (column-parallel over the vocabulary,
+    no dense table), dequantized after loading on the CPU, or kept packed as CUDA keeps it (forced)."""
+    if packed:
+        monkeypatch.setattr(Int4LinearMethod, "_keep_packed", staticmethod(lambda qweight: True))
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    dequantized = write_int4_checkpoint(src, str(tmp_path / "gptq"), "gptq", 32, lm_head=True)
+    assert "lm_head.weight" in dequantized
+    hf = hf_with_weights(src, dequantized)
+    llm = LLM(str(tmp_path / "gptq"), tensor_parallel_size=tp, **KW)
+    if tp == 1:
+        head = llm.engine.executor.worker.model_runner.model.lm_head
+        assert head.weight is None and isinstance(head.linear.quant_method, Int4LinearMethod)
+        assert (getattr(head.linear, "qweight", None) is not None) == packed   # else dequantized after loading
+    prompt = random_prompt(6, 40)
+    assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
+    llm.engine.shutdown()
+
+
+def test_gptq_quantized_lm_head_tied_to_the_embedding_is_refused(tmp_path):
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen2")   # tie_word_embeddings: true
+    write_int4_checkpoint(src, str(tmp_path / "gptq"), "gptq", 32, lm_head=True)
+    with pytest.raises(ValueError, match="quantizes the LM head .* but ties it"):
+        LLM(str(tmp_path / "gptq"), **KW)
+
+
 @pytest.mark.parametrize("fmt,override,message", [
     ("gptq", {"bits": 8}, r"quantization_config.bits=8 are not supported"),
     ("gptq", {"checkpoint_format": "marlin"}, r"checkpoint_format='marlin' is not supported"),
-    ("gptq", {"lm_head": True}, r"quantized LM head"),
     ("awq", {"version": "gemv"}, r"version='gemv' is not supported; only 'gemm'"),
     ("awq", {"bits": 3}, r"quantization_config.bits=3 are not supported"),
     ("awq", {"zero_point": False}, r"zero_point=false"),
@@ -204,14 +230,16 @@ def test_int4_layer_on_cuda_keeps_packed_weights_and_replays_in_a_graph(fmt):
 
 @pytest.mark.gpu
 @_CUDA
-@pytest.mark.parametrize("fmt", ["gptq", "awq"])
-def test_int4_model_on_cuda_tracks_hf(tmp_path, fmt):
-    """bf16 on the GPU with CUDA graphs, against HF in fp32 on the dequantized weights."""
+@pytest.mark.parametrize("fmt,lm_head", [("gptq", False), ("awq", False), ("gptq", True)])
+def test_int4_model_on_cuda_tracks_hf(tmp_path, fmt, lm_head):
+    """bf16 on the GPU with CUDA graphs, against HF in fp32 on the dequantized weights (lm_head: GPTQ's
+    quantized LM head, on the INT4 kernels too)."""
     import gc
 
     from tests.models.test_parity import hf_logprobs, logprob_matrix
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama", hidden_size=256, intermediate_size=512)
-    hf = hf_with_weights(src, write_int4_checkpoint(src, str(tmp_path / fmt), fmt, 64, desc_act=fmt == "gptq"))
+    hf = hf_with_weights(src, write_int4_checkpoint(src, str(tmp_path / fmt), fmt, 64, desc_act=fmt == "gptq",
+                                                    lm_head=lm_head))
     llm = LLM(str(tmp_path / fmt), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, show_progress=False,
               max_logprobs=-1)
     try:
@@ -227,6 +255,8 @@ def test_int4_model_on_cuda_tracks_hf(tmp_path, fmt):
         assert diff < 0.15, f"INT4 log-probs on CUDA are {diff:.3f} away from HF on the dequantized weights"
         runner = llm.engine.executor.worker.model_runner
         assert runner.model.model.layers[0].self_attn.qkv_proj.qweight.dtype == torch.int32 and runner.wants_graphs()
+        if lm_head:
+            assert runner.model.lm_head.weight is None and runner.model.lm_head.linear.qweight.dtype == torch.int32
     finally:
         llm.engine.shutdown()
         del llm
