@@ -119,11 +119,12 @@ class ModelRunner:
         if compute == torch.float32:
             n = cpu_ops.pack_weights(self.model, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
             logger.debug("CPU: %d weight matrices packed for the native kernel", n)
-        elif (compute == torch.bfloat16 and getattr(self.model, "lm_head", None) is not None
-              and self.model.lm_head.weight is not None   # not a quantized head, not GGUF blocks (layers/vocab.py)
-              and self.model.lm_head.weight.is_floating_point()):
-            lm_head = self.model.lm_head
-            lm_head.weight = cpu_ops.pack_weight(lm_head.weight.detach(), torch.bfloat16)
+        elif compute == torch.bfloat16 and getattr(self.model, "lm_head", None) is not None:
+            head = self.model.lm_head   # a quantized head: its linear, dequantized after loading (layers/vocab.py)
+            head = head.linear if head.linear is not None else head
+            weight = getattr(head, "weight", None)
+            if weight is not None and weight.is_floating_point():   # not GGUF blocks
+                head.weight = cpu_ops.pack_weight(weight.detach(), torch.bfloat16)
         kv_dtype = self.kv_cache_dtype   # bf16 weights: a bf16 pool (unless fp8), widened in registers
         if dtype == torch.bfloat16 and kv_dtype != kv_sizing.FP8_KV:
             kv_dtype = torch.bfloat16
