@@ -191,27 +191,14 @@ def test_tiny_moe_file_experts_kept_on_gpu(tmp_path, monkeypatch, qtype):
 
     from shardserve.layers.moe import FusedMoE
     from shardserve.llm import LLM
-    from tests.models import gguf_files
-    from tests.models.gguf_files import prompt_logprobs, random_prompt, write_moe_gguf
-    from tests.tiny_models import make_tiny_checkpoint
+    from tests.models.gguf_files import prompt_logprobs, random_prompt
 
-    original = gguf_files._add_tensor
-
-    def add(w, gname, data, qtype_name):   # the stacked experts as qtype, the rest Q8_0
-        original(w, gname, data, qtype if gname.endswith("_exps.weight") else qtype_name)
-    monkeypatch.setattr(gguf_files, "_add_tensor", add)
     # 256 wide: whole K-quant super-blocks along every expert input
-    ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), "qwen3_moe", hidden_size=256, moe_intermediate_size=256,
-                                intermediate_size=512)
-    path = str(tmp_path / "tiny-moe.gguf")
-    write_moe_gguf(ckpt, path, "Q8_0")
+    path = _moe_file(tmp_path, monkeypatch, qtype, moe_intermediate_size=256)
     prompt = random_prompt(11, 30)
     got = {}
     for dequantize, dtype in ((None, "bfloat16"), ("1", "bfloat16"), ("1", "float32")):
-        if dequantize is None:
-            monkeypatch.delenv("SHARDSERVE_GGUF_DEQUANTIZE", raising=False)
-        else:
-            monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", dequantize)
+        _dequantize(monkeypatch, dequantize)
         llm = LLM(path, dtype=dtype, device="cuda", kv_cache_memory="64MiB", show_progress=False, max_logprobs=-1)
         try:
             model = llm.engine.executor.worker.model_runner.model
@@ -243,28 +230,15 @@ def test_tiny_moe_file_experts_kept_on_gpu_tp2_and_ep2(tmp_path, monkeypatch, qt
     import gc
 
     from shardserve.llm import LLM
-    from tests.models import gguf_files
-    from tests.models.gguf_files import prompt_logprobs, random_prompt, write_moe_gguf
-    from tests.tiny_models import make_tiny_checkpoint
+    from tests.models.gguf_files import prompt_logprobs, random_prompt
 
-    original = gguf_files._add_tensor
-
-    def add(w, gname, data, qtype_name):   # the stacked experts as qtype, the rest Q8_0
-        original(w, gname, data, qtype if gname.endswith("_exps.weight") else qtype_name)
-    monkeypatch.setattr(gguf_files, "_add_tensor", add)
-    ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), "qwen3_moe", hidden_size=256, moe_intermediate_size=512,
-                                intermediate_size=512)
-    path = str(tmp_path / "tiny-moe.gguf")
-    write_moe_gguf(ckpt, path, "Q8_0")
+    path = _moe_file(tmp_path, monkeypatch, qtype, moe_intermediate_size=512)
     prompt = random_prompt(13, 30)
     got = {}
     runs = [("1", "float32", {}), (None, "bfloat16", {}), (None, "bfloat16", dict(tensor_parallel_size=2)),
             (None, "bfloat16", dict(tensor_parallel_size=2, enable_expert_parallel=True))]
     for dequantize, dtype, layout in runs:
-        if dequantize is None:
-            monkeypatch.delenv("SHARDSERVE_GGUF_DEQUANTIZE", raising=False)
-        else:
-            monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", dequantize)
+        _dequantize(monkeypatch, dequantize)
         llm = LLM(path, dtype=dtype, device="cuda", kv_cache_memory="64MiB", show_progress=False, max_logprobs=-1,
                   enforce_eager=True, **layout)
         try:
@@ -278,3 +252,29 @@ def test_tiny_moe_file_experts_kept_on_gpu_tp2_and_ep2(tmp_path, monkeypatch, qt
     noise = (one - got["float32", ()]).abs().max().item()
     for layout in (("tensor_parallel_size",), ("tensor_parallel_size", "enable_expert_parallel")):
         assert (got["bfloat16", layout] - one).abs().max().item() <= max(0.05, 2 * noise), (layout, noise)
+
+
+def _moe_file(tmp_path, monkeypatch, qtype: str, moe_intermediate_size: int) -> str:
+    """A tiny Qwen3-MoE GGUF file (hidden 256) whose stacked experts are `qtype`, the rest Q8_0."""
+    from tests.models import gguf_files
+    from tests.models.gguf_files import write_moe_gguf
+    from tests.tiny_models import make_tiny_checkpoint
+
+    original = gguf_files._add_tensor
+
+    def add(w, gname, data, qtype_name):
+        original(w, gname, data, qtype if gname.endswith("_exps.weight") else qtype_name)
+    monkeypatch.setattr(gguf_files, "_add_tensor", add)
+    ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), "qwen3_moe", hidden_size=256,
+                                moe_intermediate_size=moe_intermediate_size, intermediate_size=512)
+    path = str(tmp_path / "tiny-moe.gguf")
+    write_moe_gguf(ckpt, path, "Q8_0")
+    return path
+
+
+def _dequantize(monkeypatch, value: str | None) -> None:
+    """SHARDSERVE_GGUF_DEQUANTIZE as given, or unset (the defaults) for None."""
+    if value is None:
+        monkeypatch.delenv("SHARDSERVE_GGUF_DEQUANTIZE", raising=False)
+    else:
+        monkeypatch.setenv("SHARDSERVE_GGUF_DEQUANTIZE", value)
