@@ -173,8 +173,8 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
     stored = (config.get("quantization_config") or {}).get("quant_method")
     if stored == "gguf":
         return None, " GGUF weights (bytes as held)"
-    if (requested or stored) == "fp8":
-        return 1.0, " fp8 weights"
+    if (requested or stored) == "fp8" and not (config.get("quantization_config") or {}).get("weight_block_size"):
+        return 1.0, " fp8 weights"   # (block-scaled FP8 checkpoints are served in 16 bits: quantization/fp8.py)
     if stored in ("gptq", "awq"):
         from shardserve.quantization.int4 import held_bytes_per_weight
         cfg = config["quantization_config"]

@@ -179,7 +179,7 @@ class FusedMoE(nn.Module):
                 loaded = loaded.expand(rows)
             elif loaded.numel() != rows:
                 raise ValueError(f"{self.prefix}: an expert's {kind} scale has {loaded.numel()} values; expected 1 "
-                                 f"(per tensor) or {rows} (per output channel); block-wise scales are not supported")
+                                 f"(per tensor) or {rows} (per output channel)")
             if kind == "down":   # w2's rows are the hidden size, never split
                 default_weight_loader(param.data[local], loaded)
                 return

@@ -100,6 +100,33 @@ def _fp8_tensors(base: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], t
     return tensors, q.float() * scale
 
 
+def _fp8_block_tensors(base: str, t: torch.Tensor,
+                       block: tuple[int, int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One weight as DeepSeek-V3 / Qwen3-FP8 store it: E4M3 with one absmax scale per block of
+    block[0] x block[1] (edge blocks partial), `weight_scale_inv` the multiplier back. Returns the
+    tensors and the values they hold."""
+    w, (bn, bk) = t.float(), block
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scale_inv = torch.empty(-(-n // bn), -(-k // bk))
+    values = torch.empty(n, k)
+    for i in range(0, n, bn):
+        for j in range(0, k, bk):
+            tile = w[i:i + bn, j:j + bk]
+            s = tile.abs().amax().clamp_min(1e-12) / 448.0
+            q[i:i + bn, j:j + bk] = (tile / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            scale_inv[i // bn, j // bk] = s
+            values[i:i + bn, j:j + bk] = q[i:i + bn, j:j + bk].float() * s
+    return {f"{base}.weight": q, f"{base}.weight_scale_inv": scale_inv}, values
+
+
+def write_fp8_block_checkpoint(src: str, dst: str, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """`src` as a block-scaled FP8 checkpoint (`weight_block_size`, dynamic activations; MoE experts
+    too); returns the values it holds, by HF name."""
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    return write_quantized_checkpoint(src, dst, lambda base, t: _fp8_block_tensors(base, t, block), config)
+
+
 def write_fp8_checkpoint(src: str, dst: str) -> dict[str, torch.Tensor]:
     """An FP8 checkpoint as AutoFP8 / vLLM's `quant_method: fp8` write it: every decoder linear
     E4M3 with one `weight_scale` per tensor and a static `input_scale`; the rest as it was."""

@@ -64,7 +64,7 @@ def test_fp8_moe_checkpoint_matches_hf_on_its_weights(tmp_path, arch, per_channe
 
 def test_expert_scale_loader_takes_per_tensor_per_channel_and_stacked():
     """One value per output row of each expert, whatever the checkpoint's granularity; a scale of any
-    other size (block-wise) is refused naming the layer."""
+    other size is refused naming the layer (block-wise scales arrive per channel: test_fp8.py)."""
     from shardserve.layers.linear import linear_methods
     from shardserve.quantization.config import linear_method_factory
     from shardserve.quantization.fp8 import Fp8Config
@@ -79,7 +79,7 @@ def test_expert_scale_loader_takes_per_tensor_per_channel_and_stacked():
     assert torch.equal(scale.data, stacked)
     layer.weight_loader(layer.w2_weight_scale, torch.tensor([2.0]), (1, "down"))
     assert torch.equal(layer.w2_weight_scale[1], torch.full((16,), 2.0))
-    with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp\.experts: .*block-wise"):
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp\.experts: an expert's gate scale has 3 values"):
         layer.weight_loader(scale, torch.ones(3), (2, "gate"))
 
 
@@ -147,11 +147,27 @@ def test_fp8_experts_sharded_match_one_process(fp8_qwen3_moe, tp, ep):
         assert rank_shapes["model.layers.0.mlp.experts.w2_weight_scale"] == (experts, 96)
 
 
+def test_fp8_block_scaled_moe_checkpoint_matches_hf(tmp_path):
+    """Qwen3-30B-A3B-FP8's layout: experts and dense linears with one scale per 32 x 32 block
+    (`weight_scale_inv`), dequantized as they load and served as plain experts."""
+    from tests.quantization.checkpoints import write_fp8_block_checkpoint
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
+    values = write_fp8_block_checkpoint(src, str(tmp_path / "fp8"), (32, 32))
+    assert any(EXPERT.search(name) for name in values)
+    hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
+    llm = LLM(str(tmp_path / "fp8"), max_logprobs=-1, **KW)
+    assert all(m.quant_method is None and m.w13_weight.dtype == torch.float32 for m in _experts(llm))
+    prompt = random_prompt(9, 40)
+    out = llm.generate([prompt], full_logprob_params())[0]
+    llm.engine.shutdown()
+    assert_matches_hf(out, hf, prompt)
+
+
 def test_unsupported_expert_formats_are_refused(tmp_path):
     path = make_tiny_checkpoint(str(tmp_path / "m"), "qwen3_moe")
     cfg_path = tmp_path / "m" / "config.json"
     cfg = json.loads(cfg_path.read_text())   # (INT4 experts: tests/quantization/test_int4_moe.py)
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e5m2"}
     cfg_path.write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="block-wise scales"):
+    with pytest.raises(ValueError, match="FP8 format 'e5m2' is not supported"):
         LLM(path, **KW)
