@@ -55,10 +55,13 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """E4M3 [N, K] times its block multipliers [ceil(N / bn), ceil(K / bk)] (edge blocks partial) ->
     fp32 [N, K]."""
+    if q.dim() != 2:
+        raise ValueError(f"an FP8 weight with block-wise scales must be a matrix, not {tuple(q.shape)}")
     (n, k), (bn, bk) = q.shape, block
-    if q.dim() != 2 or tuple(scale_inv.shape) != (-(-n // bn), -(-k // bk)):
+    blocks = [-(-n // bn), -(-k // bk)]
+    if list(scale_inv.shape) != blocks:
         raise ValueError(f"an FP8 weight {tuple(q.shape)} with blocks of {list(block)} needs a weight_scale_inv of "
-                         f"{[-(-n // bn), -(-k // bk)]}, not {list(scale_inv.shape)}")
+                         f"{blocks}, not {list(scale_inv.shape)}")
     s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return q.float() * s
 
