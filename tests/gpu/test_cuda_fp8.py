@@ -115,3 +115,29 @@ def test_fp8_model_on_gpu_tracks_hf_on_the_rounded_weights(tmp_path):
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: needs CUDA")
+def test_block_scaled_fp8_checkpoint_runs_in_16_bits_on_gpu(tmp_path):
+    """A block-scaled FP8 checkpoint (Qwen3-FP8's layout) on CUDA: dequantized as it loads, plain bf16
+    layers (no FP8 hardware needed), log-probs within bf16's error of the same values in fp32."""
+    from shardserve import LLM
+    from tests.models.test_parity import full_logprob_params, hf_logprobs, logprob_matrix, random_prompt
+    from tests.quantization.checkpoints import hf_with_weights, write_fp8_block_checkpoint
+    from tests.tiny_models import make_tiny_checkpoint
+    src = make_tiny_checkpoint(str(tmp_path / "llama"), "llama", hidden_size=256, intermediate_size=512)
+    values = write_fp8_block_checkpoint(src, str(tmp_path / "blocks"), (128, 128))
+    hf = hf_with_weights(src, values)
+    llm = LLM(str(tmp_path / "blocks"), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3,
+              show_progress=False, max_logprobs=-1)
+    try:
+        prompt = random_prompt(2, 40)
+        out = llm.generate([prompt], full_logprob_params(max_tokens=1), use_tqdm=False)[0]
+        diff = (logprob_matrix(out.prompt_logprobs[1:]) - hf_logprobs(hf, prompt)[:len(prompt) - 1]).abs().max()
+        assert diff < 0.15, f"block FP8 in bf16 on CUDA is {diff:.3f} from HF in fp32 on its values"
+        assert layer_dtype(llm.engine.executor.worker.model_runner) == torch.bfloat16
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
