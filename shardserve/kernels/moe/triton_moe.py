@@ -164,7 +164,8 @@ def get_config(num_experts: int, inter_size: int, hidden_size: int, num_tokens: 
 
 
 @functools.cache
-def _triton_available() -> bool:
+def triton_available() -> bool:
+    """Whether Triton is installed (the MoE kernels of this package and its siblings need it)."""
     return importlib.util.find_spec("triton") is not None
 
 
@@ -174,7 +175,7 @@ def handles(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | N
     in fp32 on CUDA, whose CUDA graphs the host-synced torch path would break), and Triton installed."""
     fp8 = w13.dtype == torch.float8_e4m3fn and w13_scale is not None and hidden.dtype != torch.float32
     return (hidden.is_cuda and w13.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and (w13.dtype == hidden.dtype or fp8) and _triton_available())
+            and (w13.dtype == hidden.dtype or fp8) and triton_available())
 
 
 def moe_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor | None,

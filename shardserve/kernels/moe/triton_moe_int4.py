@@ -248,7 +248,7 @@ def moe_int4_vec(a: torch.Tensor, b: Int4Experts, c: torch.Tensor, weights: torc
 def handles(hidden: torch.Tensor, w13: Int4Experts) -> bool:
     """CUDA tensors, bf16 / fp16 activations, Triton installed."""
     return (hidden.is_cuda and w13.qweight.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
-            and triton_moe._triton_available())
+            and triton_moe.triton_available())
 
 
 def _block_k(b: Int4Experts, block_k: int, aligned: bool) -> tuple[int, bool]:

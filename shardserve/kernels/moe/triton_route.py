@@ -57,7 +57,7 @@ def _kernel():
 def handles(router_logits: torch.Tensor, top_k: int) -> bool:
     from shardserve.kernels.moe import triton_moe
     return (router_logits.is_cuda and router_logits.dim() == 2 and 0 < top_k <= router_logits.shape[1] <= MAX_EXPERTS
-            and triton_moe._triton_available())
+            and triton_moe.triton_available())
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
