@@ -121,9 +121,10 @@ def add_bench_offline_args(p: argparse.ArgumentParser, latency: bool) -> None:
     p.add_argument("--dtype", default="auto", help="default: %(default)s")
     p.add_argument("--device", default="auto", help="default: %(default)s")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="default: %(default)s")
-    p.add_argument("--quantization", "-q", choices=["fp8", "gptq", "awq"], default=None,
-                   help="fp8: quantize the weights at load; gptq/awq: random INT4 weights of that format (with "
-                   "--random-weights) (default: as the checkpoint stores them)")
+    p.add_argument("--quantization", "-q", choices=["fp8", "gptq", "awq", "fp8-block"], default=None,
+                   help="fp8: quantize the weights at load; gptq/awq: random INT4 weights of that format, fp8-block: "
+                   "random FP8 weights with 128 x 128 block scales (with --random-weights) (default: as the "
+                   "checkpoint stores them)")
     p.add_argument("--enable-expert-parallel", "-ep", action="store_true",
                    help="MoE models: whole experts per TP rank instead of every expert sliced (default: off)")
     p.add_argument("--input-len", type=int, default=32 if latency else 1024, help="default: %(default)s")

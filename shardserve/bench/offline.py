@@ -12,7 +12,8 @@ physical limits measured in the same run:
 With `--random-weights SHAPE` (llama-3-8b, llama-3-70b, qwen3-0.6b, qwen3-8b, or a config.json /
 checkpoint directory) the model is built full size with random weights: no hub, no tokenizer.
 `-q fp8` quantizes them at load; `-q gptq` / `-q awq` make the model an INT4 checkpoint of that
-format instead (group 128, random 4-bit values and zeros, scales 1), as a real one would load. The
+format instead (group 128, random 4-bit values and zeros, scales 1), as a real one would load, and
+`-q fp8-block` an FP8 checkpoint with 128 x 128 block scales (Qwen3-*-FP8's format). The
 roofline counts the bytes each format holds per weight (FP8 1, INT4 1/2 plus its group's scale and
 zero).
 """
@@ -47,22 +48,24 @@ def model_source(ns) -> tuple[str, dict[str, Any], bool]:
             name = os.path.basename(spec.rstrip("/"))
         else:
             config, name = shape_config(spec), spec
-        if getattr(ns, "quantization", None) in INT4_RANDOM:   # the shape as a GPTQ / AWQ checkpoint
-            config = {**config, "quantization_config": INT4_RANDOM[ns.quantization]}
+        if getattr(ns, "quantization", None) in RANDOM_FORMATS:   # the shape as a GPTQ / AWQ / block-FP8 checkpoint
+            config = {**config, "quantization_config": RANDOM_FORMATS[ns.quantization]}
         return write_shape_dir(config, name), config, True
-    if getattr(ns, "quantization", None) in INT4_RANDOM:
-        raise ValueError(f"-q {ns.quantization} makes random INT4 weights (with --random-weights); a GPTQ or AWQ "
-                         "checkpoint is read in its own format without the flag")
+    if getattr(ns, "quantization", None) in RANDOM_FORMATS:
+        raise ValueError(f"-q {ns.quantization} makes random weights of that format (with --random-weights); a "
+                         "quantized checkpoint is read in its own format without the flag")
     from shardserve.models.loader import load_hf_config, resolve_model_path
     path = resolve_model_path(ns.model)
     return path, load_hf_config(path), False
 
 
 INT4_GROUP = 128
-INT4_RANDOM = {   # the quantization_config a random-weight INT4 model carries, as the tools write it
+RANDOM_FORMATS = {   # the quantization_config a random-weight checkpoint of the format carries, as the tools write it
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": INT4_GROUP, "desc_act": False, "sym": True,
              "checkpoint_format": "gptq"},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": INT4_GROUP, "zero_point": True, "version": "gemm"},
+    "fp8-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",   # Qwen3-*-FP8's
+                  "weight_block_size": [128, 128]},
 }
 
 
@@ -73,7 +76,7 @@ def make_llm(ns, path: str, random_weights: bool):
               max_num_batched_tokens=ns.max_num_batched_tokens, seed=ns.seed,
               tensor_parallel_size=ns.tensor_parallel_size, gpu_memory_utilization=ns.gpu_memory_utilization,
               enable_expert_parallel=getattr(ns, "enable_expert_parallel", False),
-              quantization=None if quantization in INT4_RANDOM else quantization,   # INT4: in the config
+              quantization=None if quantization in RANDOM_FORMATS else quantization,   # in the config
               enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
               cpu_offload_gb=getattr(ns, "cpu_offload_gb", 0.0), kv_cache_dtype=getattr(ns, "kv_cache_dtype", "auto"),
               enable_prefix_caching=ns.enable_prefix_caching)
@@ -173,8 +176,9 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
     stored = (config.get("quantization_config") or {}).get("quant_method")
     if stored == "gguf":
         return None, " GGUF weights (bytes as held)"
-    if (requested or stored) == "fp8" and not (config.get("quantization_config") or {}).get("weight_block_size"):
-        return 1.0, " fp8 weights"   # (block-scaled FP8 checkpoints are served in 16 bits: quantization/fp8.py)
+    if (requested or stored) == "fp8":   # block-scaled: a scale per 128 x 128 weights besides (~0.02%)
+        block = (config.get("quantization_config") or {}).get("weight_block_size")
+        return 1.0, f" fp8 weights (blocks of {block[0]} x {block[1]})" if block else " fp8 weights"
     if stored in ("gptq", "awq"):
         from shardserve.quantization.int4 import held_bytes_per_weight
         cfg = config["quantization_config"]

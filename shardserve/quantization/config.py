@@ -46,7 +46,7 @@ def check_device(config: QuantConfig | None, device: torch.device, dtype: torch.
     """Refuse what cannot run, before any process starts."""
     if config is None or device.type != "cuda":
         return
-    if config.name == "fp8" and not config.block:   # (block-scaled checkpoints run in 16 bits: fp8.py)
+    if config.name == "fp8" and not config.block:   # (block-scaled: widened at load where FP8 is missing, fp8_block.py)
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             raise ValueError(f"FP8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper); this one "
@@ -59,7 +59,7 @@ def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
     """The experts' method for a format: FP8, GPTQ / AWQ (INT4) and GGUF have one (GGUF experts of a
     type not kept arrive dequantized, models/gguf_loader.py, and run unquantized). A format without
     one would be refused here, while the model is built, before any weight loads."""
-    if config.name == "fp8":   # block-scaled checkpoints: dequantized as they load, plain experts
+    if config.name == "fp8":   # block-scaled checkpoints' experts: dequantized as they load, plain experts
         return None if config.block else Fp8MoEMethod(config.from_checkpoint)
     if config.name in ("gptq", "awq"):
         return Int4MoEMethod(config)

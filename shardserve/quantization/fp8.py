@@ -15,23 +15,24 @@
   into an ordinary weight of the compute dtype, so every CPU kernel and test runs unchanged on the
   FP8-rounded values (the accuracy of FP8; not its memory saving).
 - Block-wise scales (`weight_block_size`, e.g. [128, 128]: Qwen3-*-FP8, DeepSeek-V3; the weight's
-  `weight_scale_inv` holds one multiplier per block): there is no FP8 kernel with block scales here
-  yet, so each weight is dequantized with its blocks' scales on the CPU as it streams in
-  (`dequantized_blocks`) and the layers load it as a 16-bit model, every device alike: the
-  checkpoint's own values (rounded to bf16), not its memory saving. Rounding them again to one
-  scale per output channel, which the kernels above would run, was measured too coarse: the real
-  SmolLM2 with 128 x 128 blocks went from +1.9% perplexity over bf16 (its block values) to +5.6%.
+  `weight_scale_inv` holds one multiplier per block): the linears keep E4M3 with their block scales
+  (quantization/fp8_block.py). Their MoE experts are dequantized with their blocks' scales on the
+  CPU as they stream in (`dequantized_blocks`) and load as 16-bit experts: no MoE kernel takes block
+  scales yet. Rounding block-scaled weights again to one scale per output channel, which the kernels
+  above would run, was measured too coarse: the real SmolLM2 with 128 x 128 blocks went from +1.9%
+  perplexity over bf16 (its block values) to +5.6%.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from shardserve.kernels.quant import triton_fp8_gemv, triton_fp8_quant
 from shardserve.layers.linear import LinearBase, LinearMethod, linear
+from shardserve.quantization.fp8_block import Fp8BlockLinearMethod
 
 logger = logging.getLogger("shardserve")
 
@@ -66,16 +67,17 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
     return q.float() * s
 
 
-def dequantized_blocks(weights: Iterator[tuple[str, torch.Tensor]],
-                       block: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A checkpoint's tensors with each E4M3 `X.weight` and its `X.weight_scale_inv` (in either
-    order, anywhere in the stream) replaced by the dequantized fp32 `X.weight`; the rest as they come."""
+def dequantized_blocks(weights: Iterator[tuple[str, torch.Tensor]], block: tuple[int, int],
+                       select: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors with each E4M3 `X.weight` that `select`s (by that name) and its
+    `X.weight_scale_inv` (in either order, anywhere in the stream) replaced by the dequantized fp32
+    `X.weight`; the rest as they come."""
     waiting: dict[str, torch.Tensor] = {}   # a weight without its scale yet, or a scale without its weight
     for name, t in weights:
-        if name.endswith(".weight_scale_inv"):
+        if name.endswith(".weight_scale_inv") and select(name[:-len("_scale_inv")]):
             weight_name, scale = name[:-len("_scale_inv")], t
             q = waiting.pop(weight_name, None)
-        elif name.endswith(".weight") and t.dtype == FP8:
+        elif name.endswith(".weight") and t.dtype == FP8 and select(name):
             weight_name, q = name, t
             scale = waiting.pop(name + "_scale_inv", None)
         else:
@@ -95,7 +97,7 @@ class Fp8Config:
 
     def __init__(self, from_checkpoint: bool, block: tuple[int, int] | None = None) -> None:
         self.from_checkpoint = from_checkpoint   # weights stored as FP8 (else quantized after loading)
-        self.block = block                       # a block-scaled checkpoint's block: served dequantized
+        self.block = block                       # a block-scaled checkpoint's [rows, inputs] block
 
     @classmethod
     def from_quantization_config(cls, cfg: dict[str, Any]) -> "Fp8Config":
@@ -110,17 +112,18 @@ class Fp8Config:
             return cls(from_checkpoint=False, block=(block[0], block[1]))
         return cls(from_checkpoint=True)
 
-    def checkpoint_tensors(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors as the layers load them: block-scaled weights dequantized."""
+    def checkpoint_tensors(self, weights: Iterator[tuple[str, torch.Tensor]],
+                           is_expert: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors as the layers load them: block-scaled MoE experts dequantized."""
         if not self.block:
             return weights
-        logger.info("FP8 checkpoint with block-wise scales (weight_block_size %s): weights dequantized as they load "
-                    "and served in 16 bits (no FP8 kernel with block scales yet: memory as the 16-bit model)",
+        logger.info("FP8 checkpoint with block-wise scales (weight_block_size %s): linears kept in FP8 with their "
+                    "block scales; MoE experts, if any, dequantized as they load and served in 16 bits",
                     list(self.block))
-        return dequantized_blocks(weights, self.block)
+        return dequantized_blocks(weights, self.block, is_expert)
 
-    def linear_method(self, layer: LinearBase) -> LinearMethod | None:
-        return None if self.block else Fp8LinearMethod(self.from_checkpoint)   # blocks: plain 16-bit layers
+    def linear_method(self, layer: LinearBase) -> LinearMethod:
+        return Fp8BlockLinearMethod(self.block) if self.block else Fp8LinearMethod(self.from_checkpoint)
 
 
 class Fp8LinearMethod(LinearMethod):

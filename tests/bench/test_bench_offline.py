@@ -92,3 +92,15 @@ def test_profile_writes_a_trace_per_worker(tmp_path, capsys, monkeypatch):
     printed = [line.split(": ", 1)[1].split(" (")[0] for line in capsys.readouterr().out.splitlines()
                if line.startswith("profile trace: ")]
     assert printed == json.loads(out.read_text())["profile_traces"] and os.path.getsize(printed[0]) > 0
+
+
+def test_latency_with_random_block_fp8_weights(tmp_path, capsys):
+    """`-q fp8-block`: the shape as a block-scaled FP8 checkpoint (Qwen3-FP8's format), loaded as one
+    (on the CPU widened after loading), its roofline counting FP8's byte per weight."""
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama")
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--random-weights", path, "-q", "fp8-block", "--batch-size", "1", "--input-len",
+                 "8", "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0", "--kv-cache-memory", "16MiB",
+                 "--output-json", str(out)]) == 0
+    assert "fp8 weights (blocks of 128 x 128)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["decode_step_ms"] > 0

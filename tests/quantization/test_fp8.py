@@ -64,11 +64,11 @@ def test_fp8_checkpoint_matches_hf_on_its_weights(tmp_path, tp):
     llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("block,tp", [((32, 32), 1), ((64, 64), 1), ((32, 32), 2)])
+@pytest.mark.parametrize("block,tp", [((32, 32), 1), ((64, 64), 1), ((32, 16), 2)])
 def test_fp8_block_scaled_checkpoint_matches_hf(tmp_path, block, tp):
-    """`weight_block_size` (Qwen3-FP8, DeepSeek-V3): each weight dequantized with its blocks' scales
-    as it streams in and served as a plain layer, the checkpoint's own values (64 x 64 leaves
-    partial edge blocks on the tiny model's 96- and 192-wide matrices; TP=2 cuts blocks)."""
+    """`weight_block_size` (Qwen3-FP8, DeepSeek-V3): the checkpoint's own values q * s (64 x 64
+    leaves partial edge blocks on the tiny model's 96- and 192-wide matrices; at TP=2 each rank's
+    48 rows of q / o cut a block of 32 rows, and k / v's parts start inside one)."""
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
     hf = hf_with_weights(src, write_fp8_block_checkpoint(src, str(tmp_path / "fp8"), block))
     llm = LLM(str(tmp_path / "fp8"), kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1,
@@ -76,6 +76,15 @@ def test_fp8_block_scaled_checkpoint_matches_hf(tmp_path, block, tp):
     prompt = random_prompt(7, 40)
     assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
     llm.engine.shutdown()
+
+
+def test_fp8_block_scaled_checkpoint_refuses_a_tp_that_cuts_input_blocks(tmp_path):
+    """At TP=2, o_proj and down_proj's 96 and 192 inputs give each rank 48 and 96: blocks of 32
+    inputs would be cut in two (vLLM refuses these too)."""
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    write_fp8_block_checkpoint(src, str(tmp_path / "fp8"), (32, 32))
+    with pytest.raises(Exception, match="not a multiple of the checkpoint's FP8 blocks of 32"):
+        LLM(str(tmp_path / "fp8"), kv_cache_memory="16MiB", show_progress=False, tensor_parallel_size=2)
 
 
 def test_fp8_block_scaled_weights_pair_with_their_scales_in_any_order():

@@ -51,3 +51,11 @@ def gguf_weight(parts: list[tuple[slice, gguf_layout.GgufPlanes | gguf_layout.In
         else:
             w[at] = gguf_layout.dequantize(part).to(dtype)
     return w
+
+
+def fp8_block_weight(weight: torch.Tensor, scales: torch.Tensor, scale_row: torch.Tensor, block_k: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """E4M3 [N, K] with block scales (kernels/quant/triton_fp8_block.py's layout: `scales` [R, ceil(K /
+    block_k)], `scale_row` [N]) -> the weight in `dtype`, computed in fp32 and rounded once."""
+    per_input = scales.float().index_select(0, scale_row.long().to(scales.device))
+    return (weight.float() * per_input.repeat_interleave(block_k, 1)[:, :weight.shape[1]]).to(dtype)

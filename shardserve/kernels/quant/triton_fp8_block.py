@@ -1,0 +1,202 @@
+"""FP8 (E4M3) weights with block-wise scales (a multiplier per block of BN output rows x BK inputs,
+as Qwen3-*-FP8 and DeepSeek-V3 store them: `weight_block_size`, `weight_scale_inv`), in Triton for
+CUDA. quantization/fp8_block.py keeps the weight E4M3 [N, K] and the scales compact: `scales`
+[R, ceil(K / BK)] fp32 and `scale_row` int32 [N], the scale row of each output row (a lookup rather
+than row // BN, so fused parts and tensor-parallel shards need not start on a block boundary).
+
+- `gemv_runs` (1-4 rows, a decode batch): kernels/quant/triton_fp8_gemv.py's "runs" loop (a step's
+  K range cut into 8 runs of C inputs on the tensor cores, the tile's columns runs x rows) with each
+  run's product multiplied by its rows' scales for that run's block before it is kept: C divides BK,
+  so a run lies in one block. Split-K for layers with few output strips.
+- `gemv_dot` (5-16 rows): the rows as one fp16 tensor-core tile of 16, BLOCK_K inputs a step
+  (dividing BK), each step's product scaled the same way.
+- `dequantize`: the whole weight into bf16/fp16 (q * s in fp32, rounded once: the values the
+  16-bit path loads), for cuBLAS on prefill-sized row counts.
+The GEMVs widen the weights to fp16 exactly and keep the activations 16-bit (W8A16: no per-token
+rounding); bf16 activations are clamped to fp16's range on the way, as the per-channel kernels do.
+The gated forms compute silu(x Wg^T) * (x Wu^T) for a stacked gate_up weight in one pass.
+"""
+from __future__ import annotations
+
+import torch
+
+from shardserve.kernels import pdl
+from shardserve.kernels.quant import splitk
+from shardserve.utils import cdiv
+
+RUNS_ROWS = 4    # the runs loop: up to 4 rows (32 columns)
+MAX_ROWS = 16    # the dot loop: one tile of 16 rows
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # CPU-only installs launch no Triton kernels
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def block_runs_step(y, w_rows, s_rows, X, k0, k, col_ok, lanes, j, C: tl.constexpr, BK: tl.constexpr):
+        """y += the 8 runs of C inputs at k0 against X [C, COLS] (fp16), each product times its rows'
+        scales for its block and kept in its own columns."""
+        out = y
+        for a in tl.static_range(8):
+            ka = k0 + a * C
+            w = tl.load(w_rows + ka, mask=col_ok[:, None] & (ka + j < k)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            s = tl.load(s_rows + tl.minimum(ka, k - 1) // BK, mask=col_ok, other=0.0)   # past K: w is 0
+            part = tl.dot(w.to(tl.float16), X) * s[:, None]
+            out += tl.where(lanes[None, :] == a, part, 0.0)
+        return out
+
+    @triton.jit
+    def fp8_block_runs_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, stride_x,
+                              stride_w, stride_s, stride_o, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                              C: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              GATED: tl.constexpr, PDL: tl.constexpr):
+        pdl.start(PDL)
+        COLS: tl.constexpr = 16 if 8 * ROWS < 16 else 8 * ROWS   # a tensor-core tile is 16 wide at least
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        j = tl.arange(0, C)
+        c = tl.arange(0, COLS)
+        lanes = c // ROWS                    # column c: run c // ROWS (8 and up: padding), row c % ROWS
+        c_row = c % ROWS
+        x_k = (C * lanes)[None, :] + j[:, None]                          # [C, COLS]: input - k0
+        x_cols = x_ptr + c_row[None, :] * stride_x + x_k
+        x_ok = (c_row < rows)[None, :] & (lanes < 8)[None, :]
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w + j[None, :]
+        w_up = w_ptr + (n + cols[:, None]).to(tl.int64) * stride_w + j[None, :]
+        s_rows = s_ptr + tl.load(srow_ptr + cols, mask=col_ok, other=0) * stride_s
+        s_up = s_rows
+        if GATED:
+            s_up = s_ptr + tl.load(srow_ptr + n + cols, mask=col_ok, other=0) * stride_s
+        steps = tl.cdiv(k, 8 * C)
+        per = tl.cdiv(steps, SPLIT)
+        first = tl.program_id(1) * per
+        last = tl.minimum(first + per, steps)
+        y = tl.zeros([BLOCK_N, COLS], tl.float32)
+        y_up = tl.zeros([BLOCK_N, COLS], tl.float32)
+        for st in range(first, last):
+            k0 = st * 8 * C
+            X = tl.load(x_cols + k0, mask=x_ok & (k0 + x_k < k), other=0.0)
+            X = tl.clamp(X.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            y = block_runs_step(y, w_rows, s_rows, X, k0, k, col_ok, lanes, j, C, BK)
+            if GATED:
+                y_up = block_runs_step(y_up, w_up, s_up, X, k0, k, col_ok, lanes, j, C, BK)
+        pdl.release(PDL)
+        r = tl.arange(0, ROWS)
+        y = tl.sum(tl.reshape(y, [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
+        y_up = tl.sum(tl.reshape(y_up, [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
+        splitk.reduce_and_finish(y, y_up, ws_ptr, cnt_ptr, n, out_ptr, b_ptr, cols, col_ok, r, rows, stride_o,
+                                 SPLIT, HAS_BIAS, GATED)
+
+    @triton.jit
+    def fp8_block_dot_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stride_w, stride_s,
+                             stride_o, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BK: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+        pdl.start(PDL)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        m = tl.arange(0, 16)
+        kk = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :]
+        w_up = w_ptr + (n + cols[:, None]).to(tl.int64) * stride_w + kk[None, :]
+        s_rows = s_ptr + tl.load(srow_ptr + cols, mask=col_ok, other=0) * stride_s
+        s_up = s_rows
+        if GATED:
+            s_up = s_ptr + tl.load(srow_ptr + n + cols, mask=col_ok, other=0) * stride_s
+        y = tl.zeros([BLOCK_N, 16], tl.float32)
+        y_up = tl.zeros([BLOCK_N, 16], tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            k_ok = (k0 + kk) < k
+            x = tl.load(x_ptr + m[None, :] * stride_x + (k0 + kk)[:, None], mask=(m[None, :] < rows) & k_ok[:, None],
+                        other=0.0)                                                              # [K, 16]
+            x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            w = tl.load(w_rows + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            s = tl.load(s_rows + k0 // BK, mask=col_ok, other=0.0)
+            y += tl.dot(w.to(tl.float16), x) * s[:, None]
+            if GATED:
+                w_u = tl.load(w_up + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                s_u = tl.load(s_up + k0 // BK, mask=col_ok, other=0.0)
+                y_up += tl.dot(w_u.to(tl.float16), x) * s_u[:, None]
+        splitk.finish(y, y_up, out_ptr, b_ptr, cols, col_ok, m, rows, stride_o, HAS_BIAS, GATED)
+
+    @triton.jit
+    def fp8_block_dequantize_kernel(w_ptr, s_ptr, srow_ptr, out_ptr, n, k, stride_s, BK: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl.start(PDL)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        col_ok = cols < n
+        ok = col_ok[:, None] & (kk < k)[None, :]
+        offs = cols[:, None].to(tl.int64) * k + kk[None, :]
+        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        srow = tl.load(srow_ptr + cols, mask=col_ok, other=0)
+        s = tl.load(s_ptr + srow[:, None] * stride_s + (kk // BK)[None, :], mask=ok, other=0.0)
+        tl.store(out_ptr + offs, (w * s).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def run_length(block_k: int, default: int = 128) -> int | None:
+    """The runs loop's C for blocks of `block_k` inputs: at most `default`, dividing block_k, 16 or
+    more (a tensor-core product's depth); None where no such length exists."""
+    c = min(default, block_k)
+    return c if c >= 16 and block_k % c == 0 and c & (c - 1) == 0 else None
+
+
+def handles(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
+    """A CUDA bf16/fp16 activation of 1-16 rows against a contiguous E4M3 weight whose blocks the
+    GEMVs can walk (see run_length)."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(-1) == 1 and weight.dtype == torch.float8_e4m3fn and weight.is_contiguous()
+            and run_length(block_k) is not None)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, scale_row: torch.Tensor, block_k: int,
+         bias: torch.Tensor | None = None, gated: bool = False, tiles: tuple | None = None) -> torch.Tensor:
+    """x [rows <= 16, K] @ W^T (+ bias), W[i, j] = weight[i, j] * scales[scale_row[i], j // block_k];
+    gated: weight and scale_row stack gate then up rows ([2 * n, K], [2 * n]) and the result is
+    silu(gate) * up [rows, n]. tiles: ("runs", BLOCK_N, C, warps, stages, SPLIT) or ("dot", BLOCK_N,
+    BLOCK_K, warps, stages); default by row count."""
+    if gated and bias is not None:
+        raise ValueError("the gated form takes no bias")
+    rows, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    if tiles is None:
+        run = run_length(block_k)
+        tiles = (("runs", 32, run, 2, 3, 1 if n >= 8192 else 2) if rows <= RUNS_ROWS
+                 else ("dot", 32, min(run, 128), 4, 4))
+    loop, block_n, step, warps, stages, *split = tiles
+    if block_k % step:
+        raise ValueError(f"a step of {step} inputs must divide the scale blocks' {block_k}")
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    bias_arg = bias if bias is not None else scales
+    if loop == "dot":
+        fp8_block_dot_kernel[(cdiv(n, block_n),)](
+            x, weight, scales, scale_row, bias_arg, out, rows, n, k, x.stride(0), weight.stride(0), scales.stride(0),
+            out.stride(0), BLOCK_N=block_n, BLOCK_K=step, BK=block_k, HAS_BIAS=bias is not None, GATED=gated,
+            num_warps=warps, num_stages=stages, **pdl.launch_args(x))
+        return out
+    if rows > RUNS_ROWS:
+        raise ValueError(f"the runs loop takes up to {RUNS_ROWS} rows, not {rows}")
+    split = max(1, min(split[0] if split else 1, cdiv(k, 8 * step)))
+    padded = max(1, 1 << (rows - 1).bit_length())
+    grid = (cdiv(n, block_n), split)
+    ws, counters = splitk.buffers(x.device, split * padded * 2 * n, grid[0])
+    fp8_block_runs_kernel[grid](
+        x, weight, scales, scale_row, bias_arg, out, ws, counters, rows, n, k, x.stride(0), weight.stride(0),
+        scales.stride(0), out.stride(0), ROWS=padded, BLOCK_N=block_n, C=step, BK=block_k, SPLIT=split,
+        HAS_BIAS=bias is not None, GATED=gated, num_warps=warps, num_stages=stages, **pdl.launch_args(x, late=True))
+    return out
+
+
+def dequantize(weight: torch.Tensor, scales: torch.Tensor, scale_row: torch.Tensor, block_k: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in `dtype`: weight * its block's scale in fp32, rounded once."""
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    block_n, block_kk = 32, 128
+    fp8_block_dequantize_kernel[(cdiv(n, block_n), cdiv(k, block_kk))](
+        weight, scales, scale_row, out, n, k, scales.stride(0), BK=block_k, BLOCK_N=block_n, BLOCK_K=block_kk,
+        num_warps=4, **pdl.launch_args(weight))
+    return out
+

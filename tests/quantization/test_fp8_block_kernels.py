@@ -1,0 +1,67 @@
+"""FP8 weights with block-wise scales as CUDA keeps them (quantization/fp8_block.py): the compact
+scales point every output row at its own, and the Triton kernels (kernels/quant/triton_fp8_block.py)
+run under Triton's interpreter on the CPU (TRITON_INTERPRET=1, in a subprocess) against
+dequantize-then-matmul, so their index arithmetic is checked on every CI run; tests/gpu runs them
+compiled."""
+from __future__ import annotations
+
+import torch
+
+from shardserve.quantization.fp8 import FP8
+from shardserve.quantization.fp8_block import compact_scale_rows
+from tests.triton_interpreter import run_interpreted
+
+
+def _block_weight(n: int, k: int, block: tuple[int, int], seed: int, parts: tuple[int, ...] = ()):
+    """(E4M3 [n, k], scales spread one row per output row [n, ceil(k / bk)]) for a layer whose fused
+    parts (row counts; default one part) each start a fresh grid of blocks, as loading lays them out."""
+    gen = torch.Generator().manual_seed(seed)
+    bn, bk = block
+    q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(FP8)
+    rows = []
+    for size in parts or (n,):
+        grid = torch.rand(-(-size // bn), -(-k // bk), generator=gen) * 0.02 + 0.001
+        rows.append(grid.repeat_interleave(bn, 0)[:size])
+    return q, torch.cat(rows)
+
+
+def test_compact_scales_give_every_row_its_own():
+    q, rows = _block_weight(100, 70, (32, 16), 0, parts=(40, 24, 36))   # parts start inside blocks
+    scales, scale_row = compact_scale_rows(rows)
+    assert scale_row.dtype == torch.int32 and scale_row.shape == (100,)
+    assert torch.equal(scales[scale_row.long()], rows)
+    assert scales.shape[0] == 2 + 1 + 2   # ceil(40 / 32) + ceil(24 / 32) + ceil(36 / 32)
+
+
+def check_kernels() -> None:
+    """Under TRITON_INTERPRET=1: both GEMV loops (plain, bias, gated, split-K) and the dequantize
+    kernel against the fp32 reference, on partial edge blocks and K past the last step."""
+    from shardserve.kernels.quant import reference, triton_fp8_block
+    for (n, k, block, parts) in [(72, 200, (32, 32), (40, 32)), (48, 256, (16, 128), ())]:
+        q, rows = _block_weight(2 * n, k, block, 1, parts=parts + parts if parts else ())
+        scales, scale_row = compact_scale_rows(rows)
+        bk = block[1]
+        w = reference.fp8_block_weight(q, scales, scale_row, bk, torch.float32)
+        assert torch.equal(triton_fp8_block.dequantize(q, scales, scale_row, bk, torch.float32), w)
+        bias = torch.randn(2 * n).half()
+        for rows_in in (1, 3, 5, 16):
+            # fp16 (the interpreter has no bf16 arithmetic)
+            x = torch.randn(rows_in, k).half()
+            want = torch.nn.functional.linear(x.float(), w, bias.float())
+            run = triton_fp8_block.run_length(bk)
+            loops = [("dot", 16, run, 4, 2)]
+            if rows_in <= triton_fp8_block.RUNS_ROWS:
+                loops += [("runs", 16, run, 2, 2, 1), ("runs", 32, 16, 2, 2, 3)]
+            for tiles in loops:
+                got = triton_fp8_block.gemv(x, q, scales, scale_row, bk, bias, tiles=tiles).float()
+                err = ((got - want).norm() / want.norm()).item()
+                assert err < 2e-3, (n, k, block, rows_in, tiles, err)
+                gated = triton_fp8_block.gemv(x, q, scales, scale_row, bk, gated=True, tiles=tiles).float()
+                y = torch.nn.functional.linear(x.float(), w).half().float()
+                ref = (torch.nn.functional.silu(y[:, :n]).half().float() * y[:, n:]).half().float()
+                err = ((gated - ref).norm() / ref.norm()).item()
+                assert err < 5e-3, ("gated", n, k, block, rows_in, tiles, err)
+
+
+def test_kernels_under_the_interpreter():
+    run_interpreted("tests.quantization.test_fp8_block_kernels", "check_kernels")
