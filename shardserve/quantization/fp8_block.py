@@ -8,10 +8,10 @@ multiplier per block of BN output rows x BK inputs (edge blocks partial).
   (its inputs per rank a multiple of BK), or the layer is refused when it is built.
 - CUDA (compute capability 8.9+): the weight stays E4M3 (half the bytes of bf16) and the scales
   compact again: `weight_scale_inv` [R, ceil(K / BK)] holds the distinct consecutive rows and
-  `scale_row` [N] points each output row at its own (kernels/quant/triton_fp8_block.py). 1-16 rows
-  (decode) run on its GEMVs, widening the weights in registers against the 16-bit activations
-  (W8A16), gate_up with its SiLU-and-mul in the same kernel; more rows dequantize the layer's weight
-  into a 16-bit temporary for cuBLAS (the prefill path; no block-scaled FP8 matmul here yet).
+  `scale_row` [N] points each output row at its own (kernels/quant/triton_fp8_block.py). Its Triton
+  kernels widen the weights in registers against the 16-bit activations (W8A16), gate_up with its
+  SiLU-and-mul in the same kernel: a GEMV for decode batches, output tiles for prefill chunks up
+  to 4096 rows; more rows dequantize the layer's weight into a 16-bit temporary for cuBLAS.
 - Elsewhere (the CPU, older GPUs): the weight is widened once after loading into the layer's dtype
   (q * s in fp32, rounded once), so every CPU kernel runs unchanged on the checkpoint's values.
 - MoE experts of such a checkpoint are dequantized as they stream in and run as 16-bit experts
@@ -82,8 +82,9 @@ class Fp8BlockLinearMethod(LinearMethod):
             return linear(x, layer.weight, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if tuned.ENABLED and triton_fp8_block.handles(x2, layer.weight, self.block_k):   # a decode batch
-            out = triton_fp8_block.gemv(x2, layer.weight, layer.weight_scale_inv, layer.scale_row, self.block_k, bias)
+        if tuned.ENABLED and triton_fp8_block.handles(x2, layer.weight, self.block_k):
+            out = triton_fp8_block.matmul(x2, layer.weight, layer.weight_scale_inv, layer.scale_row, self.block_k,
+                                          bias)
         else:
             out = F.linear(x2, self._dense(layer, x.dtype), bias)
         return out.view(*shape[:-1], out.shape[-1])
@@ -92,8 +93,8 @@ class Fp8BlockLinearMethod(LinearMethod):
         if (layer.weight.dtype != FP8 or x.dim() != 2 or not tuned.ENABLED
                 or not triton_fp8_block.handles(x, layer.weight, self.block_k)):
             return None
-        return triton_fp8_block.gemv(x, layer.weight, layer.weight_scale_inv, layer.scale_row, self.block_k,
-                                     gated=True)
+        return triton_fp8_block.matmul(x, layer.weight, layer.weight_scale_inv, layer.scale_row, self.block_k,
+                                       gated=True)
 
     def stack_linear(self, layer: LinearBase, gated: bool) -> StackLinear | None:
         """Widened on the CPU, the layer is a plain one to the one-call decoder stack."""

@@ -169,14 +169,14 @@ def test_int4_layout_round_trip_on_the_gpu():
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
                     reason="E4M3 tensors need compute capability 8.9+")
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 40])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 40, 300])
 @pytest.mark.parametrize("n,k,gated,bias", [(6144, 4096, False, False), (4096, 14336, False, False),
                                             (14336, 4096, True, False), (1000, 904, False, True),
                                             (328, 200, True, False)])
 def test_fp8_block_kernels_match_dequantized_reference(rows, n, k, gated, bias):
     """Block-scaled FP8 (kernels/quant/triton_fp8_block.py, 128 x 128 blocks, partial at the edges):
-    both GEMV loops up to 16 rows (split-K twice in a row: the counters reset), the dequantize
-    kernel for more rows, as quantization/fp8_block.py runs them."""
+    the runs GEMV up to 4 rows (split-K twice in a row: the counters reset), output tiles for any
+    row count, the dequantize kernel that cuBLAS gets past 4096 rows."""
     from shardserve.kernels.quant import triton_fp8_block
     from shardserve.quantization.fp8_block import compact_scale_rows
     torch.manual_seed(rows * 7 + k)
@@ -188,15 +188,13 @@ def test_fp8_block_kernels_match_dequantized_reference(rows, n, k, gated, bias):
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     dense = reference.fp8_block_weight(w, scales, scale_row, 128, torch.float32)
     want = reference.matmul(x.float(), dense, b.float() if b is not None else None, gated)
-    if rows > triton_fp8_block.MAX_ROWS:
-        assert not triton_fp8_block.handles(x, w, 128)
-        got = triton_fp8_block.dequantize(w, scales, scale_row, 128, torch.bfloat16)
-        assert torch.equal(got, dense.to(torch.bfloat16))
-        return
     assert triton_fp8_block.handles(x, w, 128)
-    tiles = [None, ("dot", 64, 128, 4, 3)]
+    assert not triton_fp8_block.handles(x.new_empty(triton_fp8_block.DOT_ROWS + 1, k), w, 128)
+    assert torch.equal(triton_fp8_block.dequantize(w, scales, scale_row, 128, torch.bfloat16),
+                       dense.to(torch.bfloat16))
+    tiles = [None, ("dot", 16, 64, 128, 4, 3), ("dot", 64, 128, 64, 4, 3)]
     if rows <= triton_fp8_block.RUNS_ROWS:
         tiles += [("runs", 16, 128, 1, 3, 3), ("runs", 64, 64, 4, 3, 2)]
     for t in tiles:
         for _ in range(2):
-            _close(triton_fp8_block.gemv(x, w, scales, scale_row, 128, b, gated, tiles=t), want, rows, n)
+            _close(triton_fp8_block.matmul(x, w, scales, scale_row, 128, b, gated, tiles=t), want, rows, n)

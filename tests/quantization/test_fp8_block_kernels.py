@@ -34,8 +34,9 @@ def test_compact_scales_give_every_row_its_own():
 
 
 def check_kernels() -> None:
-    """Under TRITON_INTERPRET=1: both GEMV loops (plain, bias, gated, split-K) and the dequantize
-    kernel against the fp32 reference, on partial edge blocks and K past the last step."""
+    """Under TRITON_INTERPRET=1: both loops (the runs GEMV with split-K; output tiles of 16 and 32
+    rows, several along the rows), plain, with a bias and gated, and the dequantize kernel, against
+    the fp32 reference, on partial edge blocks and K past the last step."""
     from shardserve.kernels.quant import reference, triton_fp8_block
     for (n, k, block, parts) in [(72, 200, (32, 32), (40, 32)), (48, 256, (16, 128), ())]:
         q, rows = _block_weight(2 * n, k, block, 1, parts=parts + parts if parts else ())
@@ -44,19 +45,19 @@ def check_kernels() -> None:
         w = reference.fp8_block_weight(q, scales, scale_row, bk, torch.float32)
         assert torch.equal(triton_fp8_block.dequantize(q, scales, scale_row, bk, torch.float32), w)
         bias = torch.randn(2 * n).half()
-        for rows_in in (1, 3, 5, 16):
+        for rows_in in (1, 3, 5, 16, 40):
             # fp16 (the interpreter has no bf16 arithmetic)
             x = torch.randn(rows_in, k).half()
             want = torch.nn.functional.linear(x.float(), w, bias.float())
             run = triton_fp8_block.run_length(bk)
-            loops = [("dot", 16, run, 4, 2)]
+            loops = [("dot", 16, 16, run, 4, 2), ("dot", 32, 64, 16, 4, 2)]
             if rows_in <= triton_fp8_block.RUNS_ROWS:
                 loops += [("runs", 16, run, 2, 2, 1), ("runs", 32, 16, 2, 2, 3)]
             for tiles in loops:
-                got = triton_fp8_block.gemv(x, q, scales, scale_row, bk, bias, tiles=tiles).float()
+                got = triton_fp8_block.matmul(x, q, scales, scale_row, bk, bias, tiles=tiles).float()
                 err = ((got - want).norm() / want.norm()).item()
                 assert err < 2e-3, (n, k, block, rows_in, tiles, err)
-                gated = triton_fp8_block.gemv(x, q, scales, scale_row, bk, gated=True, tiles=tiles).float()
+                gated = triton_fp8_block.matmul(x, q, scales, scale_row, bk, gated=True, tiles=tiles).float()
                 y = torch.nn.functional.linear(x.float(), w).half().float()
                 ref = (torch.nn.functional.silu(y[:, :n]).half().float() * y[:, n:]).half().float()
                 err = ((gated - ref).norm() / ref.norm()).item()

@@ -4,15 +4,17 @@ CUDA. quantization/fp8_block.py keeps the weight E4M3 [N, K] and the scales comp
 [R, ceil(K / BK)] fp32 and `scale_row` int32 [N], the scale row of each output row (a lookup rather
 than row // BN, so fused parts and tensor-parallel shards need not start on a block boundary).
 
-- `gemv_runs` (1-4 rows, a decode batch): kernels/quant/triton_fp8_gemv.py's "runs" loop (a step's
+- "runs" (1-4 rows, a decode batch): kernels/quant/triton_fp8_gemv.py's "runs" loop (a step's
   K range cut into 8 runs of C inputs on the tensor cores, the tile's columns runs x rows) with each
   run's product multiplied by its rows' scales for that run's block before it is kept: C divides BK,
   so a run lies in one block. Split-K for layers with few output strips.
-- `gemv_dot` (5-16 rows): the rows as one fp16 tensor-core tile of 16, BLOCK_K inputs a step
-  (dividing BK), each step's product scaled the same way.
+- "dot" (more rows): output tiles of BLOCK_N features x BLOCK_M rows over a 2-D grid, fp16 tensor-core
+  products of BLOCK_K inputs a step (dividing BK), each step's product scaled the same way: one
+  tile of 16 rows for a decode batch, wider tiles for prefill chunks (the weight read once per
+  tile of rows, never widened in memory).
 - `dequantize`: the whole weight into bf16/fp16 (q * s in fp32, rounded once: the values the
-  16-bit path loads), for cuBLAS on prefill-sized row counts.
-The GEMVs widen the weights to fp16 exactly and keep the activations 16-bit (W8A16: no per-token
+  16-bit path loads), for cuBLAS on the largest row counts.
+The kernels widen the weights to fp16 exactly and keep the activations 16-bit (W8A16: no per-token
 rounding); bf16 activations are clamped to fp16's range on the way, as the per-channel kernels do.
 The gated forms compute silu(x Wg^T) * (x Wu^T) for a stacked gate_up weight in one pass.
 """
@@ -25,7 +27,8 @@ from shardserve.kernels.quant import splitk
 from shardserve.utils import cdiv
 
 RUNS_ROWS = 4    # the runs loop: up to 4 rows (32 columns)
-MAX_ROWS = 16    # the dot loop: one tile of 16 rows
+MAX_ROWS = 16    # a decode batch: one tile of 16 rows
+DOT_ROWS = 4096  # the dot loop up to here; more rows: dequantize, then cuBLAS
 
 try:
     import triton
@@ -92,12 +95,12 @@ if triton is not None:
 
     @triton.jit
     def fp8_block_dot_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stride_w, stride_s,
-                             stride_o, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BK: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                             stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             BK: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
         pdl.start(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n
-        m = tl.arange(0, 16)
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :]
         w_up = w_ptr + (n + cols[:, None]).to(tl.int64) * stride_w + kk[None, :]
@@ -105,12 +108,12 @@ if triton is not None:
         s_up = s_rows
         if GATED:
             s_up = s_ptr + tl.load(srow_ptr + n + cols, mask=col_ok, other=0) * stride_s
-        y = tl.zeros([BLOCK_N, 16], tl.float32)
-        y_up = tl.zeros([BLOCK_N, 16], tl.float32)
+        y = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        y_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        x_rows = x_ptr + m[None, :].to(tl.int64) * stride_x
         for k0 in range(0, k, BLOCK_K):
             k_ok = (k0 + kk) < k
-            x = tl.load(x_ptr + m[None, :] * stride_x + (k0 + kk)[:, None], mask=(m[None, :] < rows) & k_ok[:, None],
-                        other=0.0)                                                              # [K, 16]
+            x = tl.load(x_rows + (k0 + kk)[:, None], mask=(m[None, :] < rows) & k_ok[:, None], other=0.0)   # [K, M]
             x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
             w = tl.load(w_rows + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             s = tl.load(s_rows + k0 // BK, mask=col_ok, other=0.0)
@@ -144,41 +147,50 @@ def run_length(block_k: int, default: int = 128) -> int | None:
 
 
 def handles(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
-    """A CUDA bf16/fp16 activation of 1-16 rows against a contiguous E4M3 weight whose blocks the
-    GEMVs can walk (see run_length)."""
-    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+    """A CUDA bf16/fp16 activation of 1-DOT_ROWS rows against a contiguous E4M3 weight whose blocks
+    the kernels can walk (see run_length); more rows: `dequantize` and cuBLAS."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= DOT_ROWS and x.dtype in (torch.bfloat16, torch.float16)
             and x.stride(-1) == 1 and weight.dtype == torch.float8_e4m3fn and weight.is_contiguous()
             and run_length(block_k) is not None)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, scale_row: torch.Tensor, block_k: int,
-         bias: torch.Tensor | None = None, gated: bool = False, tiles: tuple | None = None) -> torch.Tensor:
-    """x [rows <= 16, K] @ W^T (+ bias), W[i, j] = weight[i, j] * scales[scale_row[i], j // block_k];
+def default_tiles(rows: int, n: int, block_k: int) -> tuple:
+    run = run_length(block_k)
+    if rows <= RUNS_ROWS:
+        return "runs", 32, run, 2, 3, 1 if n >= 8192 else 2
+    if rows <= MAX_ROWS:
+        return "dot", 16, 32, min(run, 128), 4, 4
+    return "dot", 64, 128, min(run, 64), 4, 3
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, scale_row: torch.Tensor, block_k: int,
+           bias: torch.Tensor | None = None, gated: bool = False, tiles: tuple | None = None) -> torch.Tensor:
+    """x [rows, K] @ W^T (+ bias), W[i, j] = weight[i, j] * scales[scale_row[i], j // block_k];
     gated: weight and scale_row stack gate then up rows ([2 * n, K], [2 * n]) and the result is
-    silu(gate) * up [rows, n]. tiles: ("runs", BLOCK_N, C, warps, stages, SPLIT) or ("dot", BLOCK_N,
-    BLOCK_K, warps, stages); default by row count."""
+    silu(gate) * up [rows, n]. tiles: ("runs", BLOCK_N, C, warps, stages, SPLIT) (up to 4 rows) or
+    ("dot", BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); default by row count."""
     if gated and bias is not None:
         raise ValueError("the gated form takes no bias")
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    if tiles is None:
-        run = run_length(block_k)
-        tiles = (("runs", 32, run, 2, 3, 1 if n >= 8192 else 2) if rows <= RUNS_ROWS
-                 else ("dot", 32, min(run, 128), 4, 4))
-    loop, block_n, step, warps, stages, *split = tiles
-    if block_k % step:
-        raise ValueError(f"a step of {step} inputs must divide the scale blocks' {block_k}")
+    tiles = tiles or default_tiles(rows, n, block_k)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else scales
-    if loop == "dot":
-        fp8_block_dot_kernel[(cdiv(n, block_n),)](
+    if tiles[0] == "dot":
+        _, block_m, block_n, step, warps, stages = tiles
+        if block_k % step:
+            raise ValueError(f"a step of {step} inputs must divide the scale blocks' {block_k}")
+        fp8_block_dot_kernel[(cdiv(n, block_n), cdiv(rows, block_m))](
             x, weight, scales, scale_row, bias_arg, out, rows, n, k, x.stride(0), weight.stride(0), scales.stride(0),
-            out.stride(0), BLOCK_N=block_n, BLOCK_K=step, BK=block_k, HAS_BIAS=bias is not None, GATED=gated,
-            num_warps=warps, num_stages=stages, **pdl.launch_args(x))
+            out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=step, BK=block_k, HAS_BIAS=bias is not None,
+            GATED=gated, num_warps=warps, num_stages=stages, **pdl.launch_args(x))
         return out
+    _, block_n, step, warps, stages, split = tiles
+    if block_k % step:
+        raise ValueError(f"a run of {step} inputs must divide the scale blocks' {block_k}")
     if rows > RUNS_ROWS:
         raise ValueError(f"the runs loop takes up to {RUNS_ROWS} rows, not {rows}")
-    split = max(1, min(split[0] if split else 1, cdiv(k, 8 * step)))
+    split = max(1, min(split, cdiv(k, 8 * step)))
     padded = max(1, 1 << (rows - 1).bit_length())
     grid = (cdiv(n, block_n), split)
     ws, counters = splitk.buffers(x.device, split * padded * 2 * n, grid[0])
