@@ -5,8 +5,9 @@ Each figure is one matmul inside a CUDA graph of back-to-back calls rotating ove
 copies to miss the L2 cache (benchmarks/quant_gemv.py's timing). Decode rows: the block kernels'
 "runs" GEMV and "dot" tiles (`--sweep`: several settings each, the fastest reported), the
 per-channel FP8 GEMV with its tuned tiles, the bf16 Triton GEMV. Prefill rows: the block "dot"
-tiles, dequantize-then-cuBLAS, per-channel FP8 (`_scaled_mm` after its activation quantization)
-and bf16 cuBLAS.
+tiles, cuBLAS's block-scaled `_scaled_mm` (with the per-group activation quantization),
+dequantize-then-cuBLAS, per-channel FP8 (`_scaled_mm` after its activation quantization) and bf16
+cuBLAS.
 
     python3 benchmarks/fp8_block.py [--sweep] [--json out.json] [--rows 1,4,16] [--prefill-rows 128,512,2048]
 """
@@ -34,7 +35,7 @@ BLOCK = 128
 def block_weight(total: int, k: int) -> tuple:
     w = (torch.randn(total, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     grid = torch.rand(-(-total // BLOCK), -(-k // BLOCK), device="cuda") * 1e-4
-    return (w, *compact_scale_rows(grid.repeat_interleave(BLOCK, 0)[:total]))
+    return (w, *compact_scale_rows(grid.repeat_interleave(BLOCK, 0)[:total]), grid)
 
 
 def tile_choices(rows: int, sweep: bool) -> list:
@@ -68,7 +69,8 @@ def run(rows_list: list[int], prefill_rows: list[int], sweep: bool) -> list[dict
             best = None
             for tiles in tile_choices(rows, sweep):
                 try:
-                    t = graph_time(lambda b: triton_fp8_block.matmul(x, *b, BLOCK, gated=gated, tiles=tiles), blocks)
+                    t = graph_time(lambda b: triton_fp8_block.matmul(x, *b[:3], BLOCK, gated=gated, tiles=tiles),
+                                   blocks)
                 except Exception as e:   # a setting that does not compile or fit: skipped
                     print(f"  {name} {rows} {tiles}: {type(e).__name__}")
                     continue
@@ -79,9 +81,10 @@ def run(rows_list: list[int], prefill_rows: list[int], sweep: bool) -> list[dict
                 out_n = n if gated else total
 
                 def dequantized(b):
-                    y = F.linear(x, triton_fp8_block.dequantize(*b, BLOCK, torch.bfloat16))
+                    y = F.linear(x, triton_fp8_block.dequantize(*b[:3], BLOCK, torch.bfloat16))
                     return y[:, :out_n] * y[:, out_n:] if gated else y
                 row["block_dequantize_us"] = graph_time(dequantized, blocks) * 1e6
+                row["block_scaled_mm_us"] = graph_time(lambda b: triton_fp8_block.scaled_mm(x, b[0], b[3]), blocks) * 1e6
 
                 def scaled_mm(w):
                     xq, xs = triton_fp8_quant.quantize_tokens(x)
@@ -110,10 +113,12 @@ def main() -> None:
     prefill = [int(r) for r in ns.prefill_rows.split(",") if r]
     results = run(rows, prefill, ns.sweep)
     print(f"\n{torch.cuda.get_device_name()}")
-    print(f"{'shape':8} {'rows':>5} {'block':>9} {'dequant+cuBLAS':>15} {'fp8/channel':>12} {'bf16':>9}  block tiles")
+    print(f"{'shape':8} {'rows':>5} {'block':>9} {'scaled_mm':>10} {'dequant+cuBLAS':>15} {'fp8/channel':>12} "
+          f"{'bf16':>9}  block tiles")
     for r in results:
         deq = f"{r['block_dequantize_us']:.1f}" if "block_dequantize_us" in r else "-"
-        print(f"{r['shape']:8} {r['rows']:5d} {r['block_us']:9.1f} {deq:>15} {r['channel_fp8_us']:12.1f} "
+        smm = f"{r['block_scaled_mm_us']:.1f}" if "block_scaled_mm_us" in r else "-"
+        print(f"{r['shape']:8} {r['rows']:5d} {r['block_us']:9.1f} {smm:>10} {deq:>15} {r['channel_fp8_us']:12.1f} "
               f"{r['bf16_us']:9.1f}  {r['block_tiles']}")
     if ns.json:
         with open(ns.json, "w") as f:

@@ -8,10 +8,12 @@ multiplier per block of BN output rows x BK inputs (edge blocks partial).
   (its inputs per rank a multiple of BK), or the layer is refused when it is built.
 - CUDA (compute capability 8.9+): the weight stays E4M3 (half the bytes of bf16) and the scales
   compact again: `weight_scale_inv` [R, ceil(K / BK)] holds the distinct consecutive rows and
-  `scale_row` [N] points each output row at its own (kernels/quant/triton_fp8_block.py). Its Triton
-  kernels widen the weights in registers against the 16-bit activations (W8A16), gate_up with its
-  SiLU-and-mul in the same kernel: a GEMV for decode batches, output tiles for prefill chunks up
-  to 4096 rows; more rows dequantize the layer's weight into a 16-bit temporary for cuBLAS.
+  `scale_row` [N] points each output row at its own (kernels/quant/triton_fp8_block.py). Decode
+  batches (up to 16 rows) run on its Triton GEMVs, which widen the weights in registers against the
+  16-bit activations (W8A16), gate_up with its SiLU-and-mul in the same kernel. Prefill chunks run
+  on cuBLAS's block-scaled FP8 matmul (W8A8, activations scaled per token and 128 inputs) where
+  the layer allows it (128 x 128 blocks on 128-row boundaries; Hopper), else on Triton output tiles
+  up to 256 rows and past that on cuBLAS after dequantizing the weight into a 16-bit temporary.
 - Elsewhere (the CPU, older GPUs): the weight is widened once after loading into the layer's dtype
   (q * s in fp32, rounded once), so every CPU kernel runs unchanged on the checkpoint's values.
 - MoE experts of such a checkpoint are dequantized as they stream in and run as 16-bit experts
@@ -71,6 +73,18 @@ class Fp8BlockLinearMethod(LinearMethod):
         scales, scale_row = compact_scale_rows(rows)
         layer.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
         layer.register_buffer("scale_row", scale_row)
+        layer.register_buffer("weight_scale_grid", self._grid(q, rows))
+
+    def _grid(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """The [N / 128, K / 128] scale grid cuBLAS's block-scaled matmul takes, where it runs the layer:
+        128 x 128 blocks, every 128 rows one block row (no fused part or shard starting inside a
+        block), K / 128 a multiple of 4."""
+        (n, k), kb = q.shape, rows.shape[1]
+        if (self.block_n, self.block_k) != (128, 128) or n % 128 or k % 128 or kb % 4:
+            return None
+        grid = rows[::128].contiguous()
+        aligned = torch.equal(grid.repeat_interleave(128, 0), rows)
+        return grid if aligned and triton_fp8_block.scaled_mm_works(q.device.index) else None
 
     def _dense(self, layer: LinearBase, dtype: torch.dtype) -> torch.Tensor:
         """The layer's weight in `dtype`, for cuBLAS."""
@@ -82,7 +96,9 @@ class Fp8BlockLinearMethod(LinearMethod):
             return linear(x, layer.weight, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if tuned.ENABLED and triton_fp8_block.handles(x2, layer.weight, self.block_k):
+        if tuned.ENABLED and x2.shape[0] > triton_fp8_block.MAX_ROWS and layer.weight_scale_grid is not None:
+            out = triton_fp8_block.scaled_mm(x2, layer.weight, layer.weight_scale_grid, bias)   # prefill
+        elif tuned.ENABLED and triton_fp8_block.handles(x2, layer.weight, self.block_k):
             out = triton_fp8_block.matmul(x2, layer.weight, layer.weight_scale_inv, layer.scale_row, self.block_k,
                                           bias)
         else:

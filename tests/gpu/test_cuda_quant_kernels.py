@@ -176,7 +176,8 @@ def test_int4_layout_round_trip_on_the_gpu():
 def test_fp8_block_kernels_match_dequantized_reference(rows, n, k, gated, bias):
     """Block-scaled FP8 (kernels/quant/triton_fp8_block.py, 128 x 128 blocks, partial at the edges):
     the runs GEMV up to 4 rows (split-K twice in a row: the counters reset), output tiles for any
-    row count, the dequantize kernel that cuBLAS gets past 4096 rows."""
+    row count, the dequantize kernel, and for prefill-sized row counts on aligned shapes cuBLAS's
+    block-scaled matmul after the activations' per-group quantization."""
     from shardserve.kernels.quant import triton_fp8_block
     from shardserve.quantization.fp8_block import compact_scale_rows
     torch.manual_seed(rows * 7 + k)
@@ -198,3 +199,23 @@ def test_fp8_block_kernels_match_dequantized_reference(rows, n, k, gated, bias):
     for t in tiles:
         for _ in range(2):
             _close(triton_fp8_block.matmul(x, w, scales, scale_row, 128, b, gated, tiles=t), want, rows, n)
+    if k % 128 == 0 and total % 128 == 0 and rows > triton_fp8_block.MAX_ROWS:   # prefill: cuBLAS, W8A8
+        assert triton_fp8_block.scaled_mm_works(0), "H100 / H200 with CUDA 12.9+ run the block-scaled _scaled_mm"
+        got = triton_fp8_block.scaled_mm(x, w, grid, b)
+        y = reference.matmul(x.float(), dense, b.float() if b is not None else None)
+        assert got.shape == y.shape
+        err = ((got.float() - y).norm() / y.norm()).item()
+        assert err < 0.05, err   # the activations rounded to E4M3 per 128 inputs
+
+
+def test_fp8_group_quantization_matches_torch():
+    """quantize_token_groups compiled: the E4M3 values and scales torch computes, bit for bit."""
+    from shardserve.kernels.quant import triton_fp8_quant
+    x = (torch.randn(37, 4096, device="cuda") * torch.logspace(-3, 3, 4096, device="cuda")).to(torch.bfloat16)
+    q, scales = triton_fp8_quant.quantize_token_groups(x, 128)
+    assert q.shape == (40, 4096) and scales.shape == (40, 32) and scales.stride() == (1, 40)
+    groups = x.float().view(37, 32, 128)
+    want_s = (groups.abs().amax(dim=2) / 448).clamp_min(1e-12)
+    want_q = (groups / want_s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(37, 4096)
+    assert torch.equal(scales[:37], want_s) and torch.equal(q[:37].float(), want_q.float())
+    assert not q[37:].float().any()

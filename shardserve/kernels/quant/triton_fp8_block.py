@@ -10,25 +10,34 @@ than row // BN, so fused parts and tensor-parallel shards need not start on a bl
   so a run lies in one block. Split-K for layers with few output strips.
 - "dot" (more rows): output tiles of BLOCK_N features x BLOCK_M rows over a 2-D grid, fp16 tensor-core
   products of BLOCK_K inputs a step (dividing BK), each step's product scaled the same way: one
-  tile of 16 rows for a decode batch, wider tiles for prefill chunks (the weight read once per
-  tile of rows, never widened in memory).
+  tile of 16 rows for a decode batch, wider tiles for short prefill chunks where `scaled_mm`
+  cannot run (the weight read once per tile of rows, never widened in memory).
+- `scaled_mm` (prefill chunks, where the layer allows): cuBLAS's block-scaled FP8 matmul through
+  `torch._scaled_mm` (Hopper, CUDA 12.9+; 128 x 128 weight blocks, K a multiple of 128), the
+  activations quantized per token and 128 inputs first (DeepSeek-V3's recipe, W8A8 on the FP8
+  tensor cores). `scaled_mm_works` tries it once per GPU.
 - `dequantize`: the whole weight into bf16/fp16 (q * s in fp32, rounded once: the values the
-  16-bit path loads), for cuBLAS on the largest row counts.
+  16-bit path loads), for cuBLAS on the largest row counts where `scaled_mm` cannot run.
 The kernels widen the weights to fp16 exactly and keep the activations 16-bit (W8A16: no per-token
 rounding); bf16 activations are clamped to fp16's range on the way, as the per-channel kernels do.
 The gated forms compute silu(x Wg^T) * (x Wu^T) for a stacked gate_up weight in one pass.
 """
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from shardserve.kernels import pdl
-from shardserve.kernels.quant import splitk
+from shardserve.kernels.quant import splitk, triton_fp8_quant
 from shardserve.utils import cdiv
+
+logger = logging.getLogger("shardserve")
 
 RUNS_ROWS = 4    # the runs loop: up to 4 rows (32 columns)
 MAX_ROWS = 16    # a decode batch: one tile of 16 rows
-DOT_ROWS = 4096  # the dot loop up to here; more rows: dequantize, then cuBLAS
+DOT_ROWS = 256   # the dot loop up to here; more rows: dequantize, then cuBLAS (H100: faster past ~256)
 
 try:
     import triton
@@ -156,11 +165,11 @@ def handles(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
 
 def default_tiles(rows: int, n: int, block_k: int) -> tuple:
     run = run_length(block_k)
-    if rows <= RUNS_ROWS:
-        return "runs", 32, run, 2, 3, 1 if n >= 8192 else 2
+    if rows <= RUNS_ROWS:   # the fastest on every 8B shape at 1 row on an H100 (benchmarks/fp8_block.py)
+        return ("runs", 16, run, 1, 3, 1) if rows <= 2 else ("runs", 32, run, 2, 3, 1)
     if rows <= MAX_ROWS:
-        return "dot", 16, 32, min(run, 128), 4, 4
-    return "dot", 64, 128, min(run, 64), 4, 3
+        return "dot", 16, 32, run, 4, 4
+    return "dot", 64, 64, run, 4, 4
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, scale_row: torch.Tensor, block_k: int,
@@ -212,3 +221,34 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, scale_row: torch.Tens
         num_warps=4, **pdl.launch_args(weight))
     return out
 
+
+
+def scaled_mm(x: torch.Tensor, weight: torch.Tensor, grid: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (K a multiple of 128) @ W^T (+ bias) on cuBLAS's block-scaled FP8 matmul: W's 128 x 128
+    blocks scaled by grid [N / 128, K / 128] (fp32, K / 128 a multiple of 4), x quantized per token
+    and 128 inputs."""
+    xq, x_scales = triton_fp8_quant.quantize_token_groups(x, 128)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=grid.t(), out_dtype=x.dtype)[:x.shape[0]]
+    return out + bias if bias is not None else out
+
+
+@functools.cache
+def scaled_mm_works(device_index: int) -> bool:
+    """Whether this GPU, torch and cuBLAS run `scaled_mm` (Hopper with CUDA 12.9+), and right: one
+    small product against the dequantized reference."""
+    device = torch.device("cuda", device_index)
+    try:
+        x = torch.randn(5, 512, device=device, dtype=torch.bfloat16)
+        w = torch.randn(256, 512, device=device).to(torch.float8_e4m3fn)
+        grid = torch.rand(2, 4, device=device) + 0.5
+        dense = w.float() * grid.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        want = torch.nn.functional.linear(x.float(), dense)
+        err = ((scaled_mm(x, w, grid).float() - want).norm() / want.norm()).item()
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        logger.info("block-scaled FP8: torch._scaled_mm with 128 x 128 blocks does not run here (%s); prefill "
+                    "dequantizes each weight for cuBLAS", str(e).splitlines()[0][:200])
+        return False
+    if err > 0.1:
+        logger.warning("block-scaled FP8: torch._scaled_mm with 128 x 128 blocks is %.3f off; not used", err)
+    return err <= 0.1
