@@ -38,8 +38,8 @@ def block_weight(total: int, k: int) -> tuple:
     return (w, *compact_scale_rows(grid.repeat_interleave(BLOCK, 0)[:total]), grid)
 
 
-def tile_choices(rows: int, sweep: bool) -> list:
-    default = triton_fp8_block.default_tiles(rows, 0, BLOCK)
+def tile_choices(rows: int, gated: bool, sweep: bool) -> list:
+    default = triton_fp8_block.default_tiles(rows, gated, BLOCK)
     if not sweep:
         return [default]
     if rows <= triton_fp8_block.RUNS_ROWS:
@@ -67,7 +67,7 @@ def run(rows_list: list[int], prefill_rows: list[int], sweep: bool) -> list[dict
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             row = {"shape": name, "n": n, "k": k, "gated": gated, "rows": rows}
             best = None
-            for tiles in tile_choices(rows, sweep):
+            for tiles in tile_choices(rows, gated, sweep):
                 try:
                     t = graph_time(lambda b: triton_fp8_block.matmul(x, *b[:3], BLOCK, gated=gated, tiles=tiles),
                                    blocks)

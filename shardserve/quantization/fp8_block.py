@@ -53,7 +53,8 @@ class Fp8BlockLinearMethod(LinearMethod):
                              f"blocks of {bk}: the ranks would cut blocks in two; choose a size that keeps them whole")
         layer.register_weight(torch.empty(layer.output_size, layer.input_size, dtype=FP8))
         scales = layer.register_quant_param("weight_scale_inv",
-                                            torch.ones(layer.output_size, cdiv(layer.input_size, bk)),
+                                            torch.ones(layer.output_size, cdiv(layer.input_size, bk),
+                                                       dtype=torch.float32),
                                             output_dim=0, input_dim=1, full_precision=True)
         load_rows = scales.weight_loader
         cut_by_rows = isinstance(layer, ColumnParallelLinear)   # the loader slices a part / shard's rows itself

@@ -117,17 +117,18 @@ def test_fp8_model_on_gpu_tracks_hf_on_the_rounded_weights(tmp_path):
         torch.cuda.empty_cache()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: needs CUDA")
-def test_block_scaled_fp8_checkpoint_stays_fp8_on_gpu(tmp_path):
-    """A block-scaled FP8 checkpoint (Qwen3-FP8's layout, 128 x 128 blocks, partial where a fused
-    part's rows are no multiple of 128) on CUDA: the linears stay E4M3 with their block scales; the prompt (prefill:
-    dequantized per call for cuBLAS) and decoded tokens (the block GEMVs) give log-probs within
-    bf16's error of HF in fp32 on the same values."""
+@pytest.mark.skipif(not _fp8_capable(), reason="GPU-only: FP8 needs compute capability 8.9+")
+@pytest.mark.parametrize("hidden", [256, 512])
+def test_block_scaled_fp8_checkpoint_stays_fp8_on_gpu(tmp_path, hidden):
+    """A block-scaled FP8 checkpoint (Qwen3-FP8's layout, 128 x 128 blocks) on CUDA: the linears stay
+    E4M3 with their block scales; the prompt's and the decoded tokens' log-probs are within bf16's
+    (and at 512 FP8 activations') error of HF in fp32 on the same values. Hidden 256 (2 blocks of
+    inputs): prefill on the Triton tiles; 512: on cuBLAS's block-scaled matmul (W8A8)."""
     from shardserve import LLM
     from tests.models.test_parity import full_logprob_params, hf_logprobs, logprob_matrix, random_prompt
     from tests.quantization.checkpoints import hf_with_weights, write_fp8_block_checkpoint
     from tests.tiny_models import make_tiny_checkpoint
-    src = make_tiny_checkpoint(str(tmp_path / "llama"), "llama", hidden_size=256, intermediate_size=512)
+    src = make_tiny_checkpoint(str(tmp_path / "llama"), "llama", hidden_size=hidden, intermediate_size=512)
     values = write_fp8_block_checkpoint(src, str(tmp_path / "blocks"), (128, 128))
     hf = hf_with_weights(src, values)
     llm = LLM(str(tmp_path / "blocks"), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3,
@@ -136,11 +137,13 @@ def test_block_scaled_fp8_checkpoint_stays_fp8_on_gpu(tmp_path):
         prompt = random_prompt(2, 40)
         out = llm.generate([prompt], full_logprob_params(max_tokens=8), use_tqdm=False)[0]
         diff = (logprob_matrix(out.prompt_logprobs[1:]) - hf_logprobs(hf, prompt)[:len(prompt) - 1]).abs().max()
-        assert diff < 0.15, f"block FP8 on CUDA is {diff:.3f} from HF in fp32 on its values"
+        assert diff < 0.15, f"block FP8 prefill on CUDA is {diff:.3f} from HF in fp32 on its values"
         full = prompt + list(out.outputs[0].token_ids)
         want = hf_logprobs(hf, full)[len(prompt) - 1:len(full) - 1]
-        got = logprob_matrix(out.outputs[0].logprobs)
-        assert (got - want).abs().max() < 0.15, "decoded tokens' log-probs (block GEMVs) drift from HF"
+        diff = (logprob_matrix(out.outputs[0].logprobs) - want).abs().max()
+        assert diff < 0.15, f"decoded tokens' log-probs (block GEMVs) are {diff:.3f} from HF"
+        qkv = llm.engine.executor.worker.model_runner.model.model.layers[0].self_attn.qkv_proj
+        assert (qkv.weight_scale_grid is not None) == (hidden == 512)
         assert layer_dtype(llm.engine.executor.worker.model_runner) == torch.float8_e4m3fn
     finally:
         llm.engine.shutdown()

@@ -163,10 +163,13 @@ def handles(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
             and run_length(block_k) is not None)
 
 
-def default_tiles(rows: int, n: int, block_k: int) -> tuple:
+def default_tiles(rows: int, gated: bool, block_k: int) -> tuple:
+    """The fastest or near it on the 8B shapes on an H100 (benchmarks/fp8_block.py --sweep)."""
     run = run_length(block_k)
-    if rows <= RUNS_ROWS:   # the fastest on every 8B shape at 1 row on an H100 (benchmarks/fp8_block.py)
-        return ("runs", 16, run, 1, 3, 1) if rows <= 2 else ("runs", 32, run, 2, 3, 1)
+    if rows <= 2:
+        return "runs", 16, run, 1, 3, 1
+    if rows <= RUNS_ROWS and not gated:
+        return "runs", 32, run, 2, 3, 1
     if rows <= MAX_ROWS:
         return "dot", 16, 32, run, 4, 4
     return "dot", 64, 64, run, 4, 4
@@ -182,7 +185,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, scale_ro
         raise ValueError("the gated form takes no bias")
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    tiles = tiles or default_tiles(rows, n, block_k)
+    tiles = tiles or default_tiles(rows, gated, block_k)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else scales
     if tiles[0] == "dot":
