@@ -110,6 +110,8 @@ class Fp8BlockLinearMethod(LinearMethod):
         if (layer.weight.dtype != FP8 or x.dim() != 2 or not tuned.ENABLED
                 or not triton_fp8_block.handles(x, layer.weight, self.block_k)):
             return None
+        if x.shape[0] > triton_fp8_block.MAX_ROWS and layer.weight_scale_grid is not None:
+            return None   # a prefill chunk: `apply`'s _scaled_mm, then SiLU-and-mul (2.5x faster at 128 rows)
         return triton_fp8_block.matmul(x, layer.weight, layer.weight_scale_inv, layer.scale_row, self.block_k,
                                        gated=True)
 
