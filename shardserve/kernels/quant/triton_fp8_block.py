@@ -18,8 +18,9 @@ than row // BN, so fused parts and tensor-parallel shards need not start on a bl
   tensor cores). `scaled_mm_works` tries it once per GPU.
 - `dequantize`: the whole weight into bf16/fp16 (q * s in fp32, rounded once: the values the
   16-bit path loads), for cuBLAS on the largest row counts where `scaled_mm` cannot run.
-The kernels widen the weights to fp16 exactly and keep the activations 16-bit (W8A16: no per-token
-rounding); bf16 activations are clamped to fp16's range on the way, as the per-channel kernels do.
+The Triton kernels widen the weights to fp16 exactly and keep the activations 16-bit (W8A16: no
+per-token rounding); bf16 activations are clamped to fp16's range on the way, as the per-channel
+kernels do.
 The gated forms compute silu(x Wg^T) * (x Wu^T) for a stacked gate_up weight in one pass.
 """
 from __future__ import annotations
@@ -223,7 +224,6 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, scale_row: torch.Tens
         weight, scales, scale_row, out, n, k, scales.stride(0), BK=block_k, BLOCK_N=block_n, BLOCK_K=block_kk,
         num_warps=4, **pdl.launch_args(weight))
     return out
-
 
 
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, grid: torch.Tensor,

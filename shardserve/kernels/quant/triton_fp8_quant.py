@@ -51,7 +51,6 @@ if triton is not None:
                 tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < k)
         tl.store(s_ptr + row, scale)
 
-
     @triton.jit
     def quant_groups_kernel(x_ptr, q_ptr, s_ptr, m, k, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
                             GROUPS: tl.constexpr):
