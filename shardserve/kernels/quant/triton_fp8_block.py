@@ -4,10 +4,11 @@ CUDA. quantization/fp8_block.py keeps the weight E4M3 [N, K] and the scales comp
 [R, ceil(K / BK)] fp32 and `scale_row` int32 [N], the scale row of each output row (a lookup rather
 than row // BN, so fused parts and tensor-parallel shards need not start on a block boundary).
 
-- "runs" (1-4 rows, a decode batch): kernels/quant/triton_fp8_gemv.py's "runs" loop (a step's
-  K range cut into 8 runs of C inputs on the tensor cores, the tile's columns runs x rows) with each
-  run's product multiplied by its rows' scales for that run's block before it is kept: C divides BK,
-  so a run lies in one block. Split-K for layers with few output strips.
+- "runs" (1-4 rows, a decode batch): kernels/quant/triton_fp8_gemv.py's "runs" kernel with block
+  scales (its BK: a step's K range cut into 8 runs of C inputs on the tensor cores, the tile's
+  columns runs x rows, each run's product multiplied by its rows' scales for that run's block
+  before it is kept; C divides BK, so a run lies in one block). Split-K for layers with few output
+  strips.
 - "dot" (more rows): output tiles of BLOCK_N features x BLOCK_M rows over a 2-D grid, fp16 tensor-core
   products of BLOCK_K inputs a step (dividing BK), each step's product scaled the same way: one
   tile of 16 rows for a decode batch, wider tiles for short prefill chunks where `scaled_mm`
@@ -31,7 +32,7 @@ import logging
 import torch
 
 from shardserve.kernels import pdl
-from shardserve.kernels.quant import splitk, triton_fp8_quant
+from shardserve.kernels.quant import splitk, triton_fp8_gemv, triton_fp8_quant
 from shardserve.utils import cdiv
 
 logger = logging.getLogger("shardserve")
@@ -48,62 +49,6 @@ except ImportError:   # CPU-only installs launch no Triton kernels
 
 if triton is not None:
     @triton.jit
-    def block_runs_step(y, w_rows, s_rows, X, k0, k, col_ok, lanes, j, C: tl.constexpr, BK: tl.constexpr):
-        """y += the 8 runs of C inputs at k0 against X [C, COLS] (fp16), each product times its rows'
-        scales for its block and kept in its own columns."""
-        out = y
-        for a in tl.static_range(8):
-            ka = k0 + a * C
-            w = tl.load(w_rows + ka, mask=col_ok[:, None] & (ka + j < k)[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            s = tl.load(s_rows + tl.minimum(ka, k - 1) // BK, mask=col_ok, other=0.0)   # past K: w is 0
-            part = tl.dot(w.to(tl.float16), X) * s[:, None]
-            out += tl.where(lanes[None, :] == a, part, 0.0)
-        return out
-
-    @triton.jit
-    def fp8_block_runs_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, stride_x,
-                              stride_w, stride_s, stride_o, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                              C: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              GATED: tl.constexpr, PDL: tl.constexpr):
-        pdl.start(PDL)
-        COLS: tl.constexpr = 16 if 8 * ROWS < 16 else 8 * ROWS   # a tensor-core tile is 16 wide at least
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < n
-        j = tl.arange(0, C)
-        c = tl.arange(0, COLS)
-        lanes = c // ROWS                    # column c: run c // ROWS (8 and up: padding), row c % ROWS
-        c_row = c % ROWS
-        x_k = (C * lanes)[None, :] + j[:, None]                          # [C, COLS]: input - k0
-        x_cols = x_ptr + c_row[None, :] * stride_x + x_k
-        x_ok = (c_row < rows)[None, :] & (lanes < 8)[None, :]
-        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w + j[None, :]
-        w_up = w_ptr + (n + cols[:, None]).to(tl.int64) * stride_w + j[None, :]
-        s_rows = s_ptr + tl.load(srow_ptr + cols, mask=col_ok, other=0) * stride_s
-        s_up = s_rows
-        if GATED:
-            s_up = s_ptr + tl.load(srow_ptr + n + cols, mask=col_ok, other=0) * stride_s
-        steps = tl.cdiv(k, 8 * C)
-        per = tl.cdiv(steps, SPLIT)
-        first = tl.program_id(1) * per
-        last = tl.minimum(first + per, steps)
-        y = tl.zeros([BLOCK_N, COLS], tl.float32)
-        y_up = tl.zeros([BLOCK_N, COLS], tl.float32)
-        for st in range(first, last):
-            k0 = st * 8 * C
-            X = tl.load(x_cols + k0, mask=x_ok & (k0 + x_k < k), other=0.0)
-            X = tl.clamp(X.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-            y = block_runs_step(y, w_rows, s_rows, X, k0, k, col_ok, lanes, j, C, BK)
-            if GATED:
-                y_up = block_runs_step(y_up, w_up, s_up, X, k0, k, col_ok, lanes, j, C, BK)
-        pdl.release(PDL)
-        r = tl.arange(0, ROWS)
-        y = tl.sum(tl.reshape(y, [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
-        y_up = tl.sum(tl.reshape(y_up, [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
-        splitk.reduce_and_finish(y, y_up, ws_ptr, cnt_ptr, n, out_ptr, b_ptr, cols, col_ok, r, rows, stride_o,
-                                 SPLIT, HAS_BIAS, GATED)
-
-    @triton.jit
     def fp8_block_dot_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stride_w, stride_s,
                              stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              BK: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
@@ -114,10 +59,7 @@ if triton is not None:
         kk = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :]
         w_up = w_ptr + (n + cols[:, None]).to(tl.int64) * stride_w + kk[None, :]
-        s_rows = s_ptr + tl.load(srow_ptr + cols, mask=col_ok, other=0) * stride_s
-        s_up = s_rows
-        if GATED:
-            s_up = s_ptr + tl.load(srow_ptr + n + cols, mask=col_ok, other=0) * stride_s
+        s_rows, s_up = triton_fp8_gemv.block_scale_rows(s_ptr, srow_ptr, stride_s, cols, col_ok, n, GATED)
         y = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         y_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         x_rows = x_ptr + m[None, :].to(tl.int64) * stride_x
@@ -207,10 +149,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, scale_ro
     padded = max(1, 1 << (rows - 1).bit_length())
     grid = (cdiv(n, block_n), split)
     ws, counters = splitk.buffers(x.device, split * padded * 2 * n, grid[0])
-    fp8_block_runs_kernel[grid](
-        x, weight, scales, scale_row, bias_arg, out, ws, counters, rows, n, k, x.stride(0), weight.stride(0),
-        scales.stride(0), out.stride(0), ROWS=padded, BLOCK_N=block_n, C=step, BK=block_k, SPLIT=split,
-        HAS_BIAS=bias is not None, GATED=gated, num_warps=warps, num_stages=stages, **pdl.launch_args(x, late=True))
+    triton_fp8_gemv.fp8_runs_kernel[grid](
+        x, weight, scales, bias_arg, out, ws, counters, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        scale_row, scales.stride(0), ROWS=padded, BLOCK_N=block_n, C=step, SPLIT=split, HAS_BIAS=bias is not None,
+        GATED=gated, BK=block_k, num_warps=warps, num_stages=stages, **pdl.launch_args(x, late=True))
     return out
 
 

@@ -107,16 +107,30 @@ if triton is not None:
         tl.store(out_ptr + m[None, :] * stride_o + cols[:, None], y, mask=ok)
 
     @triton.jit
-    def runs_step(y, w_rows, X, k0, k, col_ok, lanes, j, C: tl.constexpr):
+    def runs_step(y, w_rows, X, k0, k, col_ok, lanes, j, C: tl.constexpr, s_rows, BK: tl.constexpr):
         """y += the 8 runs of C inputs at k0 of the weight rows at w_rows against X [C, COLS] (fp16),
-        each in its own accumulator, kept in its own columns."""
+        each in its own accumulator, kept in its own columns. BK > 0: block scales (kernels/quant/
+        triton_fp8_block.py), each run's product times its rows' scales for its block of BK inputs
+        (s_rows: the rows' scale rows; C divides BK, so a run lies in one block)."""
         out = y
         for a in tl.static_range(8):
-            w = tl.load(w_rows + k0 + a * C, mask=col_ok[:, None] & (k0 + a * C + j < k)[None, :], other=0.0,
+            ka = k0 + a * C
+            w = tl.load(w_rows + ka, mask=col_ok[:, None] & (ka + j < k)[None, :], other=0.0,
                         eviction_policy="evict_first")
             part = tl.dot(w.to(tl.float16), X)
+            if BK > 0:
+                part = part * tl.load(s_rows + tl.minimum(ka, k - 1) // BK, mask=col_ok, other=0.0)[:, None]
             out += tl.where(lanes[None, :] == a, part, 0.0)
         return out
+
+    @triton.jit
+    def block_scale_rows(s_ptr, srow_ptr, stride_s, cols, col_ok, n, GATED: tl.constexpr):
+        """Block scales: the scale rows of the output rows `cols` (and of their up rows, n further)."""
+        s_rows = s_ptr + tl.load(srow_ptr + cols, mask=col_ok, other=0) * stride_s
+        s_up = s_rows
+        if GATED:
+            s_up = s_ptr + tl.load(srow_ptr + n + cols, mask=col_ok, other=0) * stride_s
+        return s_rows, s_up
 
     @triton.jit
     def runs8_step(y0, y1, y2, y3, y4, y5, y6, y7, w_rows, X, k0, k, col_ok, j, C: tl.constexpr):
@@ -198,8 +212,11 @@ if triton is not None:
 
     @triton.jit
     def fp8_runs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, stride_x, stride_w, stride_o,
-                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                        srow_ptr, stride_s, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr,
+                        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BK: tl.constexpr,
+                        PDL: tl.constexpr):
+        """BK 0: a scale per output row, s_ptr [N]; BK > 0: block scales of BK inputs, s_ptr the scale
+        rows [R, ceil(K / BK)] and srow_ptr [N] each output row's (kernels/quant/triton_fp8_block.py)."""
         pdl.start(PDL)
         COLS: tl.constexpr = 16 if 8 * ROWS < 16 else 8 * ROWS   # a tensor-core tile is 16 wide at least
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -213,6 +230,9 @@ if triton is not None:
         x_ok = (c_row < rows)[None, :] & (lanes < 8)[None, :]
         w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w + j[None, :]
         w_up = w_ptr + (n + cols[:, None]).to(tl.int64) * stride_w + j[None, :]
+        s_rows, s_up = s_ptr, s_ptr   # (unused without block scales)
+        if BK > 0:
+            s_rows, s_up = block_scale_rows(s_ptr, srow_ptr, stride_s, cols, col_ok, n, GATED)
         steps = tl.cdiv(k, 8 * C)
         per = tl.cdiv(steps, SPLIT)
         first = tl.program_id(1) * per
@@ -223,16 +243,17 @@ if triton is not None:
             k0 = st * 8 * C
             X = tl.load(x_cols + k0, mask=x_ok & (k0 + x_k < k), other=0.0)
             X = tl.clamp(X.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-            y = runs_step(y, w_rows, X, k0, k, col_ok, lanes, j, C)
+            y = runs_step(y, w_rows, X, k0, k, col_ok, lanes, j, C, s_rows, BK)
             if GATED:
-                y_up = runs_step(y_up, w_up, X, k0, k, col_ok, lanes, j, C)
+                y_up = runs_step(y_up, w_up, X, k0, k, col_ok, lanes, j, C, s_up, BK)
         pdl.release(PDL)
         r = tl.arange(0, ROWS)
         y = tl.sum(tl.reshape(y, [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
-        y = y * tl.load(s_ptr + cols, mask=col_ok, other=0.0)[:, None]
         y_up = tl.sum(tl.reshape(y_up, [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
-        if GATED:
-            y_up = y_up * tl.load(s_ptr + n + cols, mask=col_ok, other=0.0)[:, None]
+        if BK == 0:
+            y = y * tl.load(s_ptr + cols, mask=col_ok, other=0.0)[:, None]
+            if GATED:
+                y_up = y_up * tl.load(s_ptr + n + cols, mask=col_ok, other=0.0)[:, None]
         splitk.reduce_and_finish(y, y_up, ws_ptr, cnt_ptr, n, out_ptr, b_ptr, cols, col_ok, r, rows, stride_o,
                                  SPLIT, HAS_BIAS, GATED)
 
@@ -294,8 +315,12 @@ def _runs(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torc
     grid = (cdiv(n, block_n), split)
     ws, counters = splitk.buffers(x.device, split * padded * 2 * n, grid[0])
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    (fp8_runs8_kernel if loop == "runs8" else fp8_runs_kernel)[grid](
-        x, weight, scale, bias if bias is not None else scale, out, ws, counters, rows, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), ROWS=padded, BLOCK_N=block_n, C=run, SPLIT=split, HAS_BIAS=bias is not None,
-        GATED=gated, num_warps=warps, num_stages=stages, **pdl.launch_args(x, late=True))
+    args = (x, weight, scale, bias if bias is not None else scale, out, ws, counters, rows, n, k, x.stride(0),
+            weight.stride(0), out.stride(0))
+    kw = dict(ROWS=padded, BLOCK_N=block_n, C=run, SPLIT=split, HAS_BIAS=bias is not None, GATED=gated,
+              num_warps=warps, num_stages=stages, **pdl.launch_args(x, late=True))
+    if loop == "runs8":
+        fp8_runs8_kernel[grid](*args, **kw)
+    else:
+        fp8_runs_kernel[grid](*args, scale, 0, BK=0, **kw)
     return out
