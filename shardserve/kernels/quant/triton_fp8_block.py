@@ -129,30 +129,21 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, scale_ro
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     tiles = tiles or default_tiles(rows, gated, block_k)
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    bias_arg = bias if bias is not None else scales
-    if tiles[0] == "dot":
-        _, block_m, block_n, step, warps, stages = tiles
-        if block_k % step:
-            raise ValueError(f"a step of {step} inputs must divide the scale blocks' {block_k}")
-        fp8_block_dot_kernel[(cdiv(n, block_n), cdiv(rows, block_m))](
-            x, weight, scales, scale_row, bias_arg, out, rows, n, k, x.stride(0), weight.stride(0), scales.stride(0),
-            out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=step, BK=block_k, HAS_BIAS=bias is not None,
-            GATED=gated, num_warps=warps, num_stages=stages, **pdl.launch_args(x))
-        return out
-    _, block_n, step, warps, stages, split = tiles
+    if tiles[0] == "runs":
+        _, block_n, run, warps, stages, split = tiles
+        if block_k % run:
+            raise ValueError(f"a run of {run} inputs must divide the scale blocks' {block_k}")
+        return triton_fp8_gemv.runs(x, weight, scales, bias, gated, n, block_n, run, warps, stages, split,
+                                    scale_row=scale_row, block_k=block_k)
+    _, block_m, block_n, step, warps, stages = tiles
     if block_k % step:
-        raise ValueError(f"a run of {step} inputs must divide the scale blocks' {block_k}")
-    if rows > RUNS_ROWS:
-        raise ValueError(f"the runs loop takes up to {RUNS_ROWS} rows, not {rows}")
-    split = max(1, min(split, cdiv(k, 8 * step)))
-    padded = max(1, 1 << (rows - 1).bit_length())
-    grid = (cdiv(n, block_n), split)
-    ws, counters = splitk.buffers(x.device, split * padded * 2 * n, grid[0])
-    triton_fp8_gemv.fp8_runs_kernel[grid](
-        x, weight, scales, bias_arg, out, ws, counters, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        scale_row, scales.stride(0), ROWS=padded, BLOCK_N=block_n, C=step, SPLIT=split, HAS_BIAS=bias is not None,
-        GATED=gated, BK=block_k, num_warps=warps, num_stages=stages, **pdl.launch_args(x, late=True))
+        raise ValueError(f"a step of {step} inputs must divide the scale blocks' {block_k}")
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    fp8_block_dot_kernel[(cdiv(n, block_n), cdiv(rows, block_m))](
+        x, weight, scales, scale_row, bias if bias is not None else scales, out, rows, n, k, x.stride(0),
+        weight.stride(0), scales.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=step,
+        BK=block_k, HAS_BIAS=bias is not None, GATED=gated, num_warps=warps, num_stages=stages,
+        **pdl.launch_args(x))
     return out
 
 

@@ -294,8 +294,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     loop, block_n, block_k, warps, stages, *split = tiles or _tiles(x, n, k, gated)
     if loop in ("runs", "runs8"):
-        return _runs(x, weight, scale, bias, gated, n, block_n, block_k, warps, stages, split[0] if split else 1,
-                     loop)
+        return runs(x, weight, scale, bias, gated, n, block_n, block_k, warps, stages, split[0] if split else 1, loop)
     block_m = max(1, 1 << (rows - 1).bit_length()) if loop == "fma" else MAX_ROWS
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     fp8_gemv_kernel[(cdiv(n, block_n),)](
@@ -305,8 +304,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch
     return out
 
 
-def _runs(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, gated: bool, n: int,
-          block_n: int, run: int, warps: int, stages: int, split: int, loop: str = "runs") -> torch.Tensor:
+def runs(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, gated: bool, n: int,
+         block_n: int, run: int, warps: int, stages: int, split: int, loop: str = "runs",
+         scale_row: torch.Tensor | None = None, block_k: int = 0) -> torch.Tensor:
+    """The "runs" / "runs8" loops; block_k > 0 (the runs loop): block scales, `scale` the scale rows
+    and `scale_row` each output row's (kernels/quant/triton_fp8_block.py)."""
     rows, k = x.shape
     if rows > RUNS_ROWS:
         raise ValueError(f"the runs loop takes up to {RUNS_ROWS} rows, not {rows}")
@@ -320,7 +322,10 @@ def _runs(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torc
     kw = dict(ROWS=padded, BLOCK_N=block_n, C=run, SPLIT=split, HAS_BIAS=bias is not None, GATED=gated,
               num_warps=warps, num_stages=stages, **pdl.launch_args(x, late=True))
     if loop == "runs8":
+        assert not block_k, "the runs8 loop takes no block scales"
         fp8_runs8_kernel[grid](*args, **kw)
+    elif block_k:
+        fp8_runs_kernel[grid](*args, scale_row, scale.stride(0), BK=block_k, **kw)
     else:
         fp8_runs_kernel[grid](*args, scale, 0, BK=0, **kw)
     return out
