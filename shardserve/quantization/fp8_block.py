@@ -67,11 +67,11 @@ class Fp8BlockLinearMethod(LinearMethod):
     def process_after_loading(self, layer: LinearBase) -> None:
         q, rows = layer.weight.data, layer.weight_scale_inv.data   # E4M3 [N, K], fp32 [N, ceil(K / BK)]
         del layer.weight_scale_inv
-        if not (q.is_cuda and torch.cuda.get_device_capability(q.device) >= (8, 9)):
-            per_input = rows.repeat_interleave(self.block_k, 1)[:, :q.shape[1]]
-            layer.weight = nn.Parameter((q.float() * per_input).to(layer.params_dtype), requires_grad=False)
-            return
         scales, scale_row = compact_scale_rows(rows)
+        if not (q.is_cuda and torch.cuda.get_device_capability(q.device) >= (8, 9)):
+            widened = reference.fp8_block_weight(q, scales, scale_row, self.block_k, layer.params_dtype)
+            layer.weight = nn.Parameter(widened, requires_grad=False)
+            return
         layer.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
         layer.register_buffer("scale_row", scale_row)
         layer.register_buffer("weight_scale_grid", self._grid(q, rows))
