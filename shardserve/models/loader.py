@@ -255,12 +255,8 @@ def load_model(path: str, hf_config: dict[str, Any], dtype: torch.dtype, device:
     weights, total = iter_weights(path, hf_config, lambda name: bool(targets(name)))
     bar = tqdm(weights, total=total, desc=f"Loading {os.path.basename(path.rstrip('/'))}", unit="tensor",
                disable=not show_progress, leave=False)
-    quant = resolve_quantization(quantization, hf_config)   # a format may transform the stream (FP8 blocks)
-    expert_shard = getattr(model, "expert_shard", lambda name: None)
-    stream = (quant.checkpoint_tensors(bar, lambda name: any(expert_shard(t) is not None for t in targets(name)))
-              if hasattr(quant, "checkpoint_tensors") else bar)
     with torch.no_grad():
-        load_weights(model, stream, round_to=dtype)
+        load_weights(model, bar, round_to=dtype)
         _finish(model, offload, device)
     return model
 

@@ -212,8 +212,6 @@ def make_plan(inputs: PlanInputs) -> dict[str, Any]:
     dtype, kv = resolve_dtypes(inputs)
     linear, embed = gguf_linear_bytes(inputs.source, dtype), gguf_embedding_bytes(inputs.source, dtype)
     expert = gguf_expert_bytes(inputs.source, dtype)
-    if dtype == "fp8" and (inputs.config.get("quantization_config") or {}).get("weight_block_size"):
-        expert = 2.0   # a block-scaled FP8 checkpoint's experts are served in 16 bits (quantization/fp8.py)
     shape = ModelShape(inputs.config, *({dtype: b} if b is not None else None for b in (linear, embed, expert)))
     context = inputs.max_model_len or shape.max_position_embeddings
     if context < 1 or inputs.concurrency < 1:

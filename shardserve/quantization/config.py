@@ -11,6 +11,7 @@ from shardserve.layers.linear import LinearBase, LinearMethod
 from shardserve.layers.moe import FusedMoE, MoEMethod
 from shardserve.layers.vocab import ParallelLMHead
 from shardserve.quantization.fp8 import Fp8Config
+from shardserve.quantization.fp8_block_moe import Fp8BlockMoEMethod
 from shardserve.quantization.fp8_moe import Fp8MoEMethod
 from shardserve.quantization.gguf import GgufConfig
 from shardserve.quantization.gguf_moe import GgufMoEMethod
@@ -59,8 +60,8 @@ def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
     """The experts' method for a format: FP8, GPTQ / AWQ (INT4) and GGUF have one (GGUF experts of a
     type not kept arrive dequantized, models/gguf_loader.py, and run unquantized). A format without
     one would be refused here, while the model is built, before any weight loads."""
-    if config.name == "fp8":   # block-scaled checkpoints' experts: dequantized as they load, plain experts
-        return None if config.block else Fp8MoEMethod(config.from_checkpoint)
+    if config.name == "fp8":
+        return Fp8BlockMoEMethod(config.block) if config.block else Fp8MoEMethod(config.from_checkpoint)
     if config.name in ("gptq", "awq"):
         return Int4MoEMethod(config)
     if config.name == "gguf":

@@ -16,16 +16,14 @@
   FP8-rounded values (the accuracy of FP8; not its memory saving).
 - Block-wise scales (`weight_block_size`, e.g. [128, 128]: Qwen3-*-FP8, DeepSeek-V3; the weight's
   `weight_scale_inv` holds one multiplier per block): the linears keep E4M3 with their block scales
-  (quantization/fp8_block.py). Their MoE experts are dequantized with their blocks' scales on the
-  CPU as they stream in (`dequantized_blocks`) and load as 16-bit experts: no MoE kernel takes block
-  scales yet. Rounding block-scaled weights again to one scale per output channel, which the kernels
-  above would run, was measured too coarse: the real SmolLM2 with 128 x 128 blocks went from +1.9%
+  (quantization/fp8_block.py), their MoE experts too (quantization/fp8_block_moe.py). Rounding
+  block-scaled weights again to one scale per output channel, which the kernels above would run,
+  was measured too coarse: the real SmolLM2 with 128 x 128 blocks went from +1.9%
   perplexity over bf16 (its block values) to +5.6%.
 """
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +31,6 @@ from torch import nn
 from shardserve.kernels.quant import triton_fp8_gemv, triton_fp8_quant
 from shardserve.layers.linear import LinearBase, LinearMethod, linear
 from shardserve.quantization.fp8_block import Fp8BlockLinearMethod
-
-logger = logging.getLogger("shardserve")
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)   # 448
@@ -51,45 +47,6 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [M, K] -> (E4M3 [M, K], fp32 scales [M, 1]), one scale per token."""
     scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """E4M3 [N, K] times its block multipliers [ceil(N / bn), ceil(K / bk)] (edge blocks partial) ->
-    fp32 [N, K]."""
-    if q.dim() != 2:
-        raise ValueError(f"an FP8 weight with block-wise scales must be a matrix, not {tuple(q.shape)}")
-    (n, k), (bn, bk) = q.shape, block
-    blocks = [-(-n // bn), -(-k // bk)]
-    if list(scale_inv.shape) != blocks:
-        raise ValueError(f"an FP8 weight {tuple(q.shape)} with blocks of {list(block)} needs a weight_scale_inv of "
-                         f"{blocks}, not {list(scale_inv.shape)}")
-    s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return q.float() * s
-
-
-def dequantized_blocks(weights: Iterator[tuple[str, torch.Tensor]], block: tuple[int, int],
-                       select: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
-    """A checkpoint's tensors with each E4M3 `X.weight` that `select`s (by that name) and its
-    `X.weight_scale_inv` (in either order, anywhere in the stream) replaced by the dequantized fp32
-    `X.weight`; the rest as they come."""
-    waiting: dict[str, torch.Tensor] = {}   # a weight without its scale yet, or a scale without its weight
-    for name, t in weights:
-        if name.endswith(".weight_scale_inv") and select(name[:-len("_scale_inv")]):
-            weight_name, scale = name[:-len("_scale_inv")], t
-            q = waiting.pop(weight_name, None)
-        elif name.endswith(".weight") and t.dtype == FP8 and select(name):
-            weight_name, q = name, t
-            scale = waiting.pop(name + "_scale_inv", None)
-        else:
-            yield name, t
-            continue
-        if q is None or scale is None:
-            waiting[name] = t
-            continue
-        yield weight_name, dequantize_blocks(q, scale, block)
-    if waiting:
-        raise ValueError(f"FP8 checkpoint with block-wise scales: {sorted(waiting)[:3]} came without their "
-                         "weight / weight_scale_inv")
 
 
 class Fp8Config:
@@ -111,16 +68,6 @@ class Fp8Config:
                 raise ValueError(f"FP8 quantization_config.weight_block_size={block!r}: expected [rows, columns]")
             return cls(from_checkpoint=False, block=(block[0], block[1]))
         return cls(from_checkpoint=True)
-
-    def checkpoint_tensors(self, weights: Iterator[tuple[str, torch.Tensor]],
-                           is_expert: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors as the layers load them: block-scaled MoE experts dequantized."""
-        if not self.block:
-            return weights
-        logger.info("FP8 checkpoint with block-wise scales (weight_block_size %s): linears kept in FP8 with their "
-                    "block scales; MoE experts, if any, dequantized as they load and served in 16 bits",
-                    list(self.block))
-        return dequantized_blocks(weights, self.block, is_expert)
 
     def linear_method(self, layer: LinearBase) -> LinearMethod:
         return Fp8BlockLinearMethod(self.block) if self.block else Fp8LinearMethod(self.from_checkpoint)

@@ -16,8 +16,7 @@ multiplier per block of BN output rows x BK inputs (edge blocks partial).
   up to 256 rows and past that on cuBLAS after dequantizing the weight into a 16-bit temporary.
 - Elsewhere (the CPU, older GPUs): the weight is widened once after loading into the layer's dtype
   (q * s in fp32, rounded once), so every CPU kernel runs unchanged on the checkpoint's values.
-- MoE experts of such a checkpoint are dequantized as they stream in and run as 16-bit experts
-  (quantization/fp8.py `Fp8Config.checkpoint_tensors`): no MoE kernel with block scales yet.
+- MoE experts of such a checkpoint keep E4M3 with their block scales too (quantization/fp8_block_moe.py).
 """
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ one value per tensor or one per output channel, and optionally a static `input_s
   most of a MoE model). CUDA: the fused Triton kernel reads E4M3 and scales in its epilogue
   (kernels/moe/triton_moe.py); elsewhere the grouped torch path widens one expert at a time for its
   own matmul (kernels/moe/torch_moe.py), never the whole stack.
-- Block-wise scales (`weight_block_size`, DeepSeek-V3 / Qwen3-FP8's `weight_scale_inv`): the experts
-  arrive dequantized and run as plain 16-bit experts, as the dense layers do (quantization/fp8.py).
+- Block-wise scales (`weight_block_size`, DeepSeek-V3 / Qwen3-FP8's `weight_scale_inv`):
+  quantization/fp8_block_moe.py.
 """
 from __future__ import annotations
 

@@ -158,3 +158,100 @@ def test_fp8_experts_serve_on_gpu(tmp_path, monkeypatch):
     diff = (lps[0] - lps[1]).abs().max().item()
     print(f"GPU (Triton, bf16) vs CPU (torch, fp32 math) FP8 prompt log-probs: max diff {diff:.4f}")
     assert diff < 0.15
+
+
+def _block_experts(num_experts: int, rows: int, cols: int, parts: int, start: int,
+                   block: tuple[int, int]) -> tuple[torch.Tensor, reference.BlockScales]:
+    """E4M3 experts of `parts` fused parts (gate, up) of `rows` rows each, with block scales as
+    quantization/fp8_block_moe.py keeps them: each part's rows from `start` rows into its full grid of
+    blocks (a TP rank's cut), blocks of very different magnitudes."""
+    bn, bk = block
+    q = (torch.randn(num_experts, parts * rows, cols, device="cuda") * 64).clamp(-448, 448).to(FP8)
+    part_rows = torch.arange(start, start + rows, device="cuda") // bn - start // bn
+    per_part = int(part_rows[-1]) + 1
+    scale_row = torch.cat([part_rows + p * per_part for p in range(parts)]).to(torch.int32)
+    scales = torch.logspace(-4, -2, num_experts * parts * per_part * -(-cols // bk), device="cuda")
+    scales = scales[torch.randperm(scales.numel(), device="cuda")].view(num_experts, parts * per_part, -1)
+    return q, reference.BlockScales(scales.contiguous(), scale_row, bk)
+
+
+BLOCK_CASES = [  # tokens, experts, hidden, inter, top_k, ep, gate start, block
+    (1, 128, 2048, 768, 8, False, 0, (128, 128)),      # Qwen3-30B-A3B-FP8 at decode
+    (64, 128, 2048, 768, 8, True, 0, (128, 128)),
+    (600, 128, 2048, 384, 8, False, 384, (128, 128)),  # its TP=2 second rank, a prefill chunk
+    (5, 16, 320, 192, 2, False, 64, (128, 128)),       # gate rows starting inside a block, partial blocks
+    (90, 16, 200, 136, 4, True, 8, (16, 32)),          # small blocks, steps cut to them
+]
+
+
+@pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,ep,start,block", BLOCK_CASES)
+def test_block_fp8_fused_moe_matches_dequantized_reference(tokens, experts, hidden, inter, top_k, ep, start, block):
+    from shardserve.kernels.moe import triton_moe
+    torch.manual_seed(tokens + experts + start)
+    w13, s13 = _block_experts(experts, inter, hidden, 2, start, block)
+    w2, s2 = _block_experts(experts, hidden, inter, 1, 0, block)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    weights, ids = _routing(tokens, experts, top_k, ep)
+    assert triton_moe.handles(x, w13, s13)
+    _check(triton_moe.fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2), x, w13, s13, w2, s2,
+           weights, ids)
+
+
+def test_block_fp8_fused_moe_time_against_bf16_and_row_scales():
+    """Not a gate (figures only, into $OUT): Qwen3-30B-A3B's expert shapes, one layer, bf16 experts,
+    FP8 with row scales and FP8 with 128 x 128 block scales."""
+    from shardserve.kernels.moe import triton_moe
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+    w13, s13 = _block_experts(experts, inter, hidden, 2, 0, (128, 128))
+    w2, s2 = _block_experts(experts, hidden, inter, 1, 0, (128, 128))
+    b13, b2 = reference.dequantize_experts(w13, s13).bfloat16(), reference.dequantize_experts(w2, s2).bfloat16()
+    r13, rs13, r2, rs2 = _fp8_experts(experts, hidden, inter)
+    rows = []
+    for tokens in (1, 8, 64, 512, 2048):
+        x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+        weights, ids = _routing(tokens, experts, top_k, False)
+        bf16 = _time_ms(lambda: triton_moe.fused_moe(x, b13, b2, weights, ids))
+        row = _time_ms(lambda: triton_moe.fused_moe(x, r13, r2, weights, ids, w13_scale=rs13, w2_scale=rs2))
+        blk = _time_ms(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2))
+        rows.append(dict(tokens=tokens, bf16_ms=round(bf16, 4), fp8_rows_ms=round(row, 4), fp8_block_ms=round(blk, 4),
+                         block_vs_bf16=round(bf16 / blk, 3), block_vs_rows=round(row / blk, 3)))
+    print(json.dumps(rows))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "moe_fp8_block_kernel.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), shape=dict(E=experts, H=hidden, I=inter, top_k=top_k),
+                           rows=rows), f, indent=1)
+
+
+def test_block_fp8_checkpoint_experts_serve_on_gpu(tmp_path, monkeypatch):
+    """A tiny Qwen3-MoE block-scaled FP8 checkpoint (blocks of 32 x 32) on the GPU, with CUDA graphs:
+    the experts stay E4M3 and run in the Triton kernel with their block scales; its prompt log-probs
+    match the same checkpoint's CPU path (experts dequantized one at a time, fp32 math) up to bf16
+    activations. 12 prompt tokens keep the dense block layers on their weight-only GEMVs."""
+    from shardserve import LLM, SamplingParams
+    from shardserve.kernels.moe import triton_moe
+    from shardserve.layers.moe import FusedMoE
+    from tests.quantization.checkpoints import write_fp8_block_checkpoint
+    from tests.tiny_models import make_tiny_checkpoint
+    calls = []
+    fused = triton_moe.fused_moe
+    monkeypatch.setattr(triton_moe, "fused_moe", lambda *a, **kw: calls.append(kw.get("w13_scale")) or fused(*a, **kw))
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
+    write_fp8_block_checkpoint(src, str(tmp_path / "fp8"), (32, 32))
+    prompt = list(range(3, 15))
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=5, ignore_eos=True)   # decodes: graphs
+    lps = []
+    for device in ("cuda", "cpu"):
+        llm = LLM(str(tmp_path / "fp8"), dtype="bfloat16", device=device, show_progress=False,
+                  **(dict(gpu_memory_utilization=0.3) if device == "cuda" else dict(kv_cache_memory="16MiB")))
+        model = llm.engine.executor.worker.model_runner.model
+        assert all(m.w13_weight.dtype == FP8 for m in model.modules() if isinstance(m, FusedMoE))
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        lps.append(torch.tensor([row[t].logprob for row, t in zip(out.prompt_logprobs[1:], prompt[1:])]))
+        llm.engine.shutdown()
+        del llm, model
+        gc.collect()
+    torch.cuda.empty_cache()
+    assert calls and all(isinstance(s, reference.BlockScales) for s in calls), "block experts must run in Triton"
+    diff = (lps[0] - lps[1]).abs().max().item()
+    print(f"GPU (Triton, bf16) vs CPU (torch, fp32 math) block-FP8 prompt log-probs: max diff {diff:.4f}")
+    assert diff < 0.15

@@ -87,25 +87,6 @@ def test_fp8_block_scaled_checkpoint_refuses_a_tp_that_cuts_input_blocks(tmp_pat
         LLM(str(tmp_path / "fp8"), kv_cache_memory="16MiB", show_progress=False, tensor_parallel_size=2)
 
 
-def test_fp8_block_scaled_weights_pair_with_their_scales_in_any_order():
-    from shardserve.quantization.fp8 import dequantized_blocks
-    q = (torch.randn(5, 7) * 50).to(FP8)
-    s = torch.tensor([[2.0, 0.5], [4.0, 1.0]])   # blocks of 4 x 4: rows 0-3 / 4, columns 0-3 / 4-6
-    want = torch.empty(5, 7)
-    for i in range(5):
-        for j in range(7):
-            want[i, j] = q[i, j].float() * s[i // 4, j // 4]
-    norm = torch.ones(3)
-    for order in ([("a.weight", q), ("n.weight", norm), ("a.weight_scale_inv", s)],
-                  [("a.weight_scale_inv", s), ("a.weight", q), ("n.weight", norm)]):
-        out = dict(dequantized_blocks(iter(order), (4, 4)))
-        assert set(out) == {"a.weight", "n.weight"} and torch.equal(out["a.weight"], want)
-    with pytest.raises(ValueError, match="came without their weight"):
-        list(dequantized_blocks(iter([("a.weight", q)]), (4, 4)))
-    with pytest.raises(ValueError, match="needs a weight_scale_inv of"):
-        list(dequantized_blocks(iter([("a.weight", q), ("a.weight_scale_inv", s[:1])]), (4, 4)))
-
-
 def test_bad_quantization_requests_are_clear(tmp_path):
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
     write_fp8_checkpoint(src, str(tmp_path / "fp8"))

@@ -1,8 +1,8 @@
-"""FP8 weights with block-wise scales as CUDA keeps them (quantization/fp8_block.py): the compact
-scales point every output row at its own, and the Triton kernels (kernels/quant/triton_fp8_block.py)
-run under Triton's interpreter on the CPU (TRITON_INTERPRET=1, in a subprocess) against
-dequantize-then-matmul, so their index arithmetic is checked on every CI run; tests/gpu runs them
-compiled."""
+"""FP8 weights with block-wise scales as CUDA keeps them (quantization/fp8_block.py, fp8_block_moe.py):
+the compact scales point every output row at its own, and the Triton kernels (kernels/quant/
+triton_fp8_block.py, the fused MoE kernel of kernels/moe/triton_moe.py) run under Triton's interpreter
+on the CPU (TRITON_INTERPRET=1, in a subprocess) against dequantize-then-matmul, so their index
+arithmetic is checked on every CI run; tests/gpu runs them compiled."""
 from __future__ import annotations
 
 import torch
@@ -85,9 +85,42 @@ def check_group_quantization() -> None:
         assert near.all() and (got != ref).float().mean() < 0.1
 
 
+def check_moe_kernel() -> None:
+    """Under TRITON_INTERPRET=1: the fused MoE kernel with block-scaled experts against the fp32 oracle:
+    gate and up rows starting 16 rows into a block of 32 (a TP rank's cut), partial edge blocks
+    (96 and 80 inputs in blocks of 32), steps of 16 and 32 inputs inside a block and a tile's 64 cut
+    to the block, a pick held by another rank (-1)."""
+    from shardserve.kernels.moe import reference, triton_moe
+    torch.manual_seed(0)
+    experts, hidden, inter, tokens, bn, bk = 6, 96, 80, 7, 32, 32
+
+    def block_experts(rows: int, cols: int, start: int, parts: int) -> tuple[torch.Tensor, reference.BlockScales]:
+        q = (torch.randn(experts, parts * rows, cols) * 100).clamp(-448, 448).to(FP8)
+        part_rows = torch.arange(start, start + rows) // bn - start // bn
+        per_part = int(part_rows[-1]) + 1
+        scale_row = torch.cat([part_rows + p * per_part for p in range(parts)]).to(torch.int32)
+        scales = torch.rand(experts, parts * per_part, -(-cols // bk)) * 0.02 + 0.001
+        return q, reference.BlockScales(scales, scale_row, bk)
+    w13, s13 = block_experts(inter, hidden, 16, 2)
+    w2, s2 = block_experts(hidden, inter, 0, 1)
+    x = torch.randn(tokens, hidden).half()   # fp16: the interpreter has no bf16 arithmetic
+    topk_weights, topk_ids = reference.route_topk(torch.randn(tokens, experts), 2, True)
+    topk_ids[0, 1] = -1
+    want = reference.fused_moe(x.float(), w13, w2, topk_weights, topk_ids, s13, s2).float()
+    for step in (16, 32, 64):
+        cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=step, GROUP_SIZE_M=2, num_warps=4, num_stages=2)
+        got = triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, config=cfg, w13_scale=s13, w2_scale=s2)
+        err = ((got.float() - want).norm() / want.norm()).item()
+        assert err < 2e-3, (step, err)
+
+
 def test_kernels_under_the_interpreter():
     run_interpreted("tests.quantization.test_fp8_block_kernels", "check_kernels")
 
 
 def test_group_quantization_under_the_interpreter():
     run_interpreted("tests.quantization.test_fp8_block_kernels", "check_group_quantization")
+
+
+def test_moe_kernel_under_the_interpreter():
+    run_interpreted("tests.quantization.test_fp8_block_kernels", "check_moe_kernel")

@@ -89,7 +89,7 @@ def _expert_bytes(llm: LLM) -> tuple[int, int]:
     for layer in _experts(llm):
         for name, p in layer.named_parameters():
             size = p.numel() * p.element_size()
-            if name.endswith("_scale"):
+            if "_scale" in name:   # weight_scale, weight_scale_inv
                 scales += size
             else:
                 weights += size
@@ -149,18 +149,112 @@ def test_fp8_experts_sharded_match_one_process(fp8_qwen3_moe, tp, ep):
 
 def test_fp8_block_scaled_moe_checkpoint_matches_hf(tmp_path):
     """Qwen3-30B-A3B-FP8's layout: experts and dense linears with one scale per 32 x 32 block
-    (`weight_scale_inv`), dequantized as they load and served as plain experts."""
+    (`weight_scale_inv`); the experts stay E4M3 with their block scales (quantization/fp8_block_moe.py)."""
     from tests.quantization.checkpoints import write_fp8_block_checkpoint
     src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
     values = write_fp8_block_checkpoint(src, str(tmp_path / "fp8"), (32, 32))
     assert any(EXPERT.search(name) for name in values)
     hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
     llm = LLM(str(tmp_path / "fp8"), max_logprobs=-1, **KW)
-    assert all(m.quant_method is None and m.w13_weight.dtype == torch.float32 for m in _experts(llm))
+    layer = _experts(llm)[0]
+    assert layer.w13_weight.dtype == FP8 and layer.w2_weight.dtype == FP8
+    # 64 gate + 64 up rows and 96 inputs: 2 + 2 block rows of 3 blocks; down: 3 block rows of 2
+    assert layer.w13_weight_scale_inv.shape == (8, 4, 3) and layer.w2_weight_scale_inv.shape == (8, 3, 2)
     prompt = random_prompt(9, 40)
     out = llm.generate([prompt], full_logprob_params())[0]
     llm.engine.shutdown()
     assert_matches_hf(out, hf, prompt)
+
+
+def _block_moe_layer(block: tuple[int, int]) -> FusedMoE:
+    from shardserve.layers.linear import linear_methods
+    from shardserve.quantization.config import linear_method_factory
+    from shardserve.quantization.fp8 import Fp8Config
+    with linear_methods(linear_method_factory(Fp8Config(from_checkpoint=False, block=block))):
+        return FusedMoE(4, 2, 40, 24, renormalize=True, prefix="model.layers.3.mlp.experts")
+
+
+def test_block_scales_load_compact_and_dequantize_to_the_checkpoint_values():
+    """Each expert's block grids (gate / up [ceil(24 / 16), ceil(40 / 32)], down [ceil(40 / 16),
+    ceil(24 / 32)], edge blocks partial) become its compact scales; dequantizing through the row map
+    gives q times the block's scale for every weight, as the checkpoint defines it."""
+    from shardserve.kernels.moe.reference import dequantize_experts
+    layer = _block_moe_layer((16, 32))
+    gen = torch.Generator().manual_seed(0)
+    want = {"w13": torch.empty(4, 48, 40), "w2": torch.empty(4, 40, 24)}
+    for expert in range(4):
+        for kind, rows, cols in (("gate", 24, 40), ("up", 24, 40), ("down", 40, 24)):
+            q = (torch.randn(rows, cols, generator=gen) * 100).clamp(-448, 448).to(FP8)
+            grid = torch.rand(-(-rows // 16), -(-cols // 32), generator=gen) + 0.5
+            name = "w2" if kind == "down" else "w13"
+            layer.weight_loader(getattr(layer, f"{name}_weight"), q, (expert, kind))
+            scale = getattr(layer, f"{name}_weight_scale_inv")
+            scale.weight_loader(scale, grid, (expert, kind))
+            value = q.float() * grid.repeat_interleave(16, 0)[:rows].repeat_interleave(32, 1)[:, :cols]
+            if kind == "down":
+                want["w2"][expert] = value
+            else:
+                want["w13"][expert, (kind == "up") * 24:][:24] = value
+    layer.quant_method.process_after_loading(layer)
+    for name in ("w13", "w2"):
+        got = dequantize_experts(getattr(layer, f"{name}_weight"), layer.quant_method.scales(layer, name))
+        assert torch.equal(got, want[name])
+    with pytest.raises(ValueError, match=r"expert 1's down weight_scale_inv has shape \(2, 1\); blocks of "
+                                         r"\[16, 32\] over \[40, 24\] need \[3, 1\]"):
+        layer.w2_weight_scale_inv.weight_loader(layer.w2_weight_scale_inv, torch.ones(2, 1), (1, "down"))
+
+
+def test_fp8_block_experts_take_half_the_memory_of_bf16(tmp_path):
+    from tests.quantization.checkpoints import write_fp8_block_checkpoint
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
+    write_fp8_block_checkpoint(src, str(tmp_path / "fp8"), (32, 32))
+    bf16 = LLM(src, dtype="bfloat16", **KW)
+    bf16_bytes = _expert_bytes(bf16)[0]
+    bf16.engine.shutdown()
+    fp8 = LLM(str(tmp_path / "fp8"), dtype="bfloat16", **KW)
+    fp8_bytes, scale_bytes = _expert_bytes(fp8)
+    fp8.engine.shutdown()
+    assert fp8_bytes * 2 == bf16_bytes and scale_bytes < 0.05 * fp8_bytes
+
+
+@pytest.fixture(scope="module")
+def fp8_block_qwen3_moe(tmp_path_factory):
+    """Blocks of 48 rows: at TP=2 the second rank's 32 gate (and up) rows of each expert start inside
+    the first block of 48, so its row map points rows 32-47 and 48-63 at two block rows."""
+    from tests.quantization.checkpoints import write_fp8_block_checkpoint
+    root = tmp_path_factory.mktemp("fp8_block_moe")
+    src = make_tiny_checkpoint(str(root / "src"), "qwen3_moe", num_hidden_layers=4)
+    write_fp8_block_checkpoint(src, str(root / "fp8"), (48, 32))
+    llm = LLM(str(root / "fp8"), **KW)
+    try:
+        return str(root / "fp8"), _greedy(llm)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("tp,ep", [(2, False), (2, True)])
+def test_fp8_block_experts_sharded_match_one_process(fp8_block_qwen3_moe, tp, ep):
+    path, reference = fp8_block_qwen3_moe
+    llm = LLM(path, tensor_parallel_size=tp, enable_expert_parallel=ep, **KW)
+    try:
+        assert _greedy(llm) == reference
+        shapes = llm.engine.executor.collective_rpc("weight_shapes")
+    finally:
+        llm.engine.shutdown()
+    scales = [s["model.layers.0.mlp.experts.w13_weight_scale_inv"] for s in shapes]
+    assert scales == ([(4, 4, 3)] * 2 if ep else [(8, 2, 3), (8, 4, 3)])   # rank 1's rows span two blocks
+    assert all(s["model.layers.0.mlp.experts.w2_weight_scale_inv"] == ((4, 2, 2) if ep else (8, 2, 1))
+               for s in shapes)
+
+
+def test_fp8_block_experts_refuse_a_tp_that_cuts_their_input_blocks(tmp_path):
+    """At TP=2 each rank holds 32 of the experts' 64 intermediate inputs, which blocks of 64 would cut."""
+    from tests.quantization.checkpoints import write_fp8_block_checkpoint
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
+    write_fp8_block_checkpoint(src, str(tmp_path / "fp8"), (32, 64))
+    with pytest.raises(Exception, match=r"experts: tensor_parallel_size=2 gives each rank 32 of the experts' 64 "
+                                        r"intermediate inputs.*--enable-expert-parallel"):
+        LLM(str(tmp_path / "fp8"), tensor_parallel_size=2, **KW)
 
 
 def test_unsupported_expert_formats_are_refused(tmp_path):

@@ -8,12 +8,33 @@ Conventions shared by every implementation (kernels/moe/*, layers/moe.py):
 - `topk_weights` [T, K] (fp32): the routing weight of each pick, applied to that expert's output
   before the picks are summed.
 - FP8 experts: `w13` / `w2` in float8_e4m3fn with fp32 scales per output row, `w13_scale` [E, 2 * I]
-  and `w2_scale` [E, H]: the expert's weight is q * scale[:, None] (`dequantize_experts`).
+  and `w2_scale` [E, H]: the expert's weight is q * scale[:, None] (`dequantize_experts`); or, for
+  checkpoints with block-wise scales, a `BlockScales` in place of each (one multiplier per block of
+  output rows x `block_k` inputs).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from shardserve.kernels.quant.reference import fp8_block_weight
+
+
+@dataclass
+class BlockScales:
+    """Block-wise scales of FP8 experts [E, N, K]: `scales` fp32 [E, R, ceil(K / block_k)] (each
+    expert's distinct scale rows) and `scale_row` int32 [N] (each output row's index into them, the
+    same for every expert: experts are cut into blocks alike), as kernels/quant/triton_fp8_block.py
+    lays out one linear's."""
+    scales: torch.Tensor
+    scale_row: torch.Tensor
+    block_k: int
+
+    def expert_weight(self, weights: torch.Tensor, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """One expert's E4M3 [N, K] -> its weight in `dtype` (computed in fp32, rounded once)."""
+        return fp8_block_weight(weights[expert], self.scales[expert], self.scale_row, self.block_k, dtype)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,14 +48,16 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     return weights, ids.to(torch.int32)
 
 
-def dequantize_experts(weights: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FP8 experts [E, N, K] with row scales [E, N] -> their fp32 values."""
+def dequantize_experts(weights: torch.Tensor, scale: torch.Tensor | BlockScales) -> torch.Tensor:
+    """FP8 experts [E, N, K] with row scales [E, N] (or block scales) -> their fp32 values."""
+    if isinstance(scale, BlockScales):
+        return torch.stack([scale.expert_weight(weights, e, torch.float32) for e in range(weights.shape[0])])
     return weights.float() * scale.float().unsqueeze(-1)
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | BlockScales | None = None,
+              w2_scale: torch.Tensor | BlockScales | None = None) -> torch.Tensor:
     """hidden [T, H] -> [T, H]: sum over picks of weight * down(silu(gate(x)) * up(x)), each expert
     computed on the tokens that picked it, in fp32, rounded once to hidden's dtype. With scales,
     the FP8 experts are dequantized first."""

@@ -9,8 +9,9 @@ picks are summed in fp32. The expert counts come to the host, so this is not for
 FP8 experts (E4M3 with a scale per output row, `w13_scale` [E, 2 * I], `w2_scale` [E, H]) stay FP8
 in memory: each expert that has tokens is widened to the activations' dtype only for its own matmul
 (exact: every E4M3 value is a bf16 / fp16 / fp32 value) and its row scales applied to the output,
-as the CUDA kernel's epilogue does. So the experts cost FP8 bytes at rest plus one expert's widened
-copy at a time, instead of a full-precision copy of every expert held up front.
+as the CUDA kernel's epilogue does (with block scales, `reference.BlockScales`, the expert is
+dequantized with its blocks' scales for its own matmul instead). So the experts cost FP8 bytes at
+rest plus one expert's widened copy at a time, instead of a full-precision copy of every expert.
 
 INT4 experts (GPTQ / AWQ, `Int4Experts` of kernels/moe/int4_experts.py in place of w13 / w2): the
 same, one expert dequantized to the activations' dtype for its own matmul (group scales and zeros
@@ -30,15 +31,18 @@ from shardserve.kernels.activation.reference import silu_and_mul
 from shardserve.kernels.cpu import cpu_ops, quant_ops
 from shardserve.kernels.moe.gguf_experts import GgufExperts
 from shardserve.kernels.moe.int4_experts import Int4Experts
+from shardserve.kernels.moe.reference import BlockScales
 
 Experts = torch.Tensor | Int4Experts | GgufExperts
 
 
-def _matmul(x: torch.Tensor, weights: Experts, expert: int, scale: torch.Tensor | None) -> torch.Tensor:
+def _matmul(x: torch.Tensor, weights: Experts, expert: int, scale: torch.Tensor | BlockScales | None) -> torch.Tensor:
     if isinstance(weights, GgufExperts):   # the block kernel on this expert's blocks
         return weights.matmul(x, expert)
     if isinstance(weights, Int4Experts):   # dequantized for this matmul only
         return F.linear(x, weights.dequantize(expert, x.dtype))
+    if isinstance(scale, BlockScales):     # FP8 with block scales: dequantized for this matmul only
+        return F.linear(x, scale.expert_weight(weights, expert, x.dtype))
     if scale is not None:    # FP8: widened for this matmul only, row scales on the output
         return (F.linear(x, weights[expert].to(x.dtype)).float() * scale[expert]).to(x.dtype)
     if weights.dim() == 4:   # packed panels: fp32 math on the (often bf16) panels
@@ -47,8 +51,8 @@ def _matmul(x: torch.Tensor, weights: Experts, expert: int, scale: torch.Tensor 
 
 
 def fused_moe(hidden: torch.Tensor, w13: Experts, w2: Experts,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_scale: torch.Tensor | BlockScales | None = None,
+              w2_scale: torch.Tensor | BlockScales | None = None) -> torch.Tensor:
     if isinstance(w13, GgufExperts) and isinstance(w2, GgufExperts) and w13.one_call and w2.int8:
         return quant_ops.moe_int8(hidden, w13.blocks, w13.type_name, w2.blocks, w2.type_name, w2.k, topk_ids,
                                   topk_weights, w13.isa, w13.act).to(hidden.dtype)

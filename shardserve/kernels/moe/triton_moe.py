@@ -14,6 +14,9 @@ expert. The kernel loads the E4M3 tile (half the bytes of bf16: what a decode st
 widens it in registers to the activations' dtype (exact) for the tensor-core dot, and multiplies
 the fp32 accumulators by the rows' scales in the epilogue (gate and up each by their own, before
 the SiLU-and-mul); activations stay bf16/fp16, so there is no per-token quantization step.
+With block-wise scales (`reference.BlockScales`: one per block of output rows x SCALE_BLOCK_K inputs,
+Qwen3-*-FP8's experts) the K loop steps inside one block of inputs at a time (BLOCK_K divides it),
+and each step's fp32 product is scaled by its rows' scales for that block before it is added.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import os
 import torch
 
 from shardserve.kernels.moe.align import moe_align
+from shardserve.kernels.moe.reference import BlockScales
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 
@@ -35,11 +39,12 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["num_valid"])
-    def moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, sorted_ptr, expert_ptr, total_ptr,
-                        N, K, num_valid, stride_am, stride_be, stride_bn, stride_cm, stride_se,
+    def moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, srow_ptr, sorted_ptr, expert_ptr, total_ptr,
+                        N, K, num_valid, stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sr,
                         A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-                        B_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+                        B_SCALED: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        PRECISION: tl.constexpr):
         # Programs run M-block groups of GROUP_M at a time over all N tiles, so the blocks of one expert
         # (which share its B) are in flight together and B comes from L2 more often.
         pid = tl.program_id(0)
@@ -67,6 +72,11 @@ def _kernels():
         up_shift = N * stride_bn  # GATED: the up rows sit I rows below the gate rows
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SCALE_BLOCK_K > 0:   # block scales: each output row's scale row, one scale per SCALE_BLOCK_K inputs
+            s_base = s_ptr + expert * stride_se
+            s_gate = s_base + tl.load(srow_ptr + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_sr
+            if GATED:
+                s_up = s_base + tl.load(srow_ptr + N + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_sr
         for k0 in range(0, K, BLOCK_K):
             # A mask along K would stop 16-byte loads, so it is left out when K divides evenly.
             if EVEN_K:
@@ -77,13 +87,20 @@ def _kernels():
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             # .to: FP8 widened in registers (a no-op otherwise); PRECISION: fp32 in full ("ieee", not tf32)
-            acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+            if SCALE_BLOCK_K > 0:   # BLOCK_K divides SCALE_BLOCK_K: one scale per row over this step
+                kb = k0 // SCALE_BLOCK_K
+                acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * tl.load(s_gate + kb)[None, :]
+            else:
+                acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
             if GATED:
                 if EVEN_K:
                     bu = tl.load(b_ptrs + up_shift, mask=n_ok[None, :], other=0.0)
                 else:
                     bu = tl.load(b_ptrs + up_shift, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                acc_up = tl.dot(a, bu.to(a.dtype), acc_up, input_precision=PRECISION)
+                if SCALE_BLOCK_K > 0:
+                    acc_up += tl.dot(a, bu.to(a.dtype), input_precision=PRECISION) * tl.load(s_up + kb)[None, :]
+                else:
+                    acc_up = tl.dot(a, bu.to(a.dtype), acc_up, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
 
@@ -106,7 +123,8 @@ def _kernels():
         h_ok = h < H
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for k in tl.static_range(TOP_K):
-            here = tl.load(ids_ptr + t * TOP_K + k) >= 0
+            # (h * 0 +: a vector mask; Triton's interpreter, which CI runs this under, takes no scalar one)
+            here = h * 0 + tl.load(ids_ptr + t * TOP_K + k) >= 0
             acc += tl.load(y_ptr + (t * TOP_K + k) * H + h, mask=h_ok & here, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
@@ -169,42 +187,53 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def handles(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None = None) -> bool:
+def handles(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | BlockScales | None = None) -> bool:
     """True where this kernel can run: CUDA tensors, bf16/fp16 activations with experts of the same dtype
-    or FP8 (E4M3) with their row scales, fp32 with fp32 experts (full-precision products: a model run
-    in fp32 on CUDA, whose CUDA graphs the host-synced torch path would break), and Triton installed."""
-    fp8 = w13.dtype == torch.float8_e4m3fn and w13_scale is not None and hidden.dtype != torch.float32
+    or FP8 (E4M3) with their row scales or block scales (blocks of a power of two >= 16 inputs), fp32
+    with fp32 experts (full-precision products: a model run in fp32 on CUDA, whose CUDA graphs the
+    host-synced torch path would break), and Triton installed."""
+    blocks_ok = not isinstance(w13_scale, BlockScales) or (
+        w13_scale.block_k >= 16 and w13_scale.block_k & (w13_scale.block_k - 1) == 0)
+    fp8 = (w13.dtype == torch.float8_e4m3fn and w13_scale is not None and hidden.dtype != torch.float32
+           and blocks_ok)
     return (hidden.is_cuda and w13.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (w13.dtype == hidden.dtype or fp8) and triton_available())
 
 
 def moe_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor | None,
              sorted_ids: torch.Tensor, expert_ids: torch.Tensor, total: torch.Tensor, a_div: int, gated: bool,
-             cfg: dict, b_scale: torch.Tensor | None = None) -> None:
+             cfg: dict, b_scale: torch.Tensor | BlockScales | None = None) -> None:
     """c[pick] = (act)(a[pick // a_div] @ b[expert].T) (* weights[pick]) for every pick in `sorted_ids`.
     gated: b holds 2 * N rows (gate then up) and c gets silu(gate) * up, N = c's width.
-    b_scale: fp32 [E, rows of b] scales of FP8 weights, applied to the accumulators."""
+    b_scale: fp32 [E, rows of b] scales of FP8 weights, applied to the accumulators, or their block
+    scales, applied to each step's product."""
     triton, gemm, _ = _kernels()
     n, k = c.shape[1], b.shape[2]
     assert a.stride(-1) == 1 and b.stride(-1) == 1 and c.stride(-1) == 1, "K and N must be innermost"
+    block_k, scale_rows = 0, c   # (c: a placeholder pointer the kernel never reads)
+    if isinstance(b_scale, BlockScales):
+        block_k, scale_rows, b_scale = b_scale.block_k, b_scale.scale_row, b_scale.scales
+        cfg = {**cfg, "BLOCK_SIZE_K": min(cfg["BLOCK_SIZE_K"], block_k)}   # a step never spans two blocks
+        assert scale_rows.dtype == torch.int32 and b_scale.dim() == 3
     assert b_scale is None or (b_scale.dtype == torch.float32 and b_scale.stride(-1) == 1)
     grid = (expert_ids.numel() * triton.cdiv(n, cfg["BLOCK_SIZE_N"]),)
-    gemm[grid](a, b, c, weights if weights is not None else c, b_scale if b_scale is not None else c,
+    gemm[grid](a, b, c, weights if weights is not None else c, b_scale if b_scale is not None else c, scale_rows,
                sorted_ids, expert_ids, total, n, k, c.shape[0], a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-               b_scale.stride(0) if b_scale is not None else 0,
+               b_scale.stride(0) if b_scale is not None else 0, b_scale.stride(1) if block_k else 0,
                A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0,
-               B_SCALED=b_scale is not None, BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=cfg["BLOCK_SIZE_N"],
-               BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"], num_warps=cfg["num_warps"],
+               B_SCALED=b_scale is not None and not block_k, SCALE_BLOCK_K=block_k, BLOCK_M=cfg["BLOCK_SIZE_M"],
+               BLOCK_N=cfg["BLOCK_SIZE_N"], BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
+               num_warps=cfg["num_warps"],
                # fp32 tiles take twice the shared memory of the 16-bit ones the configs are tuned for
                num_stages=min(cfg["num_stages"], 2) if a.dtype == torch.float32 else cfg["num_stages"],
                PRECISION="ieee" if a.dtype == torch.float32 else "tf32")
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: dict | None = None, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: dict | None = None, w13_scale: torch.Tensor | BlockScales | None = None,
+              w2_scale: torch.Tensor | BlockScales | None = None) -> torch.Tensor:
     """hidden [T, H] -> [T, H], as reference.fused_moe (see it for the layouts, FP8 experts with their
-    row scales too). `config` overrides the tuned tiles (get_config's format); the tuner passes it."""
+    row or block scales too). `config` overrides the tuned tiles (get_config's format); the tuner passes it."""
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
