@@ -11,9 +11,10 @@ Qwen3-30B-A3B-FP8, Qwen3-235B-A22B-FP8): per expert `experts.N.gate_proj.weight`
   handles it), but down's inputs per rank must be a multiple of BK, or the layer is refused when it
   is built (as for dense row-parallel layers, quantization/fp8_block.py); expert parallelism hands
   whole experts with their scales to each rank.
-- Running: CUDA (8.9+) on the fused Triton kernel, which widens the E4M3 tiles in registers and
-  scales each K step's product by its block's scales (kernels/moe/triton_moe.py; W8A16, no activation
-  quantization); the CPU keeps the experts in E4M3 and dequantizes one expert at a time for its own
+- Running: CUDA (8.9+) on the fused Triton kernel, which scales each K step's product by its block's
+  scales (kernels/moe/triton_moe.py): for decode the E4M3 tiles widen in registers (W8A16), for
+  prefill-sized batches the activations are quantized per token and 128 inputs and the dots run in
+  FP8 (W8A8, as the dense block layers' prefill); the CPU keeps the experts in E4M3 and dequantizes one expert at a time for its own
   matmul (kernels/moe/torch_moe.py). GPUs before 8.9 (no E4M3 in Triton there) widen the experts once
   after loading into the model dtype.
 """

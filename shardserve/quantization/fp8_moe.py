@@ -10,12 +10,13 @@ one value per tensor or one per output channel, and optionally a static `input_s
   scale rows are cut over TP with the weight's rows, whole experts with their scales over EP.
 - `--quantization fp8`: the experts load in the model dtype, then are quantized once, expert by
   expert, absmax per row / 448 (as the dense layers, quantization/fp8.py).
-- `input_scale` (static activation scales): read and dropped; the experts run weight-only FP8
-  (W8A16) on every device, so no activation is quantized.
+- `input_scale` (static activation scales): read and dropped; activations are scaled dynamically
+  where they are quantized at all.
 - Running, CPU and CUDA alike, the experts stay FP8 in memory (half the bytes of bf16; the experts are
   most of a MoE model). CUDA: the fused Triton kernel reads E4M3 and scales in its epilogue
-  (kernels/moe/triton_moe.py); elsewhere the grouped torch path widens one expert at a time for its
-  own matmul (kernels/moe/torch_moe.py), never the whole stack.
+  (kernels/moe/triton_moe.py): weight-only (W8A16) for decode, FP8 activations scaled per token and
+  128 inputs (W8A8) for prefill-sized batches; elsewhere the grouped torch path widens one expert at
+  a time for its own matmul (kernels/moe/torch_moe.py), never the whole stack.
 - Block-wise scales (`weight_block_size`, DeepSeek-V3 / Qwen3-FP8's `weight_scale_inv`):
   quantization/fp8_block_moe.py.
 """

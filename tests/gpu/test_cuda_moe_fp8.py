@@ -40,8 +40,35 @@ def _routing(tokens: int, experts: int, top_k: int, ep: bool) -> tuple[torch.Ten
     return weights, ids
 
 
-def _check(got, x, w13, s13, w2, s2, weights, ids) -> None:
-    want = reference.fused_moe(x.float(), w13, w2, weights, ids, s13, s2)   # dequantized in fp32
+def _fp8_groups(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as triton_moe's FP8 activations: E4M3 with a scale per row and 128 inputs."""
+    k = x.shape[1]
+    g = torch.nn.functional.pad(x.float(), (0, -k % 128)).view(x.shape[0], -1, 128)   # the last group partial
+    scale = (g.abs().amax(dim=2, keepdim=True) / 448.0).clamp_min(1e-12)
+    return ((g / scale).clamp(-448, 448).to(FP8).float() * scale).view(x.shape[0], -1)[:, :k]
+
+
+def _w8a8_reference(x, w13, s13, w2, s2, weights, ids) -> torch.Tensor:
+    """reference.fused_moe with the activations of both matmuls rounded as the W8A8 kernels round them
+    (the gate_up output first stored in x's dtype)."""
+    w13, w2 = reference.dequantize_experts(w13, s13), reference.dequantize_experts(w2, s2)
+    out, xq, inter = torch.zeros(x.shape, device=x.device), _fp8_groups(x), w2.shape[2]
+    for expert in range(w13.shape[0]):
+        tokens, slot = torch.nonzero(ids == expert, as_tuple=True)
+        if tokens.numel():
+            gate_up = xq[tokens] @ w13[expert].t()
+            act = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+            y = _fp8_groups(act) @ w2[expert].t()
+            out.index_add_(0, tokens, y * weights[tokens, slot].float().unsqueeze(1))
+    return out
+
+
+def _check(got, x, w13, s13, w2, s2, weights, ids, config=None) -> None:
+    from shardserve.kernels.moe import triton_moe
+    if (config or {}).get("W8A8", triton_moe.w8a8(ids.numel(), w13.shape[0])):   # FP8 activations too
+        want = _w8a8_reference(x, w13, s13, w2, s2, weights, ids)
+    else:
+        want = reference.fused_moe(x.float(), w13, w2, weights, ids, s13, s2)   # dequantized in fp32
     scale = max(want.abs().max().item(), 1e-3)
     err = (got.float() - want).abs().max().item()
     assert err <= 2e-2 * scale, f"max error {err:.4g} at output scale {scale:.4g}"

@@ -88,8 +88,10 @@ def check_group_quantization() -> None:
 def check_moe_kernel() -> None:
     """Under TRITON_INTERPRET=1: the fused MoE kernel with block-scaled experts against the fp32 oracle:
     gate and up rows starting 16 rows into a block of 32 (a TP rank's cut), partial edge blocks
-    (96 and 80 inputs in blocks of 32), steps of 16 and 32 inputs inside a block and a tile's 64 cut
-    to the block, a pick held by another rank (-1)."""
+    (96 and 80 inputs in blocks of 32), steps of 16 and 32 inputs inside a block and of 64 cut to the
+    block, a pick held by another rank (-1). Then one grouped matmul with FP8 activations (W8A8,
+    block and row scales, gated) against the same quantized activations dequantized: the
+    interpreter's own E4M3 rounding is off, so the activations' rounding is not what is checked."""
     from shardserve.kernels.moe import reference, triton_moe
     torch.manual_seed(0)
     experts, hidden, inter, tokens, bn, bk = 6, 96, 80, 7, 32, 32
@@ -108,10 +110,31 @@ def check_moe_kernel() -> None:
     topk_ids[0, 1] = -1
     want = reference.fused_moe(x.float(), w13, w2, topk_weights, topk_ids, s13, s2).float()
     for step in (16, 32, 64):
-        cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=step, GROUP_SIZE_M=2, num_warps=4, num_stages=2)
+        cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=step, GROUP_SIZE_M=2, num_warps=4, num_stages=2,
+                   BLOCK_SIZE_K_BLOCKS=step, W8A8=False)
         got = triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, config=cfg, w13_scale=s13, w2_scale=s2)
         err = ((got.float() - want).norm() / want.norm()).item()
         assert err < 2e-3, (step, err)
+
+    from shardserve.kernels.moe.align import moe_align
+    from shardserve.kernels.quant import triton_fp8_quant
+    x = torch.randn(tokens, 256).half()
+    w13, s13 = block_experts(64, 256, 0, 2)
+    row_scales = torch.rand(experts, 128) * 0.02 + 0.001
+    q, act_scales = triton_fp8_quant.quantize_token_groups(x, triton_moe.ACT_GROUP)
+    xq = (q[:tokens].float().view(tokens, 2, 128) * act_scales[:tokens, :, None]).view(tokens, 256)
+    cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+    sorted_ids, expert_ids, total = moe_align(topk_ids, experts, 16)
+    for scales in (s13, row_scales):
+        got = torch.empty(tokens * 2, 64).half()
+        triton_moe.moe_gemm(q, w13, got, None, sorted_ids, expert_ids, total, 2, True, cfg, scales, act_scales)
+        w = reference.dequantize_experts(w13, scales)
+        for pick, expert in enumerate(topk_ids.reshape(-1).tolist()):
+            if expert >= 0:
+                y = xq[pick // 2] @ w[expert].t()
+                want_row = torch.nn.functional.silu(y[:64]) * y[64:]
+                err = ((got[pick].float() - want_row).norm() / want_row.norm()).item()
+                assert err < 2e-3, (type(scales).__name__, pick, err)
 
 
 def test_kernels_under_the_interpreter():

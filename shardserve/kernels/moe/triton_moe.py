@@ -9,14 +9,18 @@ launches and no host sync, so a decode step can be captured in a CUDA graph.
    epilogue, written to [T * K, H] at the pick's own row;
 4. sum over the K picks of each token in fp32, skipping picks with id -1 (their rows are never written).
 
-FP8 experts (weight-only, W8A16): w13 / w2 in float8_e4m3fn with an fp32 scale per output row of each
-expert. The kernel loads the E4M3 tile (half the bytes of bf16: what a decode step is bound by),
-widens it in registers to the activations' dtype (exact) for the tensor-core dot, and multiplies
-the fp32 accumulators by the rows' scales in the epilogue (gate and up each by their own, before
-the SiLU-and-mul); activations stay bf16/fp16, so there is no per-token quantization step.
-With block-wise scales (`reference.BlockScales`: one per block of output rows x SCALE_BLOCK_K inputs,
-Qwen3-*-FP8's experts) the K loop steps inside one block of inputs at a time (BLOCK_K divides it),
-and each step's fp32 product is scaled by its rows' scales for that block before it is added.
+FP8 experts: w13 / w2 in float8_e4m3fn with an fp32 scale per output row of each expert, or with
+block-wise scales (`reference.BlockScales`: one per block of output rows x SCALE_BLOCK_K inputs,
+Qwen3-*-FP8's experts; the K loop then steps inside one block of inputs at a time and scales each
+step's product by its columns' scales for that block before adding it).
+- Few picks per expert (decode; up to W8A16_PICKS_PER_EXPERT on average): weight-only (W8A16). The
+  kernel loads the E4M3 tile (half the bytes of bf16: what a decode step is bound by) and widens it
+  in registers (exact) to fp16 for the tensor-core dot, bf16 activations clamped to fp16's range;
+  row scales multiply the fp32 accumulators in the epilogue (gate and up each by their own, before
+  the SiLU-and-mul).
+- More (prefill): W8A8. Each matmul's activations are quantized first, a scale per row and ACT_GROUP
+  inputs (kernels/quant/triton_fp8_quant.py, as DeepSeek-V3's recipe and the dense block-FP8 layers
+  do), and the dots run on FP8 tensor cores, each step's product times its rows' activation scales.
 """
 from __future__ import annotations
 
@@ -29,8 +33,33 @@ import torch
 
 from shardserve.kernels.moe.align import moe_align
 from shardserve.kernels.moe.reference import BlockScales
+from shardserve.kernels.quant import triton_fp8_quant
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # CPU-only installs launch no Triton kernels
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def moe_step(acc, a, b, a_scale, s_rows, kb, SCALE_MODE: tl.constexpr, PRECISION: tl.constexpr):
+        """acc + a @ b for one K step. SCALE_MODE 0: b widened to a's dtype in registers (exact for
+        E4M3; a no-op for 16-bit experts), accumulated in the tensor cores; 1: the same, the step's
+        product times the columns' block scales (s_rows: each column's scale row, kb: this step's
+        block). FP8 activations (a in E4M3 with a_scale per row for this step's group of inputs):
+        an FP8 dot, its product times the rows' scales (2: and the block's scales; 3: row-scaled
+        weights, whose scales come in the epilogue)."""
+        if SCALE_MODE == 1:
+            return acc + tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * tl.load(s_rows + kb)[None, :]
+        elif SCALE_MODE == 2:
+            return acc + tl.dot(a, b) * (a_scale[:, None] * tl.load(s_rows + kb)[None, :])
+        elif SCALE_MODE == 3:
+            return acc + tl.dot(a, b) * a_scale[:, None]
+        else:
+            return tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
 
 
 @functools.cache
@@ -39,12 +68,12 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["num_valid"])
-    def moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, srow_ptr, sorted_ptr, expert_ptr, total_ptr,
-                        N, K, num_valid, stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sr,
+    def moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, srow_ptr, as_ptr, sorted_ptr, expert_ptr, total_ptr,
+                        N, K, num_valid, stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sr, stride_as,
                         A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-                        B_SCALED: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        B_SCALED: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, SCALE_MODE: tl.constexpr,
+                        FP16_DOT: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
         # Programs run M-block groups of GROUP_M at a time over all N tiles, so the blocks of one expert
         # (which share its B) are in flight together and B comes from L2 more often.
         pid = tl.program_id(0)
@@ -72,7 +101,9 @@ def _kernels():
         up_shift = N * stride_bn  # GATED: the up rows sit I rows below the gate rows
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if SCALE_BLOCK_K > 0:   # block scales: each output row's scale row, one scale per SCALE_BLOCK_K inputs
+        s_gate = s_ptr   # block scales: each output row's scale row, one scale per SCALE_BLOCK_K inputs
+        s_up = s_ptr
+        if SCALE_BLOCK_K > 0:
             s_base = s_ptr + expert * stride_se
             s_gate = s_base + tl.load(srow_ptr + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_sr
             if GATED:
@@ -86,21 +117,20 @@ def _kernels():
                 k_ok = offs_k < K - k0
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            # .to: FP8 widened in registers (a no-op otherwise); PRECISION: fp32 in full ("ieee", not tf32)
-            if SCALE_BLOCK_K > 0:   # BLOCK_K divides SCALE_BLOCK_K: one scale per row over this step
-                kb = k0 // SCALE_BLOCK_K
-                acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * tl.load(s_gate + kb)[None, :]
-            else:
-                acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+            if FP16_DOT:   # E4M3 -> fp16 is one instruction per two weights (bf16 takes three): bf16
+                a = tl.clamp(a.to(tl.float32), -65504.0, 65504.0).to(tl.float16)   # x clamped to fp16's range
+            kb = k0 // SCALE_BLOCK_K if SCALE_BLOCK_K > 0 else 0   # BLOCK_K divides SCALE_BLOCK_K
+            a_scale = 1.0
+            if A_GROUP > 0:   # FP8 activations: this step's group's scale of each row (BLOCK_K divides A_GROUP)
+                a_scale = tl.load(as_ptr + rows + (k0 // A_GROUP) * stride_as, mask=row_ok, other=0.0)
+            # PRECISION: fp32 in full ("ieee", not tf32)
+            acc = moe_step(acc, a, b, a_scale, s_gate, kb, SCALE_MODE, PRECISION)
             if GATED:
                 if EVEN_K:
                     bu = tl.load(b_ptrs + up_shift, mask=n_ok[None, :], other=0.0)
                 else:
                     bu = tl.load(b_ptrs + up_shift, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                if SCALE_BLOCK_K > 0:
-                    acc_up += tl.dot(a, bu.to(a.dtype), input_precision=PRECISION) * tl.load(s_up + kb)[None, :]
-                else:
-                    acc_up = tl.dot(a, bu.to(a.dtype), acc_up, input_precision=PRECISION)
+                acc_up = moe_step(acc_up, a, bu, a_scale, s_up, kb, SCALE_MODE, PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
 
@@ -129,6 +159,16 @@ def _kernels():
         tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
     return triton, moe_gemm_kernel, sum_picks_kernel
+
+
+# FP8 experts with more than this many picks per expert on average take FP8 activations (W8A8): at
+# Qwen3-30B-A3B's shapes on an H200 (benchmarks/moe_fp8.py) equal to W8A16 at 4 picks, 1.3x faster at 32.
+W8A16_PICKS_PER_EXPERT = 8
+ACT_GROUP = 128   # FP8 activations: one scale per row and this many inputs (block-FP8's 1 x 128)
+
+
+def w8a8(picks: int, experts: int) -> bool:
+    return picks > W8A16_PICKS_PER_EXPERT * experts
 
 
 def config_file_name(num_experts: int, inter_size: int, device_name: str) -> str:
@@ -202,26 +242,39 @@ def handles(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | B
 
 def moe_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor | None,
              sorted_ids: torch.Tensor, expert_ids: torch.Tensor, total: torch.Tensor, a_div: int, gated: bool,
-             cfg: dict, b_scale: torch.Tensor | BlockScales | None = None) -> None:
+             cfg: dict, b_scale: torch.Tensor | BlockScales | None = None,
+             a_scale: torch.Tensor | None = None) -> None:
     """c[pick] = (act)(a[pick // a_div] @ b[expert].T) (* weights[pick]) for every pick in `sorted_ids`.
     gated: b holds 2 * N rows (gate then up) and c gets silu(gate) * up, N = c's width.
     b_scale: fp32 [E, rows of b] scales of FP8 weights, applied to the accumulators, or their block
-    scales, applied to each step's product."""
+    scales, applied to each step. a_scale: `a` is E4M3 with these fp32 scales per row and group of
+    ACT_GROUP inputs (triton_fp8_quant.quantize_token_groups' layout): FP8 dots (FP8 experts only)."""
     triton, gemm, _ = _kernels()
     n, k = c.shape[1], b.shape[2]
     assert a.stride(-1) == 1 and b.stride(-1) == 1 and c.stride(-1) == 1, "K and N must be innermost"
-    block_k, scale_rows = 0, c   # (c: a placeholder pointer the kernel never reads)
-    if isinstance(b_scale, BlockScales):
+    # FP8 experts against 16-bit activations (W8A16: decode, few rows per expert): E4M3 widens to fp16
+    # in one instruction per two weights (bf16 takes three), so bf16 activations are clamped to fp16
+    # for the dot (benchmarks/moe_fp8.py: 1.2-1.3x faster at 1-64 tokens).
+    fp16_dot = b.dtype == torch.float8_e4m3fn and a.dtype == torch.bfloat16 and cfg.get("FP16_DOT", True)
+    block_k, scale_rows, scale_mode, step = 0, c, 0, cfg["BLOCK_SIZE_K"]   # (c: a pointer never read)
+    if isinstance(b_scale, BlockScales):   # each step inside one block of inputs, a whole one by default
         block_k, scale_rows, b_scale = b_scale.block_k, b_scale.scale_row, b_scale.scales
-        cfg = {**cfg, "BLOCK_SIZE_K": min(cfg["BLOCK_SIZE_K"], block_k)}   # a step never spans two blocks
+        scale_mode, step = 1, min(cfg.get("BLOCK_SIZE_K_BLOCKS", block_k), block_k)
         assert scale_rows.dtype == torch.int32 and b_scale.dim() == 3
+    if a_scale is not None:   # FP8 activations: each step inside one group of inputs, a whole one by default
+        assert a.dtype == torch.float8_e4m3fn and b.dtype == a.dtype and a_scale.stride(0) == 1
+        scale_mode, fp16_dot = (2 if block_k else 3), False
+        step = min(cfg.get("BLOCK_SIZE_K_BLOCKS", ACT_GROUP), block_k or ACT_GROUP, ACT_GROUP)
+    cfg = {**cfg, "BLOCK_SIZE_K": step}
     assert b_scale is None or (b_scale.dtype == torch.float32 and b_scale.stride(-1) == 1)
     grid = (expert_ids.numel() * triton.cdiv(n, cfg["BLOCK_SIZE_N"]),)
     gemm[grid](a, b, c, weights if weights is not None else c, b_scale if b_scale is not None else c, scale_rows,
-               sorted_ids, expert_ids, total, n, k, c.shape[0], a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-               b_scale.stride(0) if b_scale is not None else 0, b_scale.stride(1) if block_k else 0,
+               a_scale if a_scale is not None else c, sorted_ids, expert_ids, total, n, k, c.shape[0], a.stride(0),
+               b.stride(0), b.stride(1), c.stride(0), b_scale.stride(0) if b_scale is not None else 0,
+               b_scale.stride(1) if block_k else 0, a_scale.stride(1) if a_scale is not None else 0,
                A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0,
-               B_SCALED=b_scale is not None and not block_k, SCALE_BLOCK_K=block_k, BLOCK_M=cfg["BLOCK_SIZE_M"],
+               B_SCALED=b_scale is not None and not block_k, SCALE_BLOCK_K=block_k, SCALE_MODE=scale_mode,
+               FP16_DOT=fp16_dot, A_GROUP=ACT_GROUP if a_scale is not None else 0, BLOCK_M=cfg["BLOCK_SIZE_M"],
                BLOCK_N=cfg["BLOCK_SIZE_N"], BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
                num_warps=cfg["num_warps"],
                # fp32 tiles take twice the shared memory of the 16-bit ones the configs are tuned for
@@ -246,11 +299,16 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     topk_ids = topk_ids.contiguous()
     sorted_ids, expert_ids, total = moe_align(topk_ids, num_experts, cfg["BLOCK_SIZE_M"])
     h = hidden.contiguous()
+    # Many rows per expert: FP8 experts take FP8 activations (a scale per row and ACT_GROUP inputs), so
+    # the dots run on FP8 tensor cores with nothing widened (W8A8, as the dense FP8 layers prefill).
+    fp8_acts = w13.dtype == torch.float8_e4m3fn and cfg.get("W8A8", w8a8(num_tokens * top_k, num_experts))
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    moe_gemm(h, w13, act, None, sorted_ids, expert_ids, total, top_k, True, cfg, w13_scale)
+    a, a_scale = triton_fp8_quant.quantize_token_groups(h, ACT_GROUP) if fp8_acts else (h, None)
+    moe_gemm(a, w13, act, None, sorted_ids, expert_ids, total, top_k, True, cfg, w13_scale, a_scale)
     y = torch.empty(num_tokens * top_k, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).to(torch.float32)
-    moe_gemm(act, w2, y, weights, sorted_ids, expert_ids, total, 1, False, down_cfg, w2_scale)
+    a, a_scale = triton_fp8_quant.quantize_token_groups(act, ACT_GROUP) if fp8_acts else (act, None)
+    moe_gemm(a, w2, y, weights, sorted_ids, expert_ids, total, 1, False, down_cfg, w2_scale, a_scale)
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     sum_picks[(num_tokens, triton.cdiv(hidden_size, block_h))](y, topk_ids, out, hidden_size, TOP_K=top_k,
                                                                BLOCK_H=block_h, num_warps=4)
