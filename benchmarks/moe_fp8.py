@@ -35,7 +35,8 @@ def experts(block: bool) -> tuple:
         q = (torch.randn(E, rows, cols, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
         if block:
             scales = torch.rand(E, rows // 128, cols // 128, device="cuda") * 1e-4 + 1e-5
-            out += [q, reference.BlockScales(scales, (torch.arange(rows, device="cuda") // 128).to(torch.int32), 128)]
+            scale_row = (torch.arange(rows, device="cuda") // 128).to(torch.int32)
+            out += [q, reference.BlockScales(scales, scale_row, 128, uniform_rows=128)]
         else:
             out += [q, torch.rand(E, rows, device="cuda") * 1e-4 + 1e-5]
     return tuple(out)
@@ -64,7 +65,8 @@ def main() -> None:
                 print(f"{tokens} tokens {extra}: {type(e).__name__}", flush=True)
                 return None
         row = {"tokens": tokens, "bf16_us": t(b13, b2), "rows_default_us": t(rows13, rows2, rs13, rs2),
-               "block_default_us": t(blk13, blk2, bs13, bs2)}   # what fused_moe picks by itself
+               "block_default_us": t(blk13, blk2, bs13, bs2),   # what fused_moe picks by itself
+               "block_scale_per_column_us": t(blk13, blk2, bs13, bs2, TILE_SCALE=False)}
         for fp16 in (False, True):   # FP8 experts against bf16 activations (W8A16), the dot in fp16 or bf16
             row[f"rows_w8a16_fp16={int(fp16)}_us"] = t(rows13, rows2, rs13, rs2, FP16_DOT=fp16, W8A8=False)
             for step in (64, 128):

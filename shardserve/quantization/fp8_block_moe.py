@@ -14,16 +14,16 @@ Qwen3-30B-A3B-FP8, Qwen3-235B-A22B-FP8): per expert `experts.N.gate_proj.weight`
 - Running: CUDA (8.9+) on the fused Triton kernel, which scales each K step's product by its block's
   scales (kernels/moe/triton_moe.py): for decode the E4M3 tiles widen in registers (W8A16), for
   prefill-sized batches the activations are quantized per token and 128 inputs and the dots run in
-  FP8 (W8A8, as the dense block layers' prefill); the CPU keeps the experts in E4M3 and dequantizes one expert at a time for its own
-  matmul (kernels/moe/torch_moe.py). GPUs before 8.9 (no E4M3 in Triton there) widen the experts once
-  after loading into the model dtype.
+  FP8 (W8A8, as the dense block layers' prefill); the CPU keeps the experts in E4M3 and dequantizes
+  one expert at a time for its own matmul (kernels/moe/torch_moe.py). GPUs before 8.9 (no E4M3 in
+  Triton there) widen the experts once after loading into the model dtype.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from shardserve.kernels.moe.reference import BlockScales
+from shardserve.kernels.moe.reference import BlockScales, uniform_rows
 from shardserve.layers.moe import FusedMoE, MoEMethod, experts_matmul
 from shardserve.utils import cdiv
 
@@ -94,6 +94,10 @@ class Fp8BlockMoEMethod(MoEMethod):
         param.data[local, offset:offset + part_rows].copy_(loaded[first:first + part_rows])
 
     def process_after_loading(self, layer: FusedMoE) -> None:
+        # How many consecutive rows of each part share a scale row (128 for 128-row blocks on block
+        # boundaries): the kernel then loads one scale per tile of outputs.
+        layer.w13_uniform_rows = uniform_rows(layer.w13_scale_row, 2)
+        layer.w2_uniform_rows = uniform_rows(layer.w2_scale_row, 1)
         w13 = layer.w13_weight.data
         if w13.is_cuda and torch.cuda.get_device_capability(w13.device) < (8, 9):
             for name in ("w13", "w2"):   # widened once: plain experts of the model dtype from here on
@@ -106,7 +110,7 @@ class Fp8BlockMoEMethod(MoEMethod):
 
     def scales(self, layer: FusedMoE, name: str) -> BlockScales:
         return BlockScales(getattr(layer, f"{name}_weight_scale_inv"), getattr(layer, f"{name}_scale_row"),
-                           self.block_k)
+                           self.block_k, getattr(layer, f"{name}_uniform_rows", 1))
 
     def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:

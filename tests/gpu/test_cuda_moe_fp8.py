@@ -199,7 +199,7 @@ def _block_experts(num_experts: int, rows: int, cols: int, parts: int, start: in
     scale_row = torch.cat([part_rows + p * per_part for p in range(parts)]).to(torch.int32)
     scales = torch.logspace(-4, -2, num_experts * parts * per_part * -(-cols // bk), device="cuda")
     scales = scales[torch.randperm(scales.numel(), device="cuda")].view(num_experts, parts * per_part, -1)
-    return q, reference.BlockScales(scales.contiguous(), scale_row, bk)
+    return q, reference.BlockScales(scales.contiguous(), scale_row, bk, reference.uniform_rows(scale_row, parts))
 
 
 BLOCK_CASES = [  # tokens, experts, hidden, inter, top_k, ep, gate start, block

@@ -85,6 +85,19 @@ def check_group_quantization() -> None:
         assert near.all() and (got != ref).float().mean() < 0.1
 
 
+def test_uniform_scale_rows():
+    """How many rows of each fused part share a scale row, in aligned runs (kernels/moe/reference.py)."""
+    from shardserve.kernels.moe.reference import uniform_rows
+    blocks = torch.arange(768) // 128
+    assert uniform_rows(torch.cat([blocks, blocks + 6]).int(), 2) == 128       # Qwen3-30B-A3B's gate, up
+    second_rank = torch.arange(384, 768) // 128 - 3                           # its TP=2 second rank
+    assert uniform_rows(torch.cat([second_rank, second_rank + 3]).int(), 2) == 128
+    inside = torch.arange(16, 96) // 32                                       # parts starting 16 rows in
+    assert uniform_rows(torch.cat([inside, inside + 3]).int(), 2) == 16
+    assert uniform_rows((torch.arange(100) // 32).int(), 1) == 4                # 100 rows: runs of 4 at most
+    assert uniform_rows(torch.tensor([0, 0, 1, 1, 1, 2], dtype=torch.int32), 1) == 1
+
+
 def check_moe_kernel() -> None:
     """Under TRITON_INTERPRET=1: the fused MoE kernel with block-scaled experts against the fp32 oracle:
     gate and up rows starting 16 rows into a block of 32 (a TP rank's cut), partial edge blocks
@@ -102,15 +115,16 @@ def check_moe_kernel() -> None:
         per_part = int(part_rows[-1]) + 1
         scale_row = torch.cat([part_rows + p * per_part for p in range(parts)]).to(torch.int32)
         scales = torch.rand(experts, parts * per_part, -(-cols // bk)) * 0.02 + 0.001
-        return q, reference.BlockScales(scales, scale_row, bk)
+        return q, reference.BlockScales(scales, scale_row, bk, reference.uniform_rows(scale_row, parts))
     w13, s13 = block_experts(inter, hidden, 16, 2)
     w2, s2 = block_experts(hidden, inter, 0, 1)
+    assert (s13.uniform_rows, s2.uniform_rows) == (16, 32)   # gate / up runs of 16 from their first row
     x = torch.randn(tokens, hidden).half()   # fp16: the interpreter has no bf16 arithmetic
     topk_weights, topk_ids = reference.route_topk(torch.randn(tokens, experts), 2, True)
     topk_ids[0, 1] = -1
     want = reference.fused_moe(x.float(), w13, w2, topk_weights, topk_ids, s13, s2).float()
-    for step in (16, 32, 64):
-        cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=step, GROUP_SIZE_M=2, num_warps=4, num_stages=2,
+    for step, width in ((16, 16), (32, 32), (64, 32)):   # one scale per tile: both (16), down only (32)
+        cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=width, BLOCK_SIZE_K=step, GROUP_SIZE_M=2, num_warps=4, num_stages=2,
                    BLOCK_SIZE_K_BLOCKS=step, W8A8=False)
         got = triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, config=cfg, w13_scale=s13, w2_scale=s2)
         err = ((got.float() - want).norm() / want.norm()).item()

@@ -31,6 +31,7 @@ class BlockScales:
     scales: torch.Tensor
     scale_row: torch.Tensor
     block_k: int
+    uniform_rows: int = 1   # each part's rows share one scale row in aligned runs of this many (`uniform_rows`)
 
     def expert_weight(self, weights: torch.Tensor, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """One expert's E4M3 [N, K] -> its weight in `dtype` (computed in fp32, rounded once)."""
@@ -46,6 +47,19 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
+
+
+def uniform_rows(scale_row: torch.Tensor, parts: int, largest: int = 128) -> int:
+    """The longest power-of-two run (up to `largest`) over which `scale_row`, cut into `parts` equal fused
+    parts, keeps one value in every aligned run of each part: the fused MoE kernel then loads one
+    scale per output tile instead of one per column."""
+    part = scale_row.shape[0] // parts
+    run = largest
+    while run > 1:
+        if part % run == 0 and bool((scale_row.view(-1, run) == scale_row.view(-1, run)[:, :1]).all()):
+            return run
+        run //= 2
+    return 1
 
 
 def dequantize_experts(weights: torch.Tensor, scale: torch.Tensor | BlockScales) -> torch.Tensor:

@@ -45,21 +45,30 @@ except ImportError:   # CPU-only installs launch no Triton kernels
 
 if triton is not None:
     @triton.jit
-    def moe_step(acc, a, b, a_scale, s_rows, kb, SCALE_MODE: tl.constexpr, PRECISION: tl.constexpr):
+    def moe_step(acc, a, b, a_scale, b_scale, SCALE_MODE: tl.constexpr, PRECISION: tl.constexpr):
         """acc + a @ b for one K step. SCALE_MODE 0: b widened to a's dtype in registers (exact for
         E4M3; a no-op for 16-bit experts), accumulated in the tensor cores; 1: the same, the step's
-        product times the columns' block scales (s_rows: each column's scale row, kb: this step's
-        block). FP8 activations (a in E4M3 with a_scale per row for this step's group of inputs):
-        an FP8 dot, its product times the rows' scales (2: and the block's scales; 3: row-scaled
-        weights, whose scales come in the epilogue)."""
+        product times b_scale (the columns' block scales for this step: [1, BLOCK_N], or one for the
+        whole tile). FP8 activations (a in E4M3, a_scale [BLOCK_M] for this step's group of inputs):
+        an FP8 dot, its product times the rows' scales (2: and b_scale; 3: row-scaled weights, whose
+        scales come in the epilogue)."""
         if SCALE_MODE == 1:
-            return acc + tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * tl.load(s_rows + kb)[None, :]
+            return acc + tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * b_scale
         elif SCALE_MODE == 2:
-            return acc + tl.dot(a, b) * (a_scale[:, None] * tl.load(s_rows + kb)[None, :])
+            return acc + tl.dot(a, b) * (a_scale[:, None] * b_scale)
         elif SCALE_MODE == 3:
             return acc + tl.dot(a, b) * a_scale[:, None]
         else:
             return tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+
+    @triton.jit
+    def block_scales(s_rows, kb, TILE_SCALE: tl.constexpr):
+        """This step's block scales of the tile's columns: [1, BLOCK_N] gathered through each column's
+        scale row, or (TILE_SCALE: every column of the tile shares one scale row) one scalar."""
+        if TILE_SCALE:
+            return tl.load(s_rows + kb)
+        else:
+            return tl.load(s_rows + kb)[None, :]
 
 
 @functools.cache
@@ -71,7 +80,8 @@ def _kernels():
     def moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, srow_ptr, as_ptr, sorted_ptr, expert_ptr, total_ptr,
                         N, K, num_valid, stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sr, stride_as,
                         A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-                        B_SCALED: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, SCALE_MODE: tl.constexpr,
+                        B_SCALED: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
+                        SCALE_MODE: tl.constexpr,
                         FP16_DOT: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
         # Programs run M-block groups of GROUP_M at a time over all N tiles, so the blocks of one expert
@@ -101,13 +111,20 @@ def _kernels():
         up_shift = N * stride_bn  # GATED: the up rows sit I rows below the gate rows
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        s_gate = s_ptr   # block scales: each output row's scale row, one scale per SCALE_BLOCK_K inputs
+        # Block scales: each output column's scale row (one scale per SCALE_BLOCK_K inputs), or the tile's
+        # first column's where the whole tile shares it.
+        s_gate = s_ptr
         s_up = s_ptr
         if SCALE_BLOCK_K > 0:
             s_base = s_ptr + expert * stride_se
-            s_gate = s_base + tl.load(srow_ptr + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_sr
-            if GATED:
-                s_up = s_base + tl.load(srow_ptr + N + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_sr
+            if TILE_SCALE:
+                s_gate = s_base + tl.load(srow_ptr + pid_n * BLOCK_N).to(tl.int64) * stride_sr
+                if GATED:
+                    s_up = s_base + tl.load(srow_ptr + N + pid_n * BLOCK_N).to(tl.int64) * stride_sr
+            else:
+                s_gate = s_base + tl.load(srow_ptr + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_sr
+                if GATED:
+                    s_up = s_base + tl.load(srow_ptr + N + offs_n, mask=n_ok, other=0).to(tl.int64) * stride_sr
         for k0 in range(0, K, BLOCK_K):
             # A mask along K would stop 16-byte loads, so it is left out when K divides evenly.
             if EVEN_K:
@@ -119,18 +136,22 @@ def _kernels():
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP16_DOT:   # E4M3 -> fp16 is one instruction per two weights (bf16 takes three): bf16
                 a = tl.clamp(a.to(tl.float32), -65504.0, 65504.0).to(tl.float16)   # x clamped to fp16's range
-            kb = k0 // SCALE_BLOCK_K if SCALE_BLOCK_K > 0 else 0   # BLOCK_K divides SCALE_BLOCK_K
+            b_scale = 1.0
+            if SCALE_BLOCK_K > 0:   # BLOCK_K divides SCALE_BLOCK_K
+                b_scale = block_scales(s_gate, k0 // SCALE_BLOCK_K, TILE_SCALE)
             a_scale = 1.0
             if A_GROUP > 0:   # FP8 activations: this step's group's scale of each row (BLOCK_K divides A_GROUP)
                 a_scale = tl.load(as_ptr + rows + (k0 // A_GROUP) * stride_as, mask=row_ok, other=0.0)
             # PRECISION: fp32 in full ("ieee", not tf32)
-            acc = moe_step(acc, a, b, a_scale, s_gate, kb, SCALE_MODE, PRECISION)
+            acc = moe_step(acc, a, b, a_scale, b_scale, SCALE_MODE, PRECISION)
             if GATED:
                 if EVEN_K:
                     bu = tl.load(b_ptrs + up_shift, mask=n_ok[None, :], other=0.0)
                 else:
                     bu = tl.load(b_ptrs + up_shift, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                acc_up = moe_step(acc_up, a, bu, a_scale, s_up, kb, SCALE_MODE, PRECISION)
+                if SCALE_BLOCK_K > 0:
+                    b_scale = block_scales(s_up, k0 // SCALE_BLOCK_K, TILE_SCALE)
+                acc_up = moe_step(acc_up, a, bu, a_scale, b_scale, SCALE_MODE, PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
 
@@ -256,9 +277,10 @@ def moe_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.T
     # in one instruction per two weights (bf16 takes three), so bf16 activations are clamped to fp16
     # for the dot (benchmarks/moe_fp8.py: 1.2-1.3x faster at 1-64 tokens).
     fp16_dot = b.dtype == torch.float8_e4m3fn and a.dtype == torch.bfloat16 and cfg.get("FP16_DOT", True)
-    block_k, scale_rows, scale_mode, step = 0, c, 0, cfg["BLOCK_SIZE_K"]   # (c: a pointer never read)
+    block_k, scale_rows, scale_mode, step, tile_scale = 0, c, 0, cfg["BLOCK_SIZE_K"], False   # (c: never read)
     if isinstance(b_scale, BlockScales):   # each step inside one block of inputs, a whole one by default
-        block_k, scale_rows, b_scale = b_scale.block_k, b_scale.scale_row, b_scale.scales
+        block_k, scale_rows, tile_rows = b_scale.block_k, b_scale.scale_row, b_scale.uniform_rows
+        b_scale, tile_scale = b_scale.scales, tile_rows % cfg["BLOCK_SIZE_N"] == 0 and cfg.get("TILE_SCALE", True)
         scale_mode, step = 1, min(cfg.get("BLOCK_SIZE_K_BLOCKS", block_k), block_k)
         assert scale_rows.dtype == torch.int32 and b_scale.dim() == 3
     if a_scale is not None:   # FP8 activations: each step inside one group of inputs, a whole one by default
@@ -273,7 +295,8 @@ def moe_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.T
                b.stride(0), b.stride(1), c.stride(0), b_scale.stride(0) if b_scale is not None else 0,
                b_scale.stride(1) if block_k else 0, a_scale.stride(1) if a_scale is not None else 0,
                A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0,
-               B_SCALED=b_scale is not None and not block_k, SCALE_BLOCK_K=block_k, SCALE_MODE=scale_mode,
+               B_SCALED=b_scale is not None and not block_k, SCALE_BLOCK_K=block_k, TILE_SCALE=tile_scale,
+               SCALE_MODE=scale_mode,
                FP16_DOT=fp16_dot, A_GROUP=ACT_GROUP if a_scale is not None else 0, BLOCK_M=cfg["BLOCK_SIZE_M"],
                BLOCK_N=cfg["BLOCK_SIZE_N"], BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
                num_warps=cfg["num_warps"],
