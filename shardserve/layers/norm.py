@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from shardserve.distributed import comm
-from shardserve.kernels.cpu import cpu_ops
 from shardserve.kernels.norm import reference
 from shardserve.layers.fused import ops_for
 
@@ -47,9 +46,8 @@ class RMSNorm(nn.Module):
 
 def _heads_in_rows(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
     """x is [T, heads, D] with each row's heads packed (q or k inside a fused qkv row, Qwen3's per-head
-    norms), which the native CPU norm takes without a copy."""
-    return (residual is None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-            and cpu_ops.handles(x))
+    norms), which the native CPU norm and the Triton one take without a copy."""
+    return residual is None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 class ShardedRMSNorm(nn.Module):

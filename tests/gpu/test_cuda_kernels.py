@@ -73,6 +73,10 @@ def test_triton_small_layers_match_torch():
     assert torch.equal(r, x + res)
     want = norm_reference.rms_norm(x + res, w, 1e-5)
     assert (got.float() - want.float()).abs().max() <= 0.02 * got.float().abs().max()
+    heads = torch.randn(9, (32 + 4 + 4) * 128, device=dev, dtype=dt)[:, 4096:4608].view(9, 4, 128)   # k in qkv
+    wk = torch.randn(128, device=dev, dtype=dt)
+    got, want = triton_ops.rms_norm(heads, wk, 1e-6), norm_reference.rms_norm(heads.contiguous(), wk, 1e-6)
+    assert got.is_contiguous() and (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
     gu = torch.randn(5, 2 * 3000, device=dev, dtype=dt) * 3
     want = activation_reference.silu_and_mul(gu)
     assert torch.allclose(triton_ops.silu_and_mul(gu).float(), want.float(), rtol=1e-2, atol=1e-2)

@@ -17,11 +17,14 @@ from shardserve.kernels import pdl
 NORM_WARPS = 4
 
 
-@functools.cache
-def _kernels() -> SimpleNamespace:
+try:
     import triton
     import triton.language as tl
+except ImportError:   # CPU-only installs launch no Triton kernels
+    triton = None
 
+if triton is not None:
+    # At module level (not inside _kernels) so Triton's interpreter, which CI runs the norm under, finds it.
     @triton.jit
     def add_rms_norm(x, res, w, res_ptr, out_ptr, row, cols, mask, n_cols, eps, HAS_RES: tl.constexpr):
         """Stores rmsnorm(x) * w for row `row` (also used by kernels/allreduce/triton_allreduce.py). x, res
@@ -35,14 +38,23 @@ def _kernels() -> SimpleNamespace:
         normed = (xf * inv).to(x.dtype).to(tl.float32)
         tl.store(out_ptr + row * n_cols + cols, (normed * w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    import triton
+    import triton.language as tl
+
     @triton.jit
-    def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
+    def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, heads, stride_t, HAS_RES: tl.constexpr,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """Row r of x is head r % heads of token r // heads: at (r // heads) * stride_t + (r % heads) * n_cols
+        (heads 1 and stride_t n_cols: plain rows). out and res are contiguous rows."""
         pdl.start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        x = tl.load(x_ptr + (row // heads).to(tl.int64) * stride_t + (row % heads) * n_cols + cols, mask=mask,
+                    other=0.0)
         res = x   # unused without a residual
         if HAS_RES:
             res = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
@@ -53,12 +65,19 @@ def _kernels() -> SimpleNamespace:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """rmsnorm(x) * weight; with residual, residual += x in place first (x, residual contiguous)."""
+    """rmsnorm(x) * weight over the last dim; with residual, residual += x in place first (x, residual
+    contiguous). Without one, x may also be [T, heads, D] with each token's heads packed in a wider row
+    (q or k inside a fused qkv row: Qwen3's per-head norms), read where it lies; out is contiguous."""
     k = _kernels()
     n = x.shape[-1]
-    out = torch.empty_like(x)
+    if x.is_contiguous():
+        heads, stride_t = 1, n
+    else:
+        assert residual is None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == n, "packed heads only"
+        heads, stride_t = x.shape[1], x.stride(0)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.numel() // n
-    k.rms_norm[(rows,)](x, residual if residual is not None else x, weight, out, n, eps,
+    k.rms_norm[(rows,)](x, residual if residual is not None else x, weight, out, n, eps, heads, stride_t,
                         HAS_RES=residual is not None, BLOCK=k.triton.next_power_of_2(n), num_warps=NORM_WARPS,
                         **pdl.launch_args(x))
     return out
