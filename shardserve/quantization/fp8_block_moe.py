@@ -75,11 +75,11 @@ class Fp8BlockMoEMethod(MoEMethod):
         local = expert - layer.expert_start
         if not 0 <= local < layer.num_local_experts:
             return   # another expert-parallel rank's expert
+        if kind not in ("gate", "up", "down"):
+            raise ValueError(f"{layer.prefix}: block scales for expert weight kind {kind!r} are not read")
         bn, bk = self.block_n, self.block_k
         full_inter, hidden = layer.intermediate_size * layer.inter_shards, layer.hidden_size
         rows, cols = (full_inter, hidden) if kind in ("gate", "up") else (hidden, full_inter)
-        if kind not in ("gate", "up", "down"):
-            raise ValueError(f"{layer.prefix}: block scales for expert weight kind {kind!r} are not read")
         if tuple(loaded.shape) != (cdiv(rows, bn), cdiv(cols, bk)):
             raise ValueError(f"{layer.prefix}: expert {expert}'s {kind} weight_scale_inv has shape "
                              f"{tuple(loaded.shape)}; blocks of {[bn, bk]} over [{rows}, {cols}] need "

@@ -132,47 +132,24 @@ def test_fp8_fused_moe_replays_in_cuda_graph():
         _check(out.clone(), x, w13, s13, w2, s2, weights, ids)
 
 
-def test_fp8_fused_moe_time_against_bf16():
-    """Not a gate (figures only, into $OUT): Qwen3-30B-A3B's expert shapes, one layer, bf16 vs FP8."""
-    from shardserve.kernels.moe import triton_moe
-    experts, hidden, inter, top_k = 128, 2048, 768, 8
-    w13, s13, w2, s2 = _fp8_experts(experts, hidden, inter)
-    b13, b2 = reference.dequantize_experts(w13, s13).bfloat16(), reference.dequantize_experts(w2, s2).bfloat16()
-    rows = []
-    for tokens in (1, 8, 64, 512):
-        x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
-        weights, ids = _routing(tokens, experts, top_k, False)
-        bf16 = _time_ms(lambda: triton_moe.fused_moe(x, b13, b2, weights, ids))
-        fp8 = _time_ms(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2))
-        rows.append(dict(tokens=tokens, bf16_ms=round(bf16, 4), fp8_ms=round(fp8, 4), speedup=round(bf16 / fp8, 3)))
-    print(json.dumps(rows))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "moe_fp8_kernel.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), shape=dict(E=experts, H=hidden, I=inter, top_k=top_k),
-                           rows=rows), f, indent=1)
-
-
-def test_fp8_experts_serve_on_gpu(tmp_path, monkeypatch):
-    """--quantization fp8 on a tiny Qwen3-MoE on the GPU: the experts are E4M3 there and go through the
-    Triton kernel; its log-probs match the same FP8 model's CPU path (torch, fp32 math on the same
-    bf16-rounded weights, so the same E4M3 values) up to bf16 activations. The prompt stays within
-    16 tokens so the dense FP8 layers also run weight-only (their GEMV) rather than with FP8
-    activations (`_scaled_mm`), whose rounding would swamp the comparison."""
+def _gpu_and_cpu_prompt_logprobs(path: str, monkeypatch, quantization: str | None = None,
+                                 **gpu_kw) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """The prompt log-probs of a tiny MoE checkpoint served on the GPU and on the CPU (bf16), with its
+    experts held in E4M3 on both, and the FP8 scales each call of the Triton MoE kernel got. 12 prompt
+    tokens keep the dense FP8 layers on their weight-only GEMVs rather than on FP8 activations
+    (`_scaled_mm`), whose rounding would swamp the comparison."""
     from shardserve import LLM, SamplingParams
     from shardserve.kernels.moe import triton_moe
     from shardserve.layers.moe import FusedMoE
-    from tests.tiny_models import make_tiny_checkpoint
     calls = []
     fused = triton_moe.fused_moe
     monkeypatch.setattr(triton_moe, "fused_moe", lambda *a, **kw: calls.append(kw.get("w13_scale")) or fused(*a, **kw))
-    path = make_tiny_checkpoint(str(tmp_path / "m"), "qwen3_moe")
     prompt = list(range(3, 15))
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=5, ignore_eos=True)
     lps = []
     for device in ("cuda", "cpu"):
-        llm = LLM(path, dtype="bfloat16", device=device, quantization="fp8", show_progress=False,
-                  **(dict(enforce_eager=True, gpu_memory_utilization=0.3) if device == "cuda" else
-                     dict(kv_cache_memory="16MiB")))
+        llm = LLM(path, dtype="bfloat16", device=device, quantization=quantization, show_progress=False,
+                  **({**gpu_kw, "gpu_memory_utilization": 0.3} if device == "cuda" else dict(kv_cache_memory="16MiB")))
         model = llm.engine.executor.worker.model_runner.model
         assert all(m.w13_weight.dtype == FP8 for m in model.modules() if isinstance(m, FusedMoE))
         out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -181,11 +158,20 @@ def test_fp8_experts_serve_on_gpu(tmp_path, monkeypatch):
         del llm, model
         gc.collect()
     torch.cuda.empty_cache()
-    assert calls and all(s is not None for s in calls), "the FP8 experts must run in the Triton kernel"
-    diff = (lps[0] - lps[1]).abs().max().item()
+    return lps[0], lps[1], calls
+
+
+def test_fp8_experts_serve_on_gpu(tmp_path, monkeypatch):
+    """--quantization fp8 on a tiny Qwen3-MoE on the GPU: the experts are E4M3 there and go through the
+    Triton kernel; its log-probs match the same FP8 model's CPU path (torch, fp32 math on the same
+    bf16-rounded weights, so the same E4M3 values) up to bf16 activations."""
+    from tests.tiny_models import make_tiny_checkpoint
+    path = make_tiny_checkpoint(str(tmp_path / "m"), "qwen3_moe")
+    gpu, cpu, calls = _gpu_and_cpu_prompt_logprobs(path, monkeypatch, quantization="fp8", enforce_eager=True)
+    assert calls and all(isinstance(s, torch.Tensor) for s in calls), "the FP8 experts must run in the Triton kernel"
+    diff = (gpu - cpu).abs().max().item()
     print(f"GPU (Triton, bf16) vs CPU (torch, fp32 math) FP8 prompt log-probs: max diff {diff:.4f}")
     assert diff < 0.15
-
 
 def _block_experts(num_experts: int, rows: int, cols: int, parts: int, start: int,
                    block: tuple[int, int]) -> tuple[torch.Tensor, reference.BlockScales]:
@@ -224,9 +210,9 @@ def test_block_fp8_fused_moe_matches_dequantized_reference(tokens, experts, hidd
            weights, ids)
 
 
-def test_block_fp8_fused_moe_time_against_bf16_and_row_scales():
-    """Not a gate (figures only, into $OUT): Qwen3-30B-A3B's expert shapes, one layer, bf16 experts,
-    FP8 with row scales and FP8 with 128 x 128 block scales."""
+def test_fp8_fused_moe_time_against_bf16():
+    """Not a gate (figures only, into $OUT; benchmarks/moe_fp8.py times them in CUDA graphs): Qwen3-30B-A3B's
+    expert shapes, one layer, bf16 experts, FP8 with row scales and FP8 with 128 x 128 block scales."""
     from shardserve.kernels.moe import triton_moe
     experts, hidden, inter, top_k = 128, 2048, 768, 8
     w13, s13 = _block_experts(experts, inter, hidden, 2, 0, (128, 128))
@@ -244,7 +230,7 @@ def test_block_fp8_fused_moe_time_against_bf16_and_row_scales():
                          block_vs_bf16=round(bf16 / blk, 3), block_vs_rows=round(row / blk, 3)))
     print(json.dumps(rows))
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "moe_fp8_block_kernel.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], "moe_fp8_kernel.json"), "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), shape=dict(E=experts, H=hidden, I=inter, top_k=top_k),
                            rows=rows), f, indent=1)
 
@@ -253,32 +239,13 @@ def test_block_fp8_checkpoint_experts_serve_on_gpu(tmp_path, monkeypatch):
     """A tiny Qwen3-MoE block-scaled FP8 checkpoint (blocks of 32 x 32) on the GPU, with CUDA graphs:
     the experts stay E4M3 and run in the Triton kernel with their block scales; its prompt log-probs
     match the same checkpoint's CPU path (experts dequantized one at a time, fp32 math) up to bf16
-    activations. 12 prompt tokens keep the dense block layers on their weight-only GEMVs."""
-    from shardserve import LLM, SamplingParams
-    from shardserve.kernels.moe import triton_moe
-    from shardserve.layers.moe import FusedMoE
+    activations."""
     from tests.quantization.checkpoints import write_fp8_block_checkpoint
     from tests.tiny_models import make_tiny_checkpoint
-    calls = []
-    fused = triton_moe.fused_moe
-    monkeypatch.setattr(triton_moe, "fused_moe", lambda *a, **kw: calls.append(kw.get("w13_scale")) or fused(*a, **kw))
     src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
     write_fp8_block_checkpoint(src, str(tmp_path / "fp8"), (32, 32))
-    prompt = list(range(3, 15))
-    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=5, ignore_eos=True)   # decodes: graphs
-    lps = []
-    for device in ("cuda", "cpu"):
-        llm = LLM(str(tmp_path / "fp8"), dtype="bfloat16", device=device, show_progress=False,
-                  **(dict(gpu_memory_utilization=0.3) if device == "cuda" else dict(kv_cache_memory="16MiB")))
-        model = llm.engine.executor.worker.model_runner.model
-        assert all(m.w13_weight.dtype == FP8 for m in model.modules() if isinstance(m, FusedMoE))
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        lps.append(torch.tensor([row[t].logprob for row, t in zip(out.prompt_logprobs[1:], prompt[1:])]))
-        llm.engine.shutdown()
-        del llm, model
-        gc.collect()
-    torch.cuda.empty_cache()
+    gpu, cpu, calls = _gpu_and_cpu_prompt_logprobs(str(tmp_path / "fp8"), monkeypatch)
     assert calls and all(isinstance(s, reference.BlockScales) for s in calls), "block experts must run in Triton"
-    diff = (lps[0] - lps[1]).abs().max().item()
+    diff = (gpu - cpu).abs().max().item()
     print(f"GPU (Triton, bf16) vs CPU (torch, fp32 math) block-FP8 prompt log-probs: max diff {diff:.4f}")
     assert diff < 0.15

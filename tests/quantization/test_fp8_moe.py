@@ -118,11 +118,10 @@ def _greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.fixture(scope="module")
-def fp8_qwen3_moe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8_moe")
+def _one_process_tokens(root, write) -> tuple[str, list[list[int]]]:
+    """A 4-layer tiny Qwen3-MoE written by write(src, dst), and its greedy tokens in one process."""
     src = make_tiny_checkpoint(str(root / "src"), "qwen3_moe", num_hidden_layers=4)
-    write_fp8_moe_checkpoint(src, str(root / "fp8"), per_channel=True)
+    write(src, str(root / "fp8"))
     llm = LLM(str(root / "fp8"), **KW)
     try:
         return str(root / "fp8"), _greedy(llm)
@@ -130,17 +129,28 @@ def fp8_qwen3_moe(tmp_path_factory):
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("tp,ep", [(2, False), (2, True)])
-def test_fp8_experts_sharded_match_one_process(fp8_qwen3_moe, tp, ep):
-    """TP slices every expert's intermediate rows and their scales; EP hands whole experts with their
-    scales to each rank. Real worker processes over gloo."""
-    path, reference = fp8_qwen3_moe
+def _sharded_weight_shapes(path: str, reference: list[list[int]], tp: int, ep: bool) -> list[dict]:
+    """Over TP (or EP) worker processes on gloo the checkpoint gives one process's greedy tokens; each
+    rank's parameter shapes."""
     llm = LLM(path, tensor_parallel_size=tp, enable_expert_parallel=ep, **KW)
     try:
         assert _greedy(llm) == reference
-        shapes = llm.engine.executor.collective_rpc("weight_shapes")
+        return llm.engine.executor.collective_rpc("weight_shapes")
     finally:
         llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fp8_qwen3_moe(tmp_path_factory):
+    return _one_process_tokens(tmp_path_factory.mktemp("fp8_moe"),
+                               lambda src, dst: write_fp8_moe_checkpoint(src, dst, per_channel=True))
+
+
+@pytest.mark.parametrize("tp,ep", [(2, False), (2, True)])
+def test_fp8_experts_sharded_match_one_process(fp8_qwen3_moe, tp, ep):
+    """TP slices every expert's intermediate rows and their scales; EP hands whole experts with their
+    scales to each rank."""
+    shapes = _sharded_weight_shapes(*fp8_qwen3_moe, tp, ep)
     experts, width = (4, 64) if ep else (8, 32)
     for rank_shapes in shapes:
         assert rank_shapes["model.layers.0.mlp.experts.w13_weight_scale"] == (experts, 2 * width)
@@ -222,25 +232,13 @@ def fp8_block_qwen3_moe(tmp_path_factory):
     """Blocks of 48 rows: at TP=2 the second rank's 32 gate (and up) rows of each expert start inside
     the first block of 48, so its row map points rows 32-47 and 48-63 at two block rows."""
     from tests.quantization.checkpoints import write_fp8_block_checkpoint
-    root = tmp_path_factory.mktemp("fp8_block_moe")
-    src = make_tiny_checkpoint(str(root / "src"), "qwen3_moe", num_hidden_layers=4)
-    write_fp8_block_checkpoint(src, str(root / "fp8"), (48, 32))
-    llm = LLM(str(root / "fp8"), **KW)
-    try:
-        return str(root / "fp8"), _greedy(llm)
-    finally:
-        llm.engine.shutdown()
+    return _one_process_tokens(tmp_path_factory.mktemp("fp8_block_moe"),
+                               lambda src, dst: write_fp8_block_checkpoint(src, dst, (48, 32)))
 
 
 @pytest.mark.parametrize("tp,ep", [(2, False), (2, True)])
 def test_fp8_block_experts_sharded_match_one_process(fp8_block_qwen3_moe, tp, ep):
-    path, reference = fp8_block_qwen3_moe
-    llm = LLM(path, tensor_parallel_size=tp, enable_expert_parallel=ep, **KW)
-    try:
-        assert _greedy(llm) == reference
-        shapes = llm.engine.executor.collective_rpc("weight_shapes")
-    finally:
-        llm.engine.shutdown()
+    shapes = _sharded_weight_shapes(*fp8_block_qwen3_moe, tp, ep)
     scales = [s["model.layers.0.mlp.experts.w13_weight_scale_inv"] for s in shapes]
     assert scales == ([(4, 4, 3)] * 2 if ep else [(8, 2, 3), (8, 4, 3)])   # rank 1's rows span two blocks
     assert all(s["model.layers.0.mlp.experts.w2_weight_scale_inv"] == ((4, 2, 2) if ep else (8, 2, 1))

@@ -134,8 +134,8 @@ def _kernels():
                 k_ok = offs_k < K - k0
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if FP16_DOT:   # E4M3 -> fp16 is one instruction per two weights (bf16 takes three): bf16
-                a = tl.clamp(a.to(tl.float32), -65504.0, 65504.0).to(tl.float16)   # x clamped to fp16's range
+            if FP16_DOT:   # bf16 activations clamped to fp16's range, for fp16 dots (moe_gemm says why)
+                a = tl.clamp(a.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
             b_scale = 1.0
             if SCALE_BLOCK_K > 0:   # BLOCK_K divides SCALE_BLOCK_K
                 b_scale = block_scales(s_gate, k0 // SCALE_BLOCK_K, TILE_SCALE)
@@ -296,8 +296,8 @@ def moe_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.T
                b_scale.stride(1) if block_k else 0, a_scale.stride(1) if a_scale is not None else 0,
                A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0,
                B_SCALED=b_scale is not None and not block_k, SCALE_BLOCK_K=block_k, TILE_SCALE=tile_scale,
-               SCALE_MODE=scale_mode,
-               FP16_DOT=fp16_dot, A_GROUP=ACT_GROUP if a_scale is not None else 0, BLOCK_M=cfg["BLOCK_SIZE_M"],
+               SCALE_MODE=scale_mode, FP16_DOT=fp16_dot, A_GROUP=ACT_GROUP if a_scale is not None else 0,
+               BLOCK_M=cfg["BLOCK_SIZE_M"],
                BLOCK_N=cfg["BLOCK_SIZE_N"], BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
                num_warps=cfg["num_warps"],
                # fp32 tiles take twice the shared memory of the 16-bit ones the configs are tuned for
