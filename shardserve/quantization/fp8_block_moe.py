@@ -89,7 +89,7 @@ class Fp8BlockMoEMethod(MoEMethod):
             first = layer.inter_rank * inter // bk
             param.data[local].copy_(loaded[:, first:first + param.shape[2]])
             return
-        first, part_rows = self._gate_blocks(layer)[0], param.shape[1] // 2
+        first, part_rows = layer.inter_rank * layer.intermediate_size // bn, param.shape[1] // 2
         offset = 0 if kind == "gate" else part_rows
         param.data[local, offset:offset + part_rows].copy_(loaded[first:first + part_rows])
 

@@ -6,13 +6,12 @@ against the same model's CPU torch path. Figures (bf16 vs FP8 kernel time) go to
 from __future__ import annotations
 
 import gc
-import json
-import os
 
 import pytest
 import torch
 
 from shardserve.kernels.moe import reference
+from tests.gpu.cuda_timing import report
 from tests.gpu.cuda_timing import time_ms as _time_ms
 
 pytestmark = pytest.mark.gpu
@@ -228,11 +227,7 @@ def test_fp8_fused_moe_time_against_bf16():
         blk = _time_ms(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2))
         rows.append(dict(tokens=tokens, bf16_ms=round(bf16, 4), fp8_rows_ms=round(row, 4), fp8_block_ms=round(blk, 4),
                          block_vs_bf16=round(bf16 / blk, 3), block_vs_rows=round(row / blk, 3)))
-    print(json.dumps(rows))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "moe_fp8_kernel.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), shape=dict(E=experts, H=hidden, I=inter, top_k=top_k),
-                           rows=rows), f, indent=1)
+    report("moe_fp8_kernel", dict(E=experts, H=hidden, I=inter, top_k=top_k), rows)
 
 
 def test_block_fp8_checkpoint_experts_serve_on_gpu(tmp_path, monkeypatch):

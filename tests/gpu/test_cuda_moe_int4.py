@@ -7,14 +7,13 @@ vs INT4 kernel time) go to $OUT if set."""
 from __future__ import annotations
 
 import gc
-import json
-import os
 
 import pytest
 import torch
 
 from shardserve.kernels.moe import reference
 from shardserve.kernels.moe.int4_experts import Int4Experts, pack_along_k
+from tests.gpu.cuda_timing import report
 from tests.gpu.cuda_timing import time_ms as _time_ms
 
 pytestmark = pytest.mark.gpu
@@ -141,11 +140,7 @@ def test_int4_fused_moe_time_against_bf16():
             key = "aligned" if aligned else "per_input_groups"
             row[f"int4_{key}_ms"], row[f"speedup_{key}"] = round(int4, 4), round(bf16 / int4, 3)
         rows.append(row)
-    print(json.dumps(rows))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "moe_int4_kernel.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), shape=dict(E=experts, H=hidden, I=inter, top_k=top_k),
-                           rows=rows), f, indent=1)
+    report("moe_int4_kernel", dict(E=experts, H=hidden, I=inter, top_k=top_k), rows)
 
 
 def test_int4_experts_serve_on_gpu(tmp_path, monkeypatch):
