@@ -60,7 +60,10 @@ class StepInputs:
 def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput, block_size: int,
                    device: torch.device) -> StepInputs:
     scheduled = sched.num_scheduled_tokens
-    req_ids = sorted(scheduled, key=lambda r: scheduled[r] != 1)   # stable: decodes first
+    # Decodes first, the longest contexts first: the decode attention kernel starts its programs in
+    # this order, so in a large batch of mixed lengths the short ones fill the tail (a long one
+    # started last would run alone). Prefill chunks keep the scheduler's order (a stable sort).
+    req_ids = sorted(scheduled, key=lambda r: -states[r].num_computed_tokens if scheduled[r] == 1 else 1)
     num_decodes = sum(1 for r in req_ids if scheduled[r] == 1)
     total, num_reqs = sched.total_num_scheduled_tokens, len(req_ids)
     # The per-token and per-request columns share one host buffer and travel in one copy:

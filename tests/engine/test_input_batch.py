@@ -43,6 +43,29 @@ def test_columns_hold_the_step_and_start_aligned(decodes, prompt):
         assert column.storage_offset() * column.element_size() % 16 == 0
 
 
+def test_decodes_come_longest_context_first():
+    """The decode attention kernel starts its programs in batch order, so decodes are laid out by
+    decreasing context (short ones fill the tail); prefill chunks keep the scheduler's order."""
+    bs, states, contexts = 4, {}, {"a": 3, "b": 9, "c": 5, "d": 9}
+    sched = SchedulerOutput()
+    for r, ctx in contexts.items():
+        sched.scheduled_new_reqs.append(NewRequestData(r, [7] * ctx, ctx, SamplingParams(), [1, 2, 3], 0))
+    sched.scheduled_new_reqs.append(NewRequestData("p2", [1, 2], 0, SamplingParams(), [4], 0))
+    sched.scheduled_new_reqs.append(NewRequestData("p1", [3, 4, 5], 0, SamplingParams(), [5], 0))
+    update_states(states, sched)
+    step = SchedulerOutput()
+    for r, ctx in contexts.items():
+        step.scheduled_cached_reqs.append(CachedRequestData(r, [8], [], ctx))
+        step.num_scheduled_tokens[r] = 1
+    step.num_scheduled_tokens.update({"p2": 2, "p1": 3})
+    step.total_num_scheduled_tokens = len(contexts) + 5
+    update_states(states, step)
+    inputs = prepare_inputs(states, step, bs, torch.device("cpu"))
+    assert inputs.req_ids == ["b", "d", "c", "a", "p2", "p1"]
+    assert inputs.seq_lens.tolist() == [10, 10, 6, 4, 2, 3]
+    assert inputs.positions.tolist()[:4] == [9, 9, 5, 3]
+
+
 def test_warm_up_steps_leave_nothing_behind(tmp_path):
     """The CUDA start-up warm-up (run here by hand on a fresh CPU engine): no request state and no
     K/V stay behind, so the engine then gives a fresh engine's tokens."""

@@ -34,8 +34,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
                          PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
                          PDL: tl.constexpr):
     pdl.start(PDL)
-    b = tl.program_id(0)
-    hk = tl.program_id(1)
+    hk = tl.program_id(0)   # programs start in grid order, a request's KV heads side by side
+    b = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     g = tl.arange(0, GROUP_PAD)
@@ -84,7 +84,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
         tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUP)
     else:   # unnormalised partial output and its (max, sum) per head, for _merge_splits_kernel
-        row = (b * (tl.num_programs(1) * GROUP) + heads) * num_splits + split   # [batch, heads, splits]
+        row = (b * (tl.num_programs(0) * GROUP) + heads) * num_splits + split   # [batch, heads, splits]
         tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g[:, None] < GROUP)
         tl.store(stats_ptr + row * 2, m_i, mask=g < GROUP)
         tl.store(stats_ptr + row * 2 + 1, l_i, mask=g < GROUP)
@@ -143,7 +143,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (head rows packed), cos, sin [max_position, D / 2], slots [B]): q and the new k are not rotated
     yet and the new K/V not stored; the kernel does both (the rotation and the store of
     triton_rope.rotary_and_write_kv, bit for bit), one launch fewer per layer. k_scale, v_scale: an
-    fp8 pool's scales (ignored for other pools but by the store of k / v)."""
+    fp8 pool's scales (ignored for other pools but by the store of k / v). Programs start in the
+    batch's order: a large batch of ragged lengths has about one program per (request, KV head) for
+    each slot of the GPU, so the engine puts the longest contexts first (worker/input_batch.py), and
+    the short ones fill the tail instead of a long one running alone at the end."""
     batch, hq, dim = q.shape
     hk, _, block_size, _ = k_cache.shape
     group = hq // hk
@@ -160,7 +163,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part = torch.empty(batch, hq, splits, dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device)
     positions, new_k, new_v, cos, sin, slots = rope or (seq_lens, q, q, q, q, seq_lens)   # unused without rope
-    _paged_decode_kernel[(batch, hk, splits)](
+    _paged_decode_kernel[(hk, batch, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part, stats,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or 0, block_tables.shape[1], splits,
