@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
@@ -10,7 +11,7 @@ from shardserve.engine.args import EngineArgs
 from shardserve.engine.create import create_engine
 from shardserve.engine.engine import PromptType
 from shardserve.outputs import RequestOutput
-from shardserve.sampling_params import SamplingParams
+from shardserve.sampling_params import RequestOutputKind, SamplingParams
 from shardserve.tokenizer.tokenizer import Tokenizer
 
 Message = dict[str, Any]
@@ -84,6 +85,10 @@ class LLM:
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
+        # Only finished outputs are returned, so only those are built (as vLLM's LLM does). The
+        # caller's params are left as they are: each distinct one is copied once.
+        final = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final[id(p)] for p in params]
         ids = []
         try:
             for prompt, p in zip(prompts, params):

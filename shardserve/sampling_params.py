@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from enum import IntEnum
 from typing import Any
 
 _GREEDY_EPS = 1e-5
@@ -79,6 +80,15 @@ class StructuredOutputsParams:
         return kind, text, self.compact
 
 
+class RequestOutputKind(IntEnum):
+    """Which RequestOutputs a request yields (vLLM's values): one after every step with everything so
+    far (CUMULATIVE, what streaming and the server read), or only the finished one (FINAL_ONLY, what
+    LLM.generate and LLM.chat ask for: no output objects built per step, whose token lists grow with
+    the output)."""
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -102,6 +112,7 @@ class SamplingParams:
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None   # OpenAI's: added to the token's logit, in [-100, 100]
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

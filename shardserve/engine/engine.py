@@ -20,7 +20,7 @@ from shardserve.engine.request import Request, RequestStatus
 from shardserve.engine.scheduler import Scheduler
 from shardserve.executor.factory import make_executor
 from shardserve.outputs import RequestOutput
-from shardserve.sampling_params import InvalidParameter, SamplingParams
+from shardserve.sampling_params import InvalidParameter, RequestOutputKind, SamplingParams
 from shardserve.spec_decode.stats import SpecDecodingStats
 from shardserve.tokenizer.tokenizer import Tokenizer
 from shardserve.utils import cdiv
@@ -177,7 +177,9 @@ class LLMEngine:
             requests.append(Request(rid, token_ids, child, eos, arrival_time or time.monotonic()))
         if request_id in self.output_processor.requests or any(self._id_in_use(r) for r in engine_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.output_processor.add(RequestState(request_id, text, token_ids, samples), engine_ids)
+        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
+        self.output_processor.add(RequestState(request_id, text, token_ids, samples, final_only=final_only),
+                                  engine_ids)
         scheduler = min(self.schedulers, key=lambda scheduler: len(scheduler.running) + len(scheduler.waiting))
         for req in requests:
             scheduler.add_request(req)

@@ -37,6 +37,7 @@ class RequestState:
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     metrics: dict[str, float] = field(default_factory=dict)
+    final_only: bool = False   # SamplingParams.output_kind FINAL_ONLY: no output until it finishes
 
     @property
     def finished(self) -> bool:
@@ -92,8 +93,10 @@ class OutputProcessor:
             changed[state.request_id] = state
         outputs = []
         for state in changed.values():
-            outputs.append(self._make_output(state))
-            if state.finished:
+            finished = state.finished
+            if finished or not state.final_only:
+                outputs.append(self._make_output(state))
+            if finished:
                 state.metrics["finished_time"] = now
                 self.requests.pop(state.request_id, None)
         return outputs, stopped

@@ -136,3 +136,27 @@ def test_cpu_offload_flag_reaches_the_engine_config():
     from shardserve.cli import build_parser, engine_args_from
     ns = build_parser().parse_args(["serve", "--cpu-offload-gb", "1.5"])
     assert engine_args_from(ns).cpu_offload_gb == 1.5
+
+
+def test_final_only_requests_yield_one_output_and_generate_leaves_params_alone(llm):
+    """output_kind FINAL_ONLY (what LLM.generate asks for): no output until the request finishes,
+    then the same output CUMULATIVE ends with; the caller's SamplingParams keep their kind."""
+    from shardserve.sampling_params import RequestOutputKind
+    engine = llm.engine
+    prompt = [5, 17, 99, 3, 250]
+    seen = {}
+    for kind in RequestOutputKind:
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2, seed=3, output_kind=kind)
+        engine.add_request(kind.name, prompt, params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        seen[kind] = outs
+    assert len(seen[RequestOutputKind.CUMULATIVE]) >= 5
+    assert len(seen[RequestOutputKind.FINAL_ONLY]) == 1 and seen[RequestOutputKind.FINAL_ONLY][0].finished
+    final, cumulative = seen[RequestOutputKind.FINAL_ONLY][0], seen[RequestOutputKind.CUMULATIVE][-1]
+    assert [c.token_ids for c in final.outputs] == [c.token_ids for c in cumulative.outputs]
+    assert [c.text for c in final.outputs] == [c.text for c in cumulative.outputs]
+    params = SamplingParams(temperature=0, max_tokens=3)
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == final.outputs[0].token_ids[:3]
+    assert params.output_kind == RequestOutputKind.CUMULATIVE
