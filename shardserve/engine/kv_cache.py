@@ -202,6 +202,8 @@ class KVCacheManager:
         """Whether the pool can grow the request to `num_total_tokens`, taking `computed_blocks`
         (prefix hits from `get_computed_blocks`) first."""
         num_needed = self.num_blocks_needed(req_id, num_total_tokens, len(computed_blocks))
+        if not computed_blocks:   # a running request's next step: the common case, kept cheap
+            return num_needed <= self.pool.num_free_blocks
         # Hits sitting in the free queue are not available for new allocations.
         num_free_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
         return num_needed <= self.pool.num_free_blocks - num_free_hits
@@ -210,15 +212,18 @@ class KVCacheManager:
                  computed_blocks: Sequence[KVCacheBlock] = ()) -> list[KVCacheBlock]:
         """Grow the request to `num_total_tokens`: take `computed_blocks`, then new blocks. Only after
         `can_allocate` said yes. Returns the new blocks."""
-        num_needed = self.num_blocks_needed(req_id, num_total_tokens, len(computed_blocks))
-        blocks = self.requests.setdefault(req_id, ReqKV()).blocks
+        record = self.requests.get(req_id) or self.requests.setdefault(req_id, ReqKV())
+        blocks = record.blocks
+        num_needed = max(0, cdiv(num_total_tokens, self.block_size) - len(blocks) - len(computed_blocks))
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
-        new_blocks = self.pool.allocate(num_needed)
+        new_blocks = self.pool.allocate(num_needed) if num_needed else []
         blocks.extend(new_blocks)
-        if self.enable_prefix_caching:   # blocks of known tokens only (not a step's draft tokens)
-            self._cache_full_blocks(req_id, token_ids, min(num_total_tokens, len(token_ids)))
+        # Offer the blocks of known tokens (not a step's draft tokens) that filled since last time.
+        num_known = min(num_total_tokens, len(token_ids))
+        if self.enable_prefix_caching and num_known // self.block_size > record.num_cached_blocks:
+            self._cache_full_blocks(req_id, token_ids, num_known)
         return new_blocks
 
     def allocate_slots(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int,
@@ -249,9 +254,10 @@ class KVCacheManager:
         if record is not None:
             self.pool.free(list(reversed(record.blocks)))
 
-    def block_ids(self, req_id: str) -> list[int]:
+    def block_ids(self, req_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from its `start`-th block on."""
         record = self.requests.get(req_id)
-        return [block.block_id for block in record.blocks] if record else []
+        return [block.block_id for block in record.blocks[start:]] if record else []
 
     def usage(self) -> float:
         return self.pool.usage()

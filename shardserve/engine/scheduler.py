@@ -210,7 +210,7 @@ class Scheduler:
         """What the workers lack of `req`: the tokens and block ids added since they last saw it."""
         return CachedRequestData(req_id=req.request_id,
                                  new_token_ids=req.all_token_ids[req.num_synced_tokens:],
-                                 new_block_ids=self._block_ids(req.request_id)[req.num_synced_blocks:],
+                                 new_block_ids=self._block_ids(req.request_id, req.num_synced_blocks),
                                  num_computed_tokens=req.num_computed_tokens)
 
     def _mark_synced(self, req: Request) -> None:
@@ -227,8 +227,8 @@ class Scheduler:
         if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:   # > with drafts
             req.num_output_placeholders += 1
 
-    def _block_ids(self, req_id: str) -> list[int]:
-        return [block_id + self.block_offset for block_id in self.kv.block_ids(req_id)]
+    def _block_ids(self, req_id: str, start: int = 0) -> list[int]:
+        return [block_id + self.block_offset for block_id in self.kv.block_ids(req_id, start)]
 
     def _preempt(self, req: Request, output: SchedulerOutput) -> None:
         self.kv.free(req.request_id)

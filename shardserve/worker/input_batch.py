@@ -5,7 +5,7 @@ With async scheduling a step can be scheduled before the previous one's sampled 
 a decode's last input is then a placeholder the model runner fills from the device."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,6 +24,14 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    _table: np.ndarray | None = field(default=None, repr=False)
+
+    def block_table(self) -> np.ndarray:
+        """block_ids as an int32 array, rebuilt only when a block was added (every block_size
+        tokens), so a step copies each row array to array instead of converting a list."""
+        if self._table is None or len(self._table) != len(self.block_ids):
+            self._table = np.asarray(self.block_ids, dtype=np.int32)
+        return self._table
 
 
 def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput) -> None:
@@ -81,16 +89,40 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
     placeholders = []
     spec = sched.scheduled_spec_decode_tokens
     spec_drafts: list[list[int]] | None = [] if spec else None
+    # Decodes in Python scalars, their ids and positions written as whole columns afterwards: per-request
+    # numpy calls would cost more than the values. Prefill chunks and drafts take the general path.
+    decode_ids: list[int] = []
     start = 0
     for i, req_id in enumerate(req_ids):
         state = states[req_id]
         n, ctx = scheduled[req_id], state.num_computed_tokens
         known = len(state.token_ids)
-        blocks = np.asarray(state.block_ids, dtype=np.int64)
-        block_tables[i, :len(blocks)] = blocks
+        table = state.block_table()
+        block_tables[i, :len(table)] = table
+        drafts = spec.get(req_id) if spec else None
+        seq_lens[i] = ctx + n
+        query_lens.append(n)
+        context_lens.append(ctx)
+        offsets.append(start)
+        if i < num_decodes:   # n == 1 (a request with drafts schedules more): decodes come first, start == i
+            if ctx < known:
+                decode_ids.append(state.token_ids[ctx])
+            else:   # its last token is still being sampled (one step ahead at most)
+                assert ctx == known, f"{req_id}: {ctx + 1 - known} tokens not known yet"
+                decode_ids.append(0)
+                placeholders.append((start, req_id))
+            slot_mapping[start] = state.block_ids[ctx // block_size] * block_size + ctx % block_size
+            if ctx + 1 >= known:
+                sample_req_ids.append(req_id)
+                sample_idx.append(start)
+                outputs_before.append(ctx + 1 - state.num_prompt_tokens)
+                if spec_drafts is not None:
+                    spec_drafts.append([])
+            start += 1
+            continue
+        blocks = table.astype(np.int64)
         pos = np.arange(ctx, ctx + n)
         input_ids[start:start + min(n, known - ctx)] = state.token_ids[ctx:ctx + n]
-        drafts = spec.get(req_id) if spec else None
         if drafts:   # the last known token, then the drafts; every position samples
             input_ids[start + known - ctx:start + n] = drafts
             sample_req_ids.append(req_id)
@@ -103,10 +135,6 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
             placeholders.append((start + n - 1, req_id))
         positions[start:start + n] = pos
         slot_mapping[start:start + n] = blocks[pos // block_size] * block_size + pos % block_size
-        seq_lens[i] = ctx + n
-        query_lens.append(n)
-        context_lens.append(ctx)
-        offsets.append(start)
         if ctx + n >= known and not drafts:
             sample_req_ids.append(req_id)
             sample_idx.append(start + n - 1)
@@ -114,6 +142,9 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
             if spec_drafts is not None:
                 spec_drafts.append([])
         start += n
+    if decode_ids:   # the fast path's rows: the first len(decode_ids) tokens, contiguous
+        input_ids[:len(decode_ids)] = decode_ids
+        positions[:len(decode_ids)] = context_lens[:len(decode_ids)]
     samples = 3 * t_col + r_col
     end = samples + len(sample_idx)
     flat[samples:end] = sample_idx
