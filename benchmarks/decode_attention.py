@@ -88,8 +88,9 @@ def sweep(json_path: str | None, kv_dtype: torch.dtype) -> None:
         ref = torch.empty_like(q)
         paged_decode_attention(q, pools[0][0], pools[0][1], tables, lens, ref, scale, None, splits=1)
         kv_bytes = 2 * batch * ctx * HK * DIM * kv_dtype.itemsize
-        for tokens, warps, stages in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4)):
-            tune = {"tokens": tokens, "num_warps": warps, "num_stages": stages}
+        f16 = (False, True) if kv_dtype == torch.float8_e4m3fn else (False,)   # fp8: widened to fp16 or bf16
+        for tokens, warps, stages, f16_kv in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4), f16):
+            tune = {"tokens": tokens, "num_warps": warps, "num_stages": stages, "f16_kv": f16_kv}
             try:
                 paged_decode_attention(q, pools[0][0], pools[0][1], tables, lens, out, scale, None, splits=1, tune=tune)
                 err = (out.float() - ref.float()).abs().max().item()
@@ -103,7 +104,7 @@ def sweep(json_path: str | None, kv_dtype: torch.dtype) -> None:
                 continue
             results.append({"batch": batch, "context": ctx, **tune, "us": us, "max_err": err,
                             "tb_s": kv_bytes / us / 1e6})
-            print(f"batch {batch:3d} context {ctx:5d} tokens {tokens:3d} warps {warps} stages {stages}: "
+            print(f"batch {batch:3d} context {ctx:5d} tokens {tokens:3d} warps {warps} stages {stages} f16 {f16_kv:d}: "
                   f"{us:8.1f} us ({kv_bytes / us / 1e6:.2f} TB/s), max diff {err:.1e}", flush=True)
         pools = None
         torch.cuda.empty_cache()
@@ -122,14 +123,15 @@ def ragged(json_path: str | None, kv_dtype: torch.dtype) -> None:
             lens = sorted(drawn, reverse=True) if order == "longest first" else drawn
             pools, tables, lens_t, q, out = _case(batch, 0, 2, kv_dtype, lens)
             kv_bytes = 2 * sum(lens) * HK * DIM * kv_dtype.itemsize
-            for tokens in (32, 64, 128):
-                def call(i, tokens=tokens):
+            f16 = (False, True) if kv_dtype == torch.float8_e4m3fn else (False,)
+            for tokens, f16_kv in itertools.product((32, 64, 128), f16):
+                def call(i, tune={"tokens": tokens, "f16_kv": f16_kv}):
                     p = pools[i % 2]
-                    paged_decode_attention(q, p[0], p[1], tables, lens_t, out, scale, None, tune={"tokens": tokens})
+                    paged_decode_attention(q, p[0], p[1], tables, lens_t, out, scale, None, tune=tune)
                 us = graph_call_ms(call, 8) * 1e3
-                results.append({"batch": batch, "lengths": [lo, hi], "order": order, "tokens": tokens, "us": us,
-                                "tb_s": kv_bytes / us / 1e6})
-                print(f"batch {batch:3d} lengths {lo}-{hi} {order:13s} tokens {tokens:3d}: {us:8.1f} us "
+                results.append({"batch": batch, "lengths": [lo, hi], "order": order, "tokens": tokens,
+                                "f16_kv": f16_kv, "us": us, "tb_s": kv_bytes / us / 1e6})
+                print(f"batch {batch:3d} lengths {lo}-{hi} {order:13s} tokens {tokens:3d} f16 {f16_kv:d}: {us:8.1f} us "
                       f"({kv_bytes / us / 1e6:.2f} TB/s)", flush=True)
             pools = None
             torch.cuda.empty_cache()

@@ -32,7 +32,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
                          pos_ptr, new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, slots_ptr, stride_nk, stride_nv, pool_slots,
                          k_scale, v_scale, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
-                         PDL: tl.constexpr):
+                         F16_KV: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     hk = tl.program_id(0)   # programs start in grid order, a request's KV heads side by side
     b = tl.program_id(1)
@@ -72,6 +72,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
             tl.store(k_ptr + dst, to_pool(new_k, k_scale, dt))
             tl.store(v_ptr + dst, to_pool(tl.load(new_v_ptr + b * stride_nv + hk * HEAD_DIM + d), v_scale, dt))
             tl.debug_barrier()   # every thread's stores land before any thread loads that page
+    if F16_KV:   # an fp8 pool widened to fp16, one conversion per two values (bf16 takes three): q too
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     for page0 in range(start, stop, PAGES):
         k, v = load_pages(k_ptr, v_ptr, tables_ptr + b * stride_tb, page0, max_pages, hk * stride_kh, stride_kb,
                           BLOCK_SIZE=BLOCK_SIZE, PAGES=PAGES, HEAD_DIM=HEAD_DIM)
@@ -154,8 +156,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Pages past a request's length hold masked-out keys: a table entry past the table's width
     # reads block 0 instead, so no index runs off the table.
     pages = max(1, 64 // block_size) if k_cache.dtype != torch.float32 else max(1, 32 // block_size)
-    tune = dict(tune or {})   # the benchmark's sweep: tokens per iteration, num_warps, num_stages
+    # The benchmark's sweep: tokens per iteration, num_warps, num_stages, and f16_kv: an fp8 pool's
+    # keys and values widened to fp16 rather than to bf16 activations' dtype (not the default: not
+    # yet measured on a GPU).
+    tune = dict(tune or {})
     pages = max(1, tune.pop("tokens", pages * block_size) // block_size)
+    f16_kv = tune.pop("f16_kv", False) and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
     # Unused with one split, but of the same dtype: a pointer's dtype picks the compiled variant, and
     # a variant first met mid-run stalls that step while Triton compiles it.
     part = stats = _unused_f32(q.device)
@@ -170,7 +176,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         positions, new_k, new_v, cos, sin, slots, new_k.stride(0), new_v.stride(0), k_cache.shape[1] * block_size,
         *_scales(k_cache, k_scale, v_scale),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, PAGES=pages,
-        HEAD_DIM=dim, IEEE=q.dtype == torch.float32, ROPE=rope is not None, **pdl.launch_args(q), **tune)
+        HEAD_DIM=dim, IEEE=q.dtype == torch.float32, ROPE=rope is not None, F16_KV=f16_kv, **pdl.launch_args(q),
+        **tune)
     if splits > 1:
         _merge_splits_kernel[(batch, hq)](part, stats, out, out.stride(0), out.stride(1), splits,
                                           MAX_SPLITS=MAX_SPLITS, HEAD_DIM=dim, **pdl.launch_args(q))
