@@ -17,7 +17,10 @@ from tests.tiny_models import make_tiny_checkpoint
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_drain") / "ckpt"), "llama")
+    # A long context: the outlasting streams must run for seconds even on a fast host (4 streams of 1000
+    # tokens ended in ~1.5 s on a 2-core CPU, before the drain's time plus uvicorn's grace had cut them).
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_drain") / "ckpt"), "llama",
+                                max_position_embeddings=4096)
 
 
 def _open_stream(port: int, max_tokens: int) -> http.client.HTTPResponse:
@@ -70,7 +73,7 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits_0(tiny, tmp_path)
 def test_drain_that_outlasts_shutdown_timeout_stops_and_exits_0(tiny, tmp_path):
     srv = ServerProcess([tiny, "--kv-cache-memory", "16MiB", "--shutdown-timeout", "0.3"], str(tmp_path / "s.log"))
     try:
-        streams = [_open_stream(srv.port, 1000) for _ in range(4)]   # the tiny model's whole context, 4 at once
+        streams = [_open_stream(srv.port, 4000) for _ in range(4)]   # the tiny model's whole context, 4 at once
         start = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         events = [_events(s) for s in streams]
