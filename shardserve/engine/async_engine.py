@@ -177,13 +177,18 @@ class AsyncLLMEngine:
             self._fail_pending_commands()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # One hand-over per event loop per step: each call_soon_threadsafe takes a lock and wakes
+        # the loop through its self-pipe, ~6 us apiece, which a step of 256 streams paid 256 times.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_pending_commands(self) -> None:
         reason = EngineDeadError(f"the engine is not running: {self._error or 'shut down'}")
@@ -199,6 +204,11 @@ class AsyncLLMEngine:
         self._stopping.set()
         self._thread.join(timeout)
         self.engine.shutdown()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:   # in the streams' loop, in the engine's order
+        q.put_nowait(out)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
