@@ -212,9 +212,11 @@ class KVCacheManager:
                  computed_blocks: Sequence[KVCacheBlock] = ()) -> list[KVCacheBlock]:
         """Grow the request to `num_total_tokens`: take `computed_blocks`, then new blocks. Only after
         `can_allocate` said yes. Returns the new blocks."""
-        record = self.requests.get(req_id) or self.requests.setdefault(req_id, ReqKV())
+        num_needed = self.num_blocks_needed(req_id, num_total_tokens, len(computed_blocks))
+        record = self.requests.get(req_id)
+        if record is None:
+            record = self.requests[req_id] = ReqKV()
         blocks = record.blocks
-        num_needed = max(0, cdiv(num_total_tokens, self.block_size) - len(blocks) - len(computed_blocks))
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)

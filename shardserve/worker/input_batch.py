@@ -112,30 +112,23 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
                 decode_ids.append(0)
                 placeholders.append((start, req_id))
             slot_mapping[start] = state.block_ids[ctx // block_size] * block_size + ctx % block_size
-            if ctx + 1 >= known:
+        else:
+            blocks = table.astype(np.int64)
+            pos = np.arange(ctx, ctx + n)
+            input_ids[start:start + min(n, known - ctx)] = state.token_ids[ctx:ctx + n]
+            if drafts:   # the last known token, then the drafts; every position samples
+                input_ids[start + known - ctx:start + n] = drafts
                 sample_req_ids.append(req_id)
-                sample_idx.append(start)
-                outputs_before.append(ctx + 1 - state.num_prompt_tokens)
-                if spec_drafts is not None:
-                    spec_drafts.append([])
-            start += 1
-            continue
-        blocks = table.astype(np.int64)
-        pos = np.arange(ctx, ctx + n)
-        input_ids[start:start + min(n, known - ctx)] = state.token_ids[ctx:ctx + n]
-        if drafts:   # the last known token, then the drafts; every position samples
-            input_ids[start + known - ctx:start + n] = drafts
-            sample_req_ids.append(req_id)
-            sample_idx += range(start, start + n)
-            outputs_before += range(known - state.num_prompt_tokens, ctx + n + 1 - state.num_prompt_tokens)
-            spec_drafts.append(drafts)
-        elif ctx + n > known:   # only the last token can still be in flight (one step ahead at most)
-            assert ctx + n == known + 1, f"{req_id}: {ctx + n - known} tokens not known yet"
-            input_ids[start + n - 1] = 0
-            placeholders.append((start + n - 1, req_id))
-        positions[start:start + n] = pos
-        slot_mapping[start:start + n] = blocks[pos // block_size] * block_size + pos % block_size
-        if ctx + n >= known and not drafts:
+                sample_idx += range(start, start + n)
+                outputs_before += range(known - state.num_prompt_tokens, ctx + n + 1 - state.num_prompt_tokens)
+                spec_drafts.append(drafts)
+            elif ctx + n > known:   # only the last token can still be in flight (one step ahead at most)
+                assert ctx + n == known + 1, f"{req_id}: {ctx + n - known} tokens not known yet"
+                input_ids[start + n - 1] = 0
+                placeholders.append((start + n - 1, req_id))
+            positions[start:start + n] = pos
+            slot_mapping[start:start + n] = blocks[pos // block_size] * block_size + pos % block_size
+        if ctx + n >= known and not drafts:   # the chunk reaches the end: it samples its last position
             sample_req_ids.append(req_id)
             sample_idx.append(start + n - 1)
             outputs_before.append(ctx + n - state.num_prompt_tokens)
