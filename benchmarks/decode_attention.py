@@ -40,6 +40,11 @@ def _case(batch: int, ctx: int, copies: int, kv_dtype: torch.dtype = torch.bfloa
     return pools, tables, lens, q, torch.empty_like(q)
 
 
+def _widenings(kv_dtype: torch.dtype) -> tuple[bool, ...]:
+    """The `f16_kv` settings to try: an fp8 pool widened to bf16 (the default) or to fp16."""
+    return (False, True) if kv_dtype == torch.float8_e4m3fn else (False,)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -88,8 +93,8 @@ def sweep(json_path: str | None, kv_dtype: torch.dtype) -> None:
         ref = torch.empty_like(q)
         paged_decode_attention(q, pools[0][0], pools[0][1], tables, lens, ref, scale, None, splits=1)
         kv_bytes = 2 * batch * ctx * HK * DIM * kv_dtype.itemsize
-        f16 = (False, True) if kv_dtype == torch.float8_e4m3fn else (False,)   # fp8: widened to fp16 or bf16
-        for tokens, warps, stages, f16_kv in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4), f16):
+        for tokens, warps, stages, f16_kv in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4),
+                                                              _widenings(kv_dtype)):
             tune = {"tokens": tokens, "num_warps": warps, "num_stages": stages, "f16_kv": f16_kv}
             try:
                 paged_decode_attention(q, pools[0][0], pools[0][1], tables, lens, out, scale, None, splits=1, tune=tune)
@@ -123,8 +128,7 @@ def ragged(json_path: str | None, kv_dtype: torch.dtype) -> None:
             lens = sorted(drawn, reverse=True) if order == "longest first" else drawn
             pools, tables, lens_t, q, out = _case(batch, 0, 2, kv_dtype, lens)
             kv_bytes = 2 * sum(lens) * HK * DIM * kv_dtype.itemsize
-            f16 = (False, True) if kv_dtype == torch.float8_e4m3fn else (False,)
-            for tokens, f16_kv in itertools.product((32, 64, 128), f16):
+            for tokens, f16_kv in itertools.product((32, 64, 128), _widenings(kv_dtype)):
                 def call(i, tune={"tokens": tokens, "f16_kv": f16_kv}):
                     p = pools[i % 2]
                     paged_decode_attention(q, p[0], p[1], tables, lens_t, out, scale, None, tune=tune)

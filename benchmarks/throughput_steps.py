@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.trace_summary import print_summary, summarize  # noqa: E402
 from shardserve import SamplingParams  # noqa: E402
-from shardserve.bench.offline import make_llm, model_source, random_prompts  # noqa: E402
+from shardserve.bench.offline import make_llm, model_source, throughput_requests  # noqa: E402
 from shardserve.cli import build_parser  # noqa: E402
 
 G2 = ["--random-weights", "llama-3-8b", "--num-prompts", "256", "--input-len", "562", "--output-len", "562",
@@ -41,12 +40,7 @@ def main() -> None:
     llm = make_llm(ns, path, random_weights)
     engine = llm.engine
     try:
-        prompts = random_prompts(ns.num_prompts, ns.input_len, ns.random_range_ratio, config["vocab_size"], ns.seed)
-        rng = random.Random(ns.seed + 1)   # the output lengths bench throughput draws
-        lo = max(1, int(ns.output_len * (1 - ns.random_range_ratio)))
-        hi = max(1, int(ns.output_len * (1 + ns.random_range_ratio)))
-        params = [SamplingParams(temperature=0, max_tokens=rng.randint(lo, hi), ignore_eos=True, detokenize=False)
-                  for _ in prompts]
+        prompts, params = throughput_requests(ns, config["vocab_size"])
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)   # warm-up
         for prompt, p in zip(prompts, params):
             engine.add_request(engine.next_request_id(), prompt, p)

@@ -145,6 +145,19 @@ def random_prompts(n: int, input_len: int, ratio: float, vocab: int, seed: int) 
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+def throughput_requests(ns, vocab: int) -> tuple[list[list[int]], list[Any]]:
+    """`bench throughput`'s requests: random prompts and greedy, EOS-ignoring params whose output
+    lengths are drawn like the prompts' (also benchmarks/throughput_steps.py's)."""
+    from shardserve import SamplingParams
+    prompts = random_prompts(ns.num_prompts, ns.input_len, ns.random_range_ratio, vocab, ns.seed)
+    rng = random.Random(ns.seed + 1)
+    lo = max(1, int(ns.output_len * (1 - ns.random_range_ratio)))
+    hi = max(1, int(ns.output_len * (1 + ns.random_range_ratio)))
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(lo, hi), ignore_eos=True, detokenize=False)
+              for _ in prompts]
+    return prompts, params
+
+
 def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
     model_config = llm.engine.config.model_config
     device = llm.engine.config.device
@@ -266,12 +279,7 @@ def run_throughput(ns) -> dict[str, Any]:
     traces: list[str] = []
     try:
         lim = _limits(llm, config)
-        prompts = random_prompts(ns.num_prompts, ns.input_len, ns.random_range_ratio, config["vocab_size"], ns.seed)
-        rng = random.Random(ns.seed + 1)
-        lo = max(1, int(ns.output_len * (1 - ns.random_range_ratio)))
-        hi = max(1, int(ns.output_len * (1 + ns.random_range_ratio)))
-        params = [SamplingParams(temperature=0, max_tokens=rng.randint(lo, hi), ignore_eos=True, detokenize=False)
-                  for _ in prompts]
+        prompts, params = throughput_requests(ns, config["vocab_size"])
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)   # warm-up
         if ns.profile:   # as vLLM does: the timed run itself, so its figures include the profiler's cost
             llm.start_profile()
