@@ -14,6 +14,7 @@ of the activations' dtype, fp32, or fp8 E4M3 with the layer's k_scale / v_scale 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -114,6 +115,14 @@ def _merge_splits_kernel(part_ptr, stats_ptr, out_ptr, stride_ot, stride_oh, num
 
 MAX_SPLITS = 16
 
+# What an fp8 pool's keys and values widen to beside bf16 queries: "fp16" (the default: one
+# conversion instruction per two values, where bf16 takes three, and q rounded to fp16 too, exact
+# in its range) or "bf16" (the activations' dtype). fp16 measured 1.04-1.45x faster alone on an
+# H100 (ragged batches of 64-256 requests) and +1-8% on G2 with FP8 weights (BENCHMARKS.md).
+FP8_KV_WIDEN = os.environ.get("SHARDSERVE_FP8_KV_WIDEN", "fp16")
+if FP8_KV_WIDEN not in ("fp16", "bf16"):
+    raise ValueError(f"SHARDSERVE_FP8_KV_WIDEN={FP8_KV_WIDEN!r}: expected fp16 or bf16")
+
 
 @functools.cache
 def _unused_f32(device: torch.device) -> torch.Tensor:
@@ -156,12 +165,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Pages past a request's length hold masked-out keys: a table entry past the table's width
     # reads block 0 instead, so no index runs off the table.
     pages = max(1, 64 // block_size) if k_cache.dtype != torch.float32 else max(1, 32 // block_size)
-    # The benchmark's sweep: tokens per iteration, num_warps, num_stages, and f16_kv: an fp8 pool's
-    # keys and values widened to fp16 rather than to bf16 activations' dtype (not the default: not
-    # yet measured on a GPU).
+    # The benchmark's sweep: tokens per iteration, num_warps, num_stages, and f16_kv (FP8_KV_WIDEN).
     tune = dict(tune or {})
     pages = max(1, tune.pop("tokens", pages * block_size) // block_size)
-    f16_kv = tune.pop("f16_kv", False) and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+    f16_kv = tune.pop("f16_kv", FP8_KV_WIDEN == "fp16") and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
     # Unused with one split, but of the same dtype: a pointer's dtype picks the compiled variant, and
     # a variant first met mid-run stalls that step while Triton compiles it.
     part = stats = _unused_f32(q.device)
