@@ -90,6 +90,13 @@ class LinearMethod(ABC):
         this format has no such kernel for x (then: apply, then SiLU-and-mul)."""
         return None
 
+    def takes_fp8_rows(self, layer: "LinearBase", x: torch.Tensor) -> bool:
+        """Whether `apply` would quantize x to FP8 per token first; if so it also takes those rows
+        made by the kernel before it (`Fp8Rows`: the norm's or SiLU-and-mul's, which quantizes its
+        own output instead of writing it out). x: the input, or a tensor with its rows, dtype and
+        device (the gate_up output SiLU-and-mul makes the input from)."""
+        return False
+
     def stack_linear(self, layer: "LinearBase", gated: bool) -> StackLinear | None:
         """The native CPU kernel call that `apply` (gated: `apply_gated`) makes for fp32 CPU rows, for
         the decoder stack run in one call (kernels/cpu/decoder_stack.py); None where there is none."""
@@ -171,6 +178,10 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
+
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """LinearMethod.takes_fp8_rows for this layer (False for unquantized ones)."""
+        return self.quant_method is not None and self.quant_method.takes_fp8_rows(self, x)
 
     def stack_linear(self, gated: bool = False) -> StackLinear | None:
         """This layer's matmul on fp32 CPU rows as one native kernel call (kernels/cpu/decoder_stack.py),
@@ -269,18 +280,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         per_rank = self.output_shard_sizes
         self._load_rows(param, loaded, sum(per_rank[:shard_id]), per_rank[shard_id], self.tp_rank)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor, quant_for: "LinearBase | None" = None) -> torch.Tensor:
         """silu(gate) * up for a [gate, up] pair of equal sizes: [tokens, input_size] -> [tokens,
         output_size / 2]. A few rows on CUDA (no bias; plain weights, or a format whose method has a
         gated kernel): one Triton kernel for both matmuls and the activation; otherwise this layer's
-        matmul, then SiLU-and-mul."""
+        matmul, then SiLU-and-mul. quant_for: the layer that takes the result (down_proj), to which
+        SiLU-and-mul may hand FP8 rows (layers/activation.py)."""
         if self.bias is None and self.quant_method is None and triton_gemv.handles(x, self.weight):
             return triton_gemv.gemv(x, self.weight, gated=True)
         if self.bias is None and self.quant_method is not None:
             out = self.quant_method.apply_gated(self, x)
             if out is not None:
                 return out
-        return silu_and_mul(self(x))
+        return silu_and_mul(self(x), quant_for)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -23,4 +23,4 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, partial_sum: bool = False) -> torch.Tensor:
         """partial_sum: leave down_proj's output as this rank's partial sum for the next norm
         (layers/linear.py's module docstring)."""
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x), partial_sum=partial_sum)
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x, quant_for=self.down_proj), partial_sum=partial_sum)

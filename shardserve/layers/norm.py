@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardserve.distributed import comm
-from shardserve.kernels.norm import reference
+from shardserve.kernels.norm import reference, triton_norm
 from shardserve.layers.fused import ops_for
 
 
@@ -22,15 +22,23 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return reference.rms_norm(x, self.weight, self.eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, partial_sum: bool = False):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, partial_sum: bool = False,
+                quant_for=None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual).
         partial_sum: x is a TP rank's partial sum (RowParallelLinear(partial_sum=True)), all-reduced
-        first (in the same kernel where it can)."""
+        first (in the same kernel where it can). quant_for: the linear layer that takes the norm
+        next; where it would quantize it per token to FP8 first (LinearBase.takes_fp8_rows), the
+        Triton kernel does so itself and the norm comes back as Fp8Rows."""
         if partial_sum and not comm.take_reduced(x):   # (the matmul that made x may have all-reduced it)
             out = comm.fused_all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
             if out is not None:
                 return out, residual
             x = comm.tensor_model_parallel_all_reduce(x)
+        if quant_for is not None and self._fp8_out(x, residual, quant_for):
+            if residual is None:
+                return triton_norm.rms_norm(x, self.weight, self.eps, quantize=True)
+            residual = residual.clone() if residual is x else residual
+            return triton_norm.rms_norm(x, self.weight, self.eps, residual, quantize=True), residual
         ops = ops_for(x, self.weight) if x.is_contiguous() or _heads_in_rows(x, residual) else None
         if ops is not None:
             if residual is None:
@@ -42,6 +50,11 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def _fp8_out(self, x: torch.Tensor, residual: torch.Tensor | None, quant_for) -> bool:
+        return (x.dim() == 2 and x.is_contiguous() and self.weight.is_cuda
+                and (residual is None or (residual.is_contiguous() and residual.is_cuda))
+                and quant_for.takes_fp8_rows(x))
 
 
 def _heads_in_rows(x: torch.Tensor, residual: torch.Tensor | None) -> bool:

@@ -93,13 +93,17 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 ctx: AttentionContext, input_partial_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """input_partial_sum: `hidden` is the previous layer's partial sum (its output_partial_sum)."""
+        # Each norm may hand the matmul after it FP8 rows (quantized in the norm's kernel; layers/norm.py).
+        qkv = self.self_attn.qkv_proj
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, quant_for=qkv)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, partial_sum=input_partial_sum)
+            hidden, residual = self.input_layernorm(hidden, residual, partial_sum=input_partial_sum, quant_for=qkv)
         hidden = self.self_attn(positions, hidden, ctx, partial_sum=self.partial_sums)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, partial_sum=self.partial_sums)
+        gate_up = self.mlp.gate_up_proj if isinstance(self.mlp, GatedMLP) else None
+        hidden, residual = self.post_attention_layernorm(hidden, residual, partial_sum=self.partial_sums,
+                                                         quant_for=gate_up)
         return self.mlp(hidden, partial_sum=self.output_partial_sum), residual
 
 

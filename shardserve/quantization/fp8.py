@@ -11,9 +11,12 @@
   triton_fp8_gemv.py; W8A16 there: no per-token rounding, no quantization kernel), with the gated
   gate_up form; more rows go to `torch._scaled_mm` on FP8 inputs with the row-wise scales
   (Hopper's FP8 tensor cores), bf16 out, after one Triton pass that quantizes the activations
-  (kernels/quant/triton_fp8_quant.py). Elsewhere (the CPU): the FP8 values are widened once, after loading,
-  into an ordinary weight of the compute dtype, so every CPU kernel and test runs unchanged on the
-  FP8-rounded values (the accuracy of FP8; not its memory saving).
+  (kernels/quant/triton_fp8_quant.py). Where the kernel before the matmul is the RMSNorm (qkv,
+  gate_up) or SiLU-and-mul (down), that kernel quantizes its own output instead and hands over
+  `Fp8Rows` (`takes_fp8_rows`): one launch and one pass over the activations fewer per matmul
+  (`SHARDSERVE_FP8_FUSED_QUANT=0`: the separate pass, for A/B runs). Elsewhere (the CPU): the FP8
+  values are widened once, after loading, into an ordinary weight of the compute dtype, so every
+  CPU kernel and test runs unchanged on the FP8-rounded values (the accuracy of FP8; not its memory saving).
 - Block-wise scales (`weight_block_size`, e.g. [128, 128]: Qwen3-*-FP8, DeepSeek-V3; the weight's
   `weight_scale_inv` holds one multiplier per block): the linears keep E4M3 with their block scales
   (quantization/fp8_block.py), their MoE experts too (quantization/fp8_block_moe.py). Rounding
@@ -23,6 +26,7 @@
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -34,6 +38,7 @@ from shardserve.quantization.fp8_block import Fp8BlockLinearMethod
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)   # 448
+FUSED_QUANT = os.environ.get("SHARDSERVE_FP8_FUSED_QUANT", "1") != "0"   # the module docstring
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +106,15 @@ class Fp8LinearMethod(LinearMethod):
         else:   # widened once into the dtype the layer was built in (the compute dtype)
             layer.weight = nn.Parameter((weight.float() * scale[:, None]).to(layer.params_dtype), requires_grad=False)
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def takes_fp8_rows(self, layer: LinearBase, x: torch.Tensor) -> bool:
+        return (FUSED_QUANT and layer.weight.dtype == FP8 and triton_fp8_quant.handles(x)
+                and not triton_fp8_gemv.handles(x, layer.weight))
+
+    def apply(self, layer: LinearBase, x: torch.Tensor | triton_fp8_quant.Fp8Rows,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, triton_fp8_quant.Fp8Rows):   # quantized by the kernel before (takes_fp8_rows)
+            return torch._scaled_mm(x.q, layer.weight.t(), scale_a=x.scale, scale_b=layer.weight_scale.view(1, -1),
+                                    bias=bias, out_dtype=x.dtype)
         if layer.weight.dtype != FP8:
             return linear(x, layer.weight, bias)
         shape = x.shape

@@ -39,6 +39,76 @@ def test_triton_token_quantization_is_the_torch_one_bit_for_bit(m, k, dtype):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+@pytest.mark.skipif(not _fp8_capable(), reason="GPU-only: FP8 needs compute capability 8.9+")
+@pytest.mark.parametrize("m", [1, 17, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_norm_and_silu_quantize_their_output_as_the_separate_pass_would(m, dtype):
+    """`quantize=True` (the Fp8Rows an FP8 matmul takes next) is bit for bit the torch per-token
+    quantization of the kernels' own output: the norm with and without the residual add, SiLU-and-mul
+    on a row of one block and on 8B's 14336 (two passes over the row)."""
+    from shardserve.kernels.activation import triton_activation
+    from shardserve.kernels.norm import triton_norm
+    torch.manual_seed(0)
+
+    def same(got, want):
+        q, scale = quantize_tokens(want)
+        assert got.dtype == want.dtype and torch.equal(got.scale, scale)
+        assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8))
+
+    x, res = torch.randn(m, 4096, device="cuda", dtype=dtype) * 3, torch.randn(m, 4096, device="cuda", dtype=dtype)
+    w = torch.randn(4096, device="cuda", dtype=dtype)
+    r = res.clone()
+    same(triton_norm.rms_norm(x, w, 1e-5, r, quantize=True), triton_norm.rms_norm(x, w, 1e-5, res.clone()))
+    assert torch.equal(r, x + res)
+    same(triton_norm.rms_norm(x, w, 1e-5, quantize=True), triton_norm.rms_norm(x, w, 1e-5))
+    for d in (1024, 14336):
+        gate_up = torch.randn(m, 2 * d, device="cuda", dtype=dtype) * 4
+        same(triton_activation.silu_and_mul(gate_up, quantize=True), triton_activation.silu_and_mul(gate_up))
+
+
+@pytest.mark.skipif(not _fp8_capable(), reason="GPU-only: FP8 matmuls need compute capability 8.9+")
+def test_fp8_model_norms_and_silu_hand_over_fp8_rows(tmp_path, monkeypatch):
+    """In a tiny Llama with `--quantization fp8` the norms before qkv and gate_up and SiLU-and-mul
+    before down quantize their own output for the matmul (steps of more than 16 rows): the prompt
+    log-probs are the ones the separate quantization pass gives (SHARDSERVE_FP8_FUSED_QUANT=0), exactly."""
+    from shardserve import LLM
+    from shardserve.kernels.activation import triton_activation
+    from shardserve.kernels.norm import triton_norm
+    from shardserve.quantization import fp8
+    from tests.models.test_parity import full_logprob_params, logprob_matrix, random_prompt
+    from tests.tiny_models import make_tiny_checkpoint
+    path = make_tiny_checkpoint(str(tmp_path / "llama"), "llama", hidden_size=256, intermediate_size=512)
+    calls = {"norm": 0, "silu": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, quantize=False, **kwargs):
+            calls[name] += quantize
+            return fn(*args, quantize=quantize, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(triton_norm, "rms_norm", counting("norm", triton_norm.rms_norm))
+    monkeypatch.setattr(triton_activation, "silu_and_mul", counting("silu", triton_activation.silu_and_mul))
+    prompt, logprobs = random_prompt(3, 40), {}
+    for fused in (True, False):
+        monkeypatch.setattr(fp8, "FUSED_QUANT", fused)
+        llm = LLM(path, quantization="fp8", dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3,
+                  max_logprobs=-1)
+        try:
+            out = llm.generate([prompt], full_logprob_params(max_tokens=1), use_tqdm=False)[0]
+            logprobs[fused] = logprob_matrix(out.prompt_logprobs[1:])
+        finally:
+            llm.engine.shutdown()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        if fused:
+            layers = 2   # the tiny config's
+            assert calls["norm"] >= 2 * layers and calls["silu"] >= layers, calls
+            calls = dict.fromkeys(calls, 0)
+    assert calls == {"norm": 0, "silu": 0}
+    assert torch.equal(logprobs[True], logprobs[False])
+
+
 @pytest.mark.skipif(not _fp8_capable(), reason="GPU-only: FP8 matmuls need compute capability 8.9+")
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 def test_fp8_linear_matches_dequantized_reference(m):

@@ -168,7 +168,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # The benchmark's sweep: tokens per iteration, num_warps, num_stages, and f16_kv (FP8_KV_WIDEN).
     tune = dict(tune or {})
     pages = max(1, tune.pop("tokens", pages * block_size) // block_size)
-    f16_kv = tune.pop("f16_kv", FP8_KV_WIDEN == "fp16") and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+    f16_kv = (tune.pop("f16_kv", FP8_KV_WIDEN == "fp16") and k_cache.dtype == torch.float8_e4m3fn
+              and q.dtype == torch.bfloat16)
     # Unused with one split, but of the same dtype: a pointer's dtype picks the compiled variant, and
     # a variant first met mid-run stalls that step while Triton compiles it.
     part = stats = _unused_f32(q.device)

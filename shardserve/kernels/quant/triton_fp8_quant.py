@@ -6,8 +6,14 @@ than the FP8 matmul saves over bf16 at decode-sized batches.
 
 `quantize_token_groups`: a scale per token and group of 128 inputs instead (DeepSeek-V3's 1 x 128
 activation blocks, for the block-scaled `_scaled_mm` of kernels/quant/triton_fp8_block.py), the
-rows padded with zeros to a multiple of 4 and the scales stored group-major, as cuBLAS takes them."""
+rows padded with zeros to a multiple of 4 and the scales stored group-major, as cuBLAS takes them.
+
+`store_quantized_row` is the per-token rounding as a piece other kernels end with: the RMSNorm and
+SiLU-and-mul kernels quantize their own output for the FP8 matmul that takes it next, one pass over
+the activations fewer (they hand over `Fp8Rows`)."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -21,9 +27,42 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12   # a row of zeros gets this scale (and zeros), as the torch reference does
 
+
+
+class Fp8Rows(NamedTuple):
+    """Activations already quantized per token for an FP8 matmul (what quantize_tokens returns),
+    and the dtype of the activations they were made from, which the matmul's output takes."""
+    q: torch.Tensor       # E4M3 [M, K]
+    scale: torch.Tensor   # fp32 [M, 1]
+    dtype: torch.dtype
+
+
+def empty_rows(m: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp8Rows:
+    return Fp8Rows(torch.empty((m, k), dtype=FP8, device=device),
+                   torch.empty((m, 1), dtype=torch.float32, device=device), dtype)
+
+
 if triton is not None:
     _MAX = tl.constexpr(FP8_MAX)
     _MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+    # The rounding of quantize_tokens, in pieces other kernels use (the module docstring).
+    @triton.jit
+    def row_scale(amax):
+        """A row's scale from its (elementwise) absolute maxima."""
+        return tl.maximum(tl.max(amax, axis=0) / _MAX, _MIN_SCALE)
+
+    @triton.jit
+    def to_e4m3(y, scale, q_ptrs, mask):
+        """Stores y / scale (fp32, torch's division, saturated) as E4M3."""
+        tl.store(q_ptrs, tl.clamp(tl.math.div_rn(y, scale), -_MAX, _MAX).to(q_ptrs.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def store_quantized_row(y, q_row, s_ptr, cols, mask):
+        """One whole row y (fp32, masked lanes zero) to E4M3 at q_row + cols and its scale at s_ptr."""
+        scale = row_scale(tl.abs(y))
+        to_e4m3(y, scale, q_row + cols, mask)
+        tl.store(s_ptr, scale)
 
     @triton.jit
     def quant_rows_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q,
@@ -34,22 +73,18 @@ if triton is not None:
         if ONE_PASS:   # the row fits one block: read it once
             cols = tl.arange(0, BLOCK_K)
             x = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(x), axis=0) / _MAX, _MIN_SCALE)
-            q = tl.clamp(tl.math.div_rn(x, scale), -_MAX, _MAX)   # rounded as torch divides
-            tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < k)
+            store_quantized_row(x, q_row, s_ptr + row, cols, cols < k)
         else:          # two passes over a long row; the second read comes from L2
             amax = tl.zeros([BLOCK_K], tl.float32)
             for k0 in range(0, k, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.maximum(tl.max(amax, axis=0) / _MAX, _MIN_SCALE)
+            scale = row_scale(amax)
             for k0 in range(0, k, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
-                q = tl.clamp(tl.math.div_rn(x, scale), -_MAX, _MAX)   # rounded as torch divides
-                tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < k)
-        tl.store(s_ptr + row, scale)
+                to_e4m3(tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32), scale, q_row + cols, cols < k)
+            tl.store(s_ptr + row, scale)
 
     @triton.jit
     def quant_groups_kernel(x_ptr, q_ptr, s_ptr, m, k, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
@@ -72,8 +107,7 @@ def handles(x: torch.Tensor) -> bool:
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [M, K] -> (E4M3 [M, K], fp32 scales [M, 1]), one scale per token."""
     m, k = x.shape
-    q = torch.empty((m, k), dtype=FP8, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    q, scale, _ = empty_rows(m, k, x.dtype, x.device)
     one_pass = k <= 8192
     block = triton.next_power_of_2(k) if one_pass else 4096
     quant_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=block, ONE_PASS=one_pass,
