@@ -129,6 +129,7 @@ class Fp8LinearMethod(LinearMethod):
         return out.view(*shape[:-1], out.shape[-1])
 
     def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
-        if layer.weight.dtype != FP8 or x.dim() != 2 or not triton_fp8_gemv.handles(x, layer.weight, gated=True):
+        if (isinstance(x, triton_fp8_quant.Fp8Rows) or layer.weight.dtype != FP8 or x.dim() != 2
+                or not triton_fp8_gemv.handles(x, layer.weight, gated=True)):
             return None
         return triton_fp8_gemv.gemv(x, layer.weight, layer.weight_scale, gated=True)
