@@ -8,7 +8,8 @@ to trace; a window of steps in the steady decode phase shows where a step goes).
 Defaults to G2 (Llama-3-8B shape, random weights, nano-vllm's 256 requests of 100-1023 tokens in and
 out); any `shardserve bench throughput` flag overrides. Each window finishes the steps in flight,
 traces its steps, then prints benchmarks/trace_summary.py's summary of the trace. The figures
-exclude the windows' time.
+exclude the windows' time. Also printed: the slowest steps, and any Triton kernel variant compiled
+after the warm-up (each stalls its step; the engine means to compile them all at start-up).
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def main() -> None:
     try:
         prompts, params = throughput_requests(ns, config["vocab_size"])
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)   # warm-up
+        late: list[tuple[int, str]] = []   # (step, kernel) of each variant compiled from here on
+        _compile_hook(lambda name: late.append((n, name)))
         for prompt, p in zip(prompts, params):
             engine.add_request(engine.next_request_id(), prompt, p)
         steps, traces, traced_s, n = [], [], 0.0, 0
@@ -78,11 +81,25 @@ def main() -> None:
         median = 1e3 * times[len(times) // 2]
         print(f"  {size:3d}-{size + 31:3d} running: {len(times):4d} steps, median {median:6.2f} ms, "
               f"{sum(times):6.2f} s in all")
+    timed = [(b[0] - a[0], i, a[1]) for i, (a, b) in enumerate(zip(steps, steps[1:]))
+             if a is not None and b is not None]
+    print("slowest steps: " + ", ".join(f"#{i} ({r} running) {1e3 * t:.1f} ms" for t, i, r in sorted(timed)[-8:][::-1]))
+    print(f"Triton variants compiled after the warm-up: {len(late)}" + "".join(f"\n  step {i}: {k}" for i, k in late))
     for trace in traces:
         print_summary(summarize(trace, top=15))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"elapsed_s": elapsed, "output_tokens": n_out, "steps": steps, "traces": traces}, f)
+            json.dump({"elapsed_s": elapsed, "output_tokens": n_out, "steps": steps, "traces": traces,
+                       "late_compiles": late}, f)
+
+
+def _compile_hook(record) -> None:
+    """Calls record(kernel name) for each Triton kernel variant compiled from now on."""
+    try:
+        import triton
+        triton.knobs.runtime.jit_cache_hook = lambda **kw: record(kw["fn"].name)
+    except (ImportError, AttributeError):   # no Triton, or one without the hook
+        pass
 
 
 if __name__ == "__main__":
