@@ -43,8 +43,8 @@ def main() -> None:
     try:
         prompts, params = throughput_requests(ns, config["vocab_size"])
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)   # warm-up
-        late: list[tuple[int, str]] = []   # (step, kernel) of each variant compiled from here on
-        _compile_hook(lambda name: late.append((n, name)))
+        late: list[tuple[int, str, str]] = []   # (step, kernel, variant) of each compiled from here on
+        _compile_hook(lambda name, key: late.append((n, name, key)))
         for prompt, p in zip(prompts, params):
             engine.add_request(engine.next_request_id(), prompt, p)
         steps, traces, traced_s, n = [], [], 0.0, 0
@@ -84,7 +84,7 @@ def main() -> None:
     timed = [(b[0] - a[0], i, a[1]) for i, (a, b) in enumerate(zip(steps, steps[1:]))
              if a is not None and b is not None]
     print("slowest steps: " + ", ".join(f"#{i} ({r} running) {1e3 * t:.1f} ms" for t, i, r in sorted(timed)[-8:][::-1]))
-    print(f"Triton variants compiled after the warm-up: {len(late)}" + "".join(f"\n  step {i}: {k}" for i, k in late))
+    print(f"Triton variants compiled after the warm-up: {len(late)}" + "".join(f"\n  step {i}: {k} {v}" for i, k, v in late))
     for trace in traces:
         print_summary(summarize(trace, top=15))
     if args.json:
@@ -94,10 +94,10 @@ def main() -> None:
 
 
 def _compile_hook(record) -> None:
-    """Calls record(kernel name) for each Triton kernel variant compiled from now on."""
+    """Calls record(kernel name, variant key) for each Triton kernel variant compiled from now on."""
     try:
         import triton
-        triton.knobs.runtime.jit_cache_hook = lambda **kw: record(kw["fn"].name)
+        triton.knobs.runtime.jit_cache_hook = lambda **kw: record(kw["fn"].name, str(kw["key"]))
     except (ImportError, AttributeError):   # no Triton, or one without the hook
         pass
 
