@@ -45,7 +45,7 @@ def test_triton_token_quantization_is_the_torch_one_bit_for_bit(m, k, dtype):
 def test_norm_and_silu_quantize_their_output_as_the_separate_pass_would(m, dtype):
     """`quantize=True` (the Fp8Rows an FP8 matmul takes next) is bit for bit the torch per-token
     quantization of the kernels' own output: the norm with and without the residual add, SiLU-and-mul
-    on a row of one block and on 8B's 14336 (two passes over the row)."""
+    on rows held in one pass (8B's 14336 too) and on longer ones (two passes)."""
     from shardserve.kernels.activation import triton_activation
     from shardserve.kernels.norm import triton_norm
     torch.manual_seed(0)
@@ -61,7 +61,7 @@ def test_norm_and_silu_quantize_their_output_as_the_separate_pass_would(m, dtype
     same(triton_norm.rms_norm(x, w, 1e-5, r, quantize=True), triton_norm.rms_norm(x, w, 1e-5, res.clone()))
     assert torch.equal(r, x + res)
     same(triton_norm.rms_norm(x, w, 1e-5, quantize=True), triton_norm.rms_norm(x, w, 1e-5))
-    for d in (1024, 14336):
+    for d in (1024, 14336, 16400):   # one pass (8B's 14336 too); two
         gate_up = torch.randn(m, 2 * d, device="cuda", dtype=dtype) * 4
         same(triton_activation.silu_and_mul(gate_up, quantize=True), triton_activation.silu_and_mul(gate_up))
 

@@ -260,10 +260,12 @@ def test_triton_prefill_matches_torch_reference(dtype, head_dim, heads, kv_heads
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 8, 2), (128, 32, 8)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 8, 2), (128, 32, 8), (64, 12, 3)])
 def test_rotary_fused_with_kv_write_matches_separate_kernels(dtype, head_dim, heads, kv_heads):
-    """One kernel (rotate q and k, store k and v) against the rotary kernel then the K/V write."""
+    """One kernel (rotate q and k, store k and v) against the rotary kernel then the K/V write, and
+    both against torch's rotation (head counts not a power of two too: masked head tiles)."""
     from shardserve.kernels.attention.triton_decode import write_kv
+    from shardserve.kernels.rope.reference import rotate_neox
     from shardserve.kernels.rope.triton_rope import rotary_neox_
     from shardserve.layers.attention.cuda_backend import CudaAttentionBackend
     from shardserve.layers.rotary import RotaryEmbedding
@@ -281,7 +283,10 @@ def test_rotary_fused_with_kv_write_matches_separate_kernels(dtype, head_dim, he
 
     want_qkv, want_cache = qkv.clone(), cache.clone()
     q, k, v = views(want_qkv)
+    cos, sin = rope.cos[positions].unsqueeze(1).to(dtype), rope.sin[positions].unsqueeze(1).to(dtype)
+    torch_q, torch_k = rotate_neox(q.clone(), cos, sin), rotate_neox(k.clone(), cos, sin)
     rotary_neox_(positions, q, k, rope.cos, rope.sin)
+    assert torch.equal(q, torch_q) and torch.equal(k, torch_k)
     write_kv(k, v, want_cache[0], want_cache[1], slots)
     got_qkv, got_cache = qkv.clone(), cache.clone()
     q, k, v = views(got_qkv)

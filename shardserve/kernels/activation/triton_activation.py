@@ -2,8 +2,8 @@
 kernels. It rounds where the torch code (kernels/activation/reference.py) rounds.
 
 `quantize=True`: the output quantized per token for the FP8 matmul that takes it next (down_proj),
-in the same kernel: one program per row finds the row's absolute maximum, then computes the row
-again (its gate_up inputs now come from L2) and stores it as E4M3. Bit for bit what
+in the same kernel: one program per row computes the row, finds its absolute maximum and stores it
+as E4M3 (a row too long to hold is computed twice, the second time from L2). Bit for bit what
 triton_fp8_quant.quantize_tokens makes of the bf16 output, without writing and reading that output."""
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ try:
 except ImportError:   # CPU-only installs launch no Triton kernels
     triton = None
 
-QUANT_BLOCK = 2048   # columns per iteration of the quantizing kernel's two passes over a row
+# The quantizing kernel holds a row of up to this many outputs in registers (one pass; 8B's 14336
+# at TP=1); longer rows take two passes of QUANT_BLOCK columns (the second recomputes the row).
+ONE_PASS_MAX = 16384
+QUANT_BLOCK = 4096
 
 if triton is not None:
     from shardserve.kernels.quant.triton_fp8_quant import empty_rows, row_scale, store_quantized_row, to_e4m3
@@ -64,8 +67,9 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False):
     if quantize:
         assert x.dim() == 2 and x.is_contiguous(), "quantized rows: plain [tokens, 2 * d] rows only"
         out = empty_rows(rows, d, x.dtype, x.device)
-        block = min(QUANT_BLOCK, triton.next_power_of_2(d))
-        silu_mul_quant_kernel[(rows,)](x, out.q, out.scale, d, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+        block = triton.next_power_of_2(d) if d <= ONE_PASS_MAX else QUANT_BLOCK
+        warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+        silu_mul_quant_kernel[(rows,)](x, out.q, out.scale, d, BLOCK=block, num_warps=warps)
         return out
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     block = 1024

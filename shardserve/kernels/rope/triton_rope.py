@@ -49,48 +49,52 @@ def rotate_whole(x, partner, c, s, first_half):
 
 
 @triton.jit
-def _rotate_in_place(base, cos_row, sin_row, HALF: tl.constexpr):
-    i = tl.arange(0, HALF)
-    y1, y2 = _rotate(tl.load(base + i), tl.load(base + HALF + i), tl.load(cos_row + i), tl.load(sin_row + i))
-    tl.store(base + i, y1)
-    tl.store(base + HALF + i, y2)
-    return y1, y2
+def _rotate_heads(row, n_heads, c, s, HEADS: tl.constexpr, HALF: tl.constexpr):
+    """Rotate in place the first n_heads heads of one token's row of packed heads (a [HEADS, HALF]
+    tile of each half); returns the rotated halves and the tile's head mask."""
+    h = tl.arange(0, HEADS)[:, None]
+    i = tl.arange(0, HALF)[None, :]
+    ok = h < n_heads
+    first = row + h * 2 * HALF + i
+    y1, y2 = _rotate(tl.load(first, mask=ok), tl.load(first + HALF, mask=ok), c, s)
+    tl.store(first, y1, mask=ok)
+    tl.store(first + HALF, y2, mask=ok)
+    return y1, y2, ok
 
 
+# One program per token, all its heads at once: one per (token, head) moved 256 bytes each and
+# ran at a seventh of the copy bandwidth (a 2048-token Llama-3-8B step: 125 us a layer on an H100).
 @triton.jit
-def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_stride, k_stride, n_q, HALF: tl.constexpr,
-                   PDL: tl.constexpr):
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_stride, k_stride, n_q, n_kv, HALF: tl.constexpr,
+                   Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     t = tl.program_id(0)
-    h = tl.program_id(1)
     pos = tl.load(pos_ptr + t)
-    if h < n_q:
-        base = q_ptr + t * q_stride + h * 2 * HALF
-    else:
-        base = k_ptr + t * k_stride + (h - n_q) * 2 * HALF
-    _rotate_in_place(base, cos_ptr + pos * HALF, sin_ptr + pos * HALF, HALF)
+    i = tl.arange(0, HALF)[None, :]
+    c, s = tl.load(cos_ptr + pos * HALF + i), tl.load(sin_ptr + pos * HALF + i)
+    _rotate_heads(q_ptr + t * q_stride, n_q, c, s, Q_HEADS, HALF)
+    _rotate_heads(k_ptr + t * k_stride, n_kv, c, s, KV_HEADS, HALF)
 
 
 @triton.jit(do_not_specialize=["pool_slots"])
 def _rotary_write_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-                            stride_qt, stride_kt, stride_vt, n_kv, pool_slots, k_scale, v_scale,
-                            HALF: tl.constexpr, PDL: tl.constexpr):
+                            stride_qt, stride_kt, stride_vt, n_q, n_kv, pool_slots, k_scale, v_scale,
+                            HALF: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     t = tl.program_id(0)
-    h = tl.program_id(1)   # KV heads first, then query heads
     pos = tl.load(pos_ptr + t)
-    cos_row, sin_row = cos_ptr + pos * HALF, sin_ptr + pos * HALF
-    if h < n_kv:
-        i = tl.arange(0, HALF)
-        k1, k2 = _rotate_in_place(k_ptr + t * stride_kt + h * 2 * HALF, cos_row, sin_row, HALF)
-        dst = (h * pool_slots + tl.load(slots_ptr + t)) * 2 * HALF
-        dt = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + dst + i, to_pool(k1, k_scale, dt))
-        tl.store(k_cache_ptr + dst + HALF + i, to_pool(k2, k_scale, dt))
-        d = tl.arange(0, 2 * HALF)
-        tl.store(v_cache_ptr + dst + d, to_pool(tl.load(v_ptr + t * stride_vt + h * 2 * HALF + d), v_scale, dt))
-    else:
-        _rotate_in_place(q_ptr + t * stride_qt + (h - n_kv) * 2 * HALF, cos_row, sin_row, HALF)
+    i = tl.arange(0, HALF)[None, :]
+    c, s = tl.load(cos_ptr + pos * HALF + i), tl.load(sin_ptr + pos * HALF + i)
+    k1, k2, ok = _rotate_heads(k_ptr + t * stride_kt, n_kv, c, s, KV_HEADS, HALF)
+    h = tl.arange(0, KV_HEADS)[:, None]
+    dst = (h.to(tl.int64) * pool_slots + tl.load(slots_ptr + t)) * (2 * HALF)
+    dt = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + dst + i, to_pool(k1, k_scale, dt), mask=ok)
+    tl.store(k_cache_ptr + dst + HALF + i, to_pool(k2, k_scale, dt), mask=ok)
+    d = tl.arange(0, 2 * HALF)[None, :]
+    v = tl.load(v_ptr + t * stride_vt + h * 2 * HALF + d, mask=ok)
+    tl.store(v_cache_ptr + dst + d, to_pool(v, v_scale, dt), mask=ok)
+    _rotate_heads(q_ptr + t * stride_qt, n_q, c, s, Q_HEADS, HALF)
 
 
 def fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -102,8 +106,9 @@ def rotary_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos:
                  sin: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place (head rows packed)."""
     t, hq, dim = q.shape
-    _rotary_kernel[(t, hq + k.shape[1])](positions, q, k, cos, sin, q.stride(0), k.stride(0), hq, HALF=dim // 2,
-                                         **pdl.launch_args(q))
+    hk = k.shape[1]
+    _rotary_kernel[(t,)](positions, q, k, cos, sin, q.stride(0), k.stride(0), hq, hk, HALF=dim // 2,
+                         Q_HEADS=triton.next_power_of_2(hq), KV_HEADS=triton.next_power_of_2(hk), **pdl.launch_args(q))
 
 
 def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -115,7 +120,8 @@ def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     t, hq, dim = q.shape
     hk, blocks, block_size, _ = k_cache.shape
-    _rotary_write_kv_kernel[(t, hk + hq)](positions, q, k, v, cos, sin, k_cache, v_cache, slots,
-                                         q.stride(0), k.stride(0), v.stride(0), hk, blocks * block_size,
-                                         float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0,
-                                         HALF=dim // 2, **pdl.launch_args(q))
+    _rotary_write_kv_kernel[(t,)](positions, q, k, v, cos, sin, k_cache, v_cache, slots,
+                                  q.stride(0), k.stride(0), v.stride(0), hq, hk, blocks * block_size,
+                                  float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0,
+                                  HALF=dim // 2, Q_HEADS=triton.next_power_of_2(hq),
+                                  KV_HEADS=triton.next_power_of_2(hk), **pdl.launch_args(q))
