@@ -84,7 +84,9 @@ def main() -> None:
     timed = [(b[0] - a[0], i, a[1]) for i, (a, b) in enumerate(zip(steps, steps[1:]))
              if a is not None and b is not None]
     print("slowest steps: " + ", ".join(f"#{i} ({r} running) {1e3 * t:.1f} ms" for t, i, r in sorted(timed)[-8:][::-1]))
-    print(f"Triton variants compiled after the warm-up: {len(late)}" + "".join(f"\n  step {i}: {k} {v}" for i, k, v in late))
+    print(f"Triton variants compiled after the warm-up: {len(late)}")
+    for i, kernel, variant in late:
+        print(f"  step {i}: {kernel} {variant}")
     for trace in traces:
         print_summary(summarize(trace, top=15))
     if args.json:
