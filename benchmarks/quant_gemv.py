@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 import torch.nn.functional as F
@@ -263,10 +262,7 @@ def main() -> None:
                 json.dump({"device": torch.cuda.get_device_name(), "decode": decode, "prefill": list(prefill)}, f,
                           indent=1)
         if ns.write_configs:
-            os.makedirs(tuned.CONFIG_DIR, exist_ok=True)
-            path = os.path.join(tuned.CONFIG_DIR, tuned.file_name(torch.cuda.get_device_name()))
-            with open(path, "w") as f:
-                json.dump(best_configs(decode), f, indent=1)
+            tuned.write(best_configs(decode), torch.cuda.get_device_name())
 
     rows_list, shapes = [int(r) for r in ns.rows.split(",") if r], ns.shapes.split(",")
     if ns.warm:

@@ -4,8 +4,11 @@ o, gate_up, down at TP=1), with each shape's bounds: its FLOPs at the measured m
 weight bytes at the measured copy bandwidth.
 
     python3 benchmarks/skinny_matmul.py [--dtype bf16|fp8] [--rows 32,64,128,256] [--json out.json]
+        [--write-configs]
 
 Each case runs 8 calls (over 4 weight copies, so the weights come from HBM) in a CUDA graph.
+--write-configs (fp8): the table the FP8 layers read (kernels/quant/tuned.py), per shape and row
+count the fastest tiles where they beat `torch._scaled_mm` by 3% or more, else "scaled_mm".
 """
 from __future__ import annotations
 
@@ -25,9 +28,11 @@ COPIES = 4
 
 
 def _tiles(dtype: str, rows: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) to try."""
     ms = (32, 64) if rows <= 32 else (64, 128)
     ks = (128, 256) if dtype == "fp8" else (64, 128)
-    return list(itertools.product(ms, (64, 128), ks, (4, 8), (3, 4)))
+    return [t for t in itertools.product(ms, (64, 128), ks, (4, 8), (3, 4))
+            if t[0] * t[1] * t[2] <= 64 * 128 * 256]   # larger ones run out of shared memory
 
 
 def _peak_and_bandwidth(dtype: str) -> tuple[float, float]:
@@ -48,10 +53,12 @@ def _peak_and_bandwidth(dtype: str) -> tuple[float, float]:
 
 def main() -> None:
     from shardserve.kernels.matmul import triton_skinny
+    from shardserve.kernels.quant import tuned
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
-    ap.add_argument("--rows", default="32,64,128,192,256")
+    ap.add_argument("--rows", default="32,64,96,128,160,192,224,256")
     ap.add_argument("--json")
+    ap.add_argument("--write-configs", action="store_true")
     args = ap.parse_args()
     fp8 = args.dtype == "fp8"
     tflops, gbs = _peak_and_bandwidth(args.dtype)
@@ -99,6 +106,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     save({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "peak_tflops": tflops, "copy_gb_s": gbs,
           "results": results}, args.json)
+    if args.write_configs and fp8:
+        table = {tuned.key("mm_fp8", r["n"], r["k"], False, r["rows"]):
+                 list(r["tiles"]) if r["triton_us"] * 1.03 <= r["cublas_us"] else ["scaled_mm"] for r in results}
+        print("wrote", tuned.write(table, torch.cuda.get_device_name()))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
   and widens it in registers against the bf16/fp16 activations as they are (kernels/quant/
   triton_fp8_gemv.py; W8A16 there: no per-token rounding, no quantization kernel), with the gated
   gate_up form; more rows go to `torch._scaled_mm` on FP8 inputs with the row-wise scales
-  (Hopper's FP8 tensor cores), bf16 out, after one Triton pass that quantizes the activations
+  (Hopper's FP8 tensor cores), bf16 out (17-256 rows: a Triton matmul where it measured faster,
+  kernels/matmul/triton_skinny.py), after one Triton pass that quantizes the activations
   (kernels/quant/triton_fp8_quant.py). Where the kernel before the matmul is the RMSNorm (qkv,
   gate_up) or SiLU-and-mul (down), that kernel quantizes its own output instead and hands over
   `Fp8Rows` (`takes_fp8_rows`): one launch and one pass over the activations fewer per matmul
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardserve.kernels.matmul import triton_skinny
 from shardserve.kernels.quant import triton_fp8_gemv, triton_fp8_quant
 from shardserve.layers.linear import LinearBase, LinearMethod, linear
 from shardserve.quantization.fp8_block import Fp8BlockLinearMethod
@@ -78,6 +80,17 @@ class Fp8Config:
         return Fp8BlockLinearMethod(self.block) if self.block else Fp8LinearMethod(self.from_checkpoint)
 
 
+def _scaled_matmul(layer: LinearBase, xq: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """FP8 rows [M, K] with their scales [M, 1] times the layer's FP8 weight: the Triton tiles where
+    this GPU's table says they beat `torch._scaled_mm` at M rows (decode-sized batches), else it."""
+    tiles = triton_skinny.fp8_tiles(*layer.weight.shape, xq.shape[0], xq.device)
+    if tiles is not None:
+        return triton_skinny.matmul(xq, layer.weight, bias, x_scale, layer.weight_scale, dtype, tiles)
+    return torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
+                            bias=bias, out_dtype=dtype)
+
+
 class Fp8LinearMethod(LinearMethod):
     def __init__(self, from_checkpoint: bool) -> None:
         self.from_checkpoint = from_checkpoint
@@ -113,8 +126,7 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor | triton_fp8_quant.Fp8Rows,
               bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, triton_fp8_quant.Fp8Rows):   # quantized by the kernel before (takes_fp8_rows)
-            return torch._scaled_mm(x.q, layer.weight.t(), scale_a=x.scale, scale_b=layer.weight_scale.view(1, -1),
-                                    bias=bias, out_dtype=x.dtype)
+            return _scaled_matmul(layer, x.q, x.scale, bias, x.dtype)
         if layer.weight.dtype != FP8:
             return linear(x, layer.weight, bias)
         shape = x.shape
@@ -124,8 +136,7 @@ class Fp8LinearMethod(LinearMethod):
             return out.view(*shape[:-1], out.shape[-1])
         # one Triton pass instead of six torch kernels (20-600 us on the 8B shapes, more than the matmul saves)
         xq, x_scale = (triton_fp8_quant.quantize_tokens if triton_fp8_quant.handles(x2) else quantize_tokens)(x2)
-        out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1),
-                               bias=bias, out_dtype=x.dtype)
+        out = _scaled_matmul(layer, xq, x_scale, bias, x.dtype)
         return out.view(*shape[:-1], out.shape[-1])
 
     def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:

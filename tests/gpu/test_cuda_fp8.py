@@ -110,7 +110,24 @@ def test_fp8_model_norms_and_silu_hand_over_fp8_rows(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not _fp8_capable(), reason="GPU-only: FP8 matmuls need compute capability 8.9+")
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("m", [17, 100, 256])
+@pytest.mark.parametrize("tiles", [(64, 64, 256, 4, 4), (128, 128, 128, 8, 3), (32, 64, 128, 4, 3)])
+def test_skinny_fp8_matmul_matches_scaled_mm(m, tiles):
+    """kernels/matmul/triton_skinny.py on FP8 rows and weights with their scales and a bias, sizes
+    that leave partial tiles, against torch._scaled_mm."""
+    from shardserve.kernels.matmul import triton_skinny
+    torch.manual_seed(0)
+    n, k = 1000, 1536
+    xq, xs = quantize_tokens(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    wq, ws = quantize_rows(torch.randn(n, k, device="cuda") * 0.05)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), bias=bias, out_dtype=torch.bfloat16)
+    got = triton_skinny.matmul(xq, wq, bias, xs, ws, torch.bfloat16, tiles)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.skipif(not _fp8_capable(), reason="GPU-only: FP8 matmuls need compute capability 8.9+")
+@pytest.mark.parametrize("m", [1, 7, 64, 100, 300])
 def test_fp8_linear_matches_dequantized_reference(m):
     from shardserve.layers.linear import ColumnParallelLinear, linear_methods, process_weights_after_loading
     from shardserve.quantization.fp8 import Fp8Config

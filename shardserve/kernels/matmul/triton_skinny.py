@@ -1,15 +1,19 @@
 """Matmuls of decode-sized batches (17-256 rows) in Triton, for CUDA: y = x @ w^T with w [N, K] as
 checkpoints store it, bf16/fp16 or FP8 E4M3 (then with a scale per row of x and per row of w, the
 W8A8 layout of quantization/fp8.py), bias optional. Between the weight-streaming GEMVs (1-16 rows,
-kernels/gemv, kernels/quant) and prefill-sized matmuls, where cuBLAS is good, lie batches whose
-matmuls are bound by compute and bytes about equally; cuBLAS's picks there were measured at 35-60%
-of either bound on an H100 (benchmarks/skinny_matmul.py).
+kernels/gemv, kernels/quant) and prefill-sized matmuls lie batches whose matmuls are bound by
+compute and bytes about equally. There `torch._scaled_mm`'s FP8 kernels ran 1.0-1.5x slower than
+these tiles on Llama-3-8B's shapes on an H100 (benchmarks/skinny_matmul.py), so FP8 layers use them
+where that GPU's tuned table (kernels/quant/tuned.py, "mm_fp8" keys) says they won; in bf16 cuBLAS
+was as fast or faster, and stays.
 
 Tiles of BLOCK_M rows x BLOCK_N outputs; programs are ordered so that the row tiles of one strip of
 the weight run side by side (the strip comes from HBM once, the other reads hit L2)."""
 from __future__ import annotations
 
 import torch
+
+from shardserve.kernels.quant import tuned
 
 try:
     import triton
@@ -18,7 +22,7 @@ except ImportError:   # CPU-only installs launch no Triton kernels
     triton = None
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["m"])   # a batch's row count: one variant for all
     def skinny_mm_kernel(x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, b_ptr, m, n, k, stride_x, stride_w, stride_o,
                          SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):
@@ -47,6 +51,18 @@ if triton is not None:
             acc = acc + tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok & (cols[None, :] < n))
+
+
+MIN_ROWS, MAX_ROWS = 17, 256   # below: the GEMVs; above: cuBLAS
+
+
+def fp8_tiles(n: int, k: int, rows: int, device: torch.device) -> tuple | None:
+    """The tiles measured fastest for an FP8 [n, k] weight at this row count on this GPU, or None
+    where `torch._scaled_mm` was (or nothing was measured)."""
+    if not (tuned.ENABLED and MIN_ROWS <= rows <= MAX_ROWS and device.type == "cuda"):
+        return None
+    pick = tuned.lookup("mm_fp8", n, k, False, rows, device)
+    return tuple(pick) if pick and pick != ["scaled_mm"] else None
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

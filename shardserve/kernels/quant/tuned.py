@@ -1,8 +1,10 @@
 """Tile settings for the quantized-weight kernels, per GPU: configs/device_name=<GPU>.json, written
 by `benchmarks/quant_gemv.py --sweep --write-configs` from timings on that GPU. Keys are
 "<kernel>:<N>,<K>,<gated>:<rows>" (the fastest settings measured for that weight shape and row
-count); a shape or GPU not in the file gets the kernel's defaults. SHARDSERVE_QUANT_KERNELS=0 turns
-the quantized-weight kernels off (dequantize-then-matmul in torch, `_scaled_mm` for FP8; A/B runs)."""
+count); a shape or GPU not in the file gets the kernel's defaults. `benchmarks/skinny_matmul.py
+--write-configs` adds the FP8 matmul's "mm_fp8" keys (kernels/matmul/triton_skinny.py) to the same
+file. SHARDSERVE_QUANT_KERNELS=0 turns the quantized-weight kernels off (dequantize-then-matmul in
+torch, `_scaled_mm` for FP8; A/B runs)."""
 from __future__ import annotations
 
 import functools
@@ -26,6 +28,20 @@ def _table(device_index: int) -> dict[str, list]:
         return {}
     with open(path) as f:
         return json.load(f)
+
+
+def write(entries: dict[str, list], device_name: str) -> str:
+    """Add (or replace) `entries` in this GPU's file, keeping its other keys; returns the path."""
+    path = os.path.join(CONFIG_DIR, file_name(device_name))
+    table = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            table = json.load(f)
+    table.update(entries)
+    os.makedirs(CONFIG_DIR, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(sorted(table.items())), f, indent=1)
+    return path
 
 
 def key(kernel: str, n: int, k: int, gated: bool, rows: int) -> str:
