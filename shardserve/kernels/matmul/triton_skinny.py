@@ -5,15 +5,19 @@ kernels/gemv, kernels/quant) and prefill-sized matmuls lie batches whose matmuls
 compute and bytes about equally. There `torch._scaled_mm`'s FP8 kernels ran 1.0-1.5x slower than
 these tiles on Llama-3-8B's shapes on an H100 (benchmarks/skinny_matmul.py), so FP8 layers use them
 where that GPU's tuned table (kernels/quant/tuned.py, "mm_fp8" keys) says they won; in bf16 cuBLAS
-was as fast or faster, and stays.
+was as fast or faster, and stays. SHARDSERVE_SKINNY_MATMUL=0: `_scaled_mm` everywhere (A/B runs).
 
 Tiles of BLOCK_M rows x BLOCK_N outputs; programs are ordered so that the row tiles of one strip of
 the weight run side by side (the strip comes from HBM once, the other reads hit L2)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from shardserve.kernels.quant import tuned
+
+ENABLED = os.environ.get("SHARDSERVE_SKINNY_MATMUL", "1") != "0"
 
 try:
     import triton
@@ -59,7 +63,7 @@ MIN_ROWS, MAX_ROWS = 17, 256   # below: the GEMVs; above: cuBLAS
 def fp8_tiles(n: int, k: int, rows: int, device: torch.device) -> tuple | None:
     """The tiles measured fastest for an FP8 [n, k] weight at this row count on this GPU, or None
     where `torch._scaled_mm` was (or nothing was measured)."""
-    if not (tuned.ENABLED and MIN_ROWS <= rows <= MAX_ROWS and device.type == "cuda"):
+    if not (ENABLED and tuned.ENABLED and MIN_ROWS <= rows <= MAX_ROWS and device.type == "cuda"):
         return None
     pick = tuned.lookup("mm_fp8", n, k, False, rows, device)
     return tuple(pick) if pick and pick != ["scaled_mm"] else None
