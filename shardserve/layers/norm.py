@@ -51,10 +51,12 @@ class RMSNorm(nn.Module):
         x = x + residual
         return self._norm(x), x
 
-    def _fp8_out(self, x: torch.Tensor, residual: torch.Tensor | None, quant_for) -> bool:
-        return (x.dim() == 2 and x.is_contiguous() and self.weight.is_cuda
-                and (residual is None or (residual.is_contiguous() and residual.is_cuda))
-                and quant_for.takes_fp8_rows(x))
+    @staticmethod
+    def _fp8_out(x: torch.Tensor, residual: torch.Tensor | None, quant_for) -> bool:
+        """Whether the norm hands quant_for FP8 rows (takes_fp8_rows also checks that x is 2-D on CUDA,
+        and answers first, and cheaply, for every unquantized layer)."""
+        return (quant_for.takes_fp8_rows(x) and x.is_contiguous()
+                and (residual is None or residual.is_contiguous()))
 
 
 def _heads_in_rows(x: torch.Tensor, residual: torch.Tensor | None) -> bool:

@@ -57,7 +57,7 @@ if triton is not None:
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok & (cols[None, :] < n))
 
 
-MIN_ROWS, MAX_ROWS = 17, 256   # below: the GEMVs; above: cuBLAS
+MIN_ROWS, MAX_ROWS = 17, 256   # below: the GEMVs; above: `_scaled_mm`
 
 
 def fp8_tiles(n: int, k: int, rows: int, device: torch.device) -> tuple | None:

@@ -28,7 +28,6 @@ FP8_MAX = 448.0
 MIN_SCALE = 1e-12   # a row of zeros gets this scale (and zeros), as the torch reference does
 
 
-
 class Fp8Rows(NamedTuple):
     """Activations already quantized per token for an FP8 matmul (what quantize_tokens returns),
     and the dtype of the activations they were made from, which the matmul's output takes."""
