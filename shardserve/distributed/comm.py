@@ -118,6 +118,7 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
         torch.sum(parts.view((tp.world_size,) + x.shape), 0, out=x)
         return x
     import torch.distributed as dist
+    x = x.contiguous()   # NCCL and gloo take contiguous tensors only (a no-op for the usual ones)
     dist.all_reduce(x, group=tp.group)
     return x
 

@@ -50,13 +50,15 @@ def test_4_bit_types_in_the_w4a16_layout_are_the_same_weight(type_name):
 @pytest.mark.parametrize("type_name", gguf_layout.TYPES)
 def test_rows_of_a_kept_table(type_name, exact):
     """An embedding lookup on a table kept as a GPU holds it (W4A16 layout or planes): the rows of
-    the whole table's values, in the order asked, repeats included."""
+    the whole table's values, in the order asked, repeats included, contiguous (NCCL all-reduces
+    a TP rank's rows as they are)."""
     from shardserve.kernels.quant import reference
     raw, _ = _weights(type_name, 40, 512)
     w = gguf_layout.gpu_weight(raw, type_name, 512, exact)
     ids = torch.tensor([3, 0, 39, 3, 17])
     want = reference.gguf_weight([(slice(0, 40), w)], 40, torch.float32)[ids]
-    assert torch.equal(gguf_layout.rows(w, ids), want)
+    got = gguf_layout.rows(w, ids)
+    assert torch.equal(got, want) and got.is_contiguous()
 
 
 @pytest.mark.parametrize("type_name", gguf_layout.TYPES)

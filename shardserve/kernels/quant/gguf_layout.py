@@ -144,8 +144,9 @@ class Int4Weight:
 
 
 def rows(w: GgufPlanes | Int4Weight, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` (int64 [T]) of a weight as gpu_weight holds it, expanded to fp32 [T, k]: an
-    embedding lookup that leaves the table in its blocks (torch ops, capturable in a CUDA graph)."""
+    """Rows `ids` (int64 [T]) of a weight as gpu_weight holds it, expanded to fp32 [T, k], contiguous
+    (a TP embedding all-reduces it): an embedding lookup that leaves the table in its blocks (torch
+    ops, capturable in a CUDA graph)."""
     if isinstance(w, GgufPlanes):
         return dequantize(GgufPlanes(w.type_name, ids.numel(), w.k, {name: p.index_select(0, ids)
                                                                      for name, p in w.planes.items()}))
@@ -153,7 +154,7 @@ def rows(w: GgufPlanes | Int4Weight, ids: torch.Tensor) -> torch.Tensor:
     q = int4_layout.unpack(p["words"].index_select(0, ids), w.k, w.run).t()          # [T, k]
     group = torch.arange(w.k, device=ids.device) // w.group
     return int4_layout.values(q, p["scales"].index_select(1, ids).t()[:, group],
-                              p["zeros"].index_select(1, ids).t()[:, group])
+                              p["zeros"].index_select(1, ids).t()[:, group]).contiguous()   # q is transposed
 
 
 def _scales_and_mins(w: GgufPlanes) -> tuple[torch.Tensor, torch.Tensor]:
