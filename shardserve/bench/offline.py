@@ -5,6 +5,10 @@ physical limits measured in the same run:
   attends over, so step time >= (weights + KV bytes) / memory bandwidth, the bandwidth measured
   with a large device-to-device copy (bytes read + written per second). For a MoE model the step
   reads only the routed experts its tokens picked (bench/shapes.picked_expert_fraction);
+- throughput roofline: no schedule runs a batch of requests faster than its longest output's steps
+  each reading every weight byte once, plus each decode token reading its request's KV cache once,
+  at the measured bandwidth, nor faster than its model FLOPs at the measured peak; the larger of the
+  two is the bound, and the MFU a run at that bound would show is printed beside the run's;
 - model FLOPs utilisation: 2 x (non-embedding parameters) FLOPs per token processed, divided by the
   time, against the peak of one large matmul in the serving dtype, timed in the same run. For a
   MoE model the parameters are the active ones (top-k experts per token).
@@ -137,6 +141,20 @@ def model_flops(counts: dict[str, int], tokens_in: int, tokens_out: int) -> floa
     only for the tokens whose logits are computed, one per output token."""
     head = counts["lm_head"] or counts["embed"]
     return 2.0 * active_layer_params(counts) * (tokens_in + tokens_out) + 2.0 * head * tokens_out
+
+
+def throughput_bound_s(lim: dict[str, Any], config: dict[str, Any], kv_elem: int, prompt_lens: list[int],
+                       output_lens: list[int]) -> tuple[float, float]:
+    """(seconds, of which the memory bound) below which no schedule runs these requests on one rank:
+    the steps are at least the longest output (one token per request a step), each reads every
+    weight byte (of a MoE model: one token's experts at least), and each decode token reads the KV
+    of its request's context once; the model FLOPs take their time at the peak. The larger bound
+    holds (memory and compute may overlap), so it is a bound, not a forecast."""
+    read = lim["dense_bytes_per_rank"] + lim["expert_bytes_per_rank"] * picked_expert_fraction(config, 1)
+    kv_tokens = sum((n - 1) * p + (n - 1) * n // 2 for p, n in zip(prompt_lens, output_lens))
+    memory = (max(output_lens) * read + kv_tokens * kv_bytes_per_token(config, kv_elem) / lim["tp"]) / lim["bandwidth"]
+    compute = model_flops(lim["counts"], sum(prompt_lens), sum(output_lens)) / lim["tp"] / lim["peak_flops"]
+    return max(memory, compute), memory
 
 
 def random_prompts(n: int, input_len: int, ratio: float, vocab: int, seed: int) -> list[list[int]]:
@@ -293,16 +311,25 @@ def run_throughput(ns) -> dict[str, Any]:
     n_in = sum(len(p) for p in prompts)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     flops = model_flops(lim["counts"], n_in, n_out)
+    kv_elem = 1 if llm.engine.config.cache_config.cache_dtype.startswith("fp8") else lim["elem"]
+    bound, memory_bound = throughput_bound_s(lim, config, kv_elem, [len(p) for p in prompts],
+                                             [len(o.outputs[0].token_ids) for o in outs])
     result = {"elapsed_time": elapsed, "num_requests": len(prompts), "total_num_tokens": n_in + n_out,
               "requests_per_second": len(prompts) / elapsed, "tokens_per_second": (n_in + n_out) / elapsed,
               "output_tokens_per_second": n_out / elapsed,
               "mfu": flops / lim["tp"] / elapsed / lim["peak_flops"],
+              "roofline_s": bound, "roofline_memory_s": memory_bound, "run_vs_roofline": elapsed / bound,
+              "roofline_mfu": flops / lim["tp"] / bound / lim["peak_flops"],
               "peak_tflops": lim["peak_flops"] / 1e12, "bandwidth_gb_s": lim["bandwidth"] / 1e9,
               "dtype": lim["dtype"], "device": str(lim["device"]), **({"profile_traces": traces} if ns.profile else {})}
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total "
           f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Model FLOPs utilisation: {100 * result['mfu']:.2f}% of {result['peak_tflops']:.1f} TFLOP/s "
           f"({lim['dtype']} matmul measured in this run); memory bandwidth {result['bandwidth_gb_s']:.0f} GB/s")
+    print(f"Roofline: no schedule runs these requests in less than {bound:.2f} s here ("
+          f"{'memory' if memory_bound >= bound else 'FLOPs'}-bound: weights read once a step for "
+          f"{max(len(o.outputs[0].token_ids) for o in outs)} steps, each decode token's KV once); the run took "
+          f"{result['run_vs_roofline']:.2f}x that; MFU at the bound: {100 * result['roofline_mfu']:.1f}%")
     for trace in traces:
         print(f"profile trace: {trace} (the figures above include the profiler's cost)")
     return result

@@ -50,9 +50,29 @@ def test_latency_and_throughput_with_random_weights(tmp_path, capsys):
                  "--output-len", "5", "--random-range-ratio", "0.5", "--kv-cache-memory", "32MiB",
                  "--output-json", str(out)]) == 0
     tp = json.loads(out.read_text())
-    assert "requests/s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "requests/s" in printed and "Roofline: no schedule" in printed
     assert tp["num_requests"] == 6 and tp["output_tokens_per_second"] > 0
     assert tp["tokens_per_second"] > tp["output_tokens_per_second"]
+    # a tiny model's steps are host work: far above what its bytes and FLOPs allow
+    assert 0 < tp["roofline_memory_s"] <= tp["roofline_s"] < tp["elapsed_time"] and tp["run_vs_roofline"] > 1
+    assert tp["mfu"] < tp["roofline_mfu"]
+
+
+def test_throughput_bound_by_hand():
+    """The longest output's steps each read the weights; each decode token reads its context's KV."""
+    from shardserve.bench.offline import model_flops, throughput_bound_s
+    config = dict(SHAPES["qwen3-0.6b"], num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=4)   # 2 (K and V) x 1 KV head x 4 x 1 byte: 8 bytes of KV a token
+    counts = param_counts(SHAPES["qwen3-0.6b"])
+    lim = {"dense_bytes_per_rank": 100, "expert_bytes_per_rank": 0, "tp": 1, "bandwidth": 10.0,
+           "peak_flops": 1e30, "counts": counts}
+    # 4 steps x 100 bytes; KV: request 1 decodes 1 token over 3 + 1 keys, request 2 three over
+    # 5 + 1, 5 + 2, 5 + 3: 25 tokens x 8 bytes
+    assert throughput_bound_s(lim, config, 1, [3, 5], [2, 4]) == (60.0, 60.0)
+    slow = dict(lim, peak_flops=1e6)   # FLOP-bound instead
+    bound, memory = throughput_bound_s(slow, config, 1, [3, 5], [2, 4])
+    assert memory == 60.0 and bound == model_flops(counts, 8, 6) / 1e6 > 60.0
 
 
 def test_gguf_roofline_counts_the_bytes_held():
