@@ -62,6 +62,17 @@ if triton is not None:
             return tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
 
     @triton.jit
+    def block_tile(pid, num_programs, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """(M block, N tile) of program pid: programs run M-block groups of GROUP_M at a time over
+        all N tiles, so the blocks of one expert (which share its B) are in flight together and B
+        comes from L2 more often."""
+        num_n = tl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_n
+        first_m = (pid // width) * GROUP_M
+        group_rows = min(num_programs // num_n - first_m, GROUP_M)
+        return first_m + (pid % width) % group_rows, (pid % width) // group_rows
+
+    @triton.jit
     def block_scales(s_rows, kb, TILE_SCALE: tl.constexpr):
         """This step's block scales of the tile's columns: [1, BLOCK_N] gathered through each column's
         scale row, or (TILE_SCALE: every column of the tile shares one scale row) one scalar."""
@@ -84,16 +95,7 @@ def _kernels():
                         SCALE_MODE: tl.constexpr,
                         FP16_DOT: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-        # Programs run M-block groups of GROUP_M at a time over all N tiles, so the blocks of one expert
-        # (which share its B) are in flight together and B comes from L2 more often.
-        pid = tl.program_id(0)
-        num_n = tl.cdiv(N, BLOCK_N)
-        num_m = tl.num_programs(0) // num_n
-        width = GROUP_M * num_n
-        first_m = (pid // width) * GROUP_M
-        group_rows = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % group_rows
-        pid_n = (pid % width) // group_rows
+        pid_m, pid_n = block_tile(tl.program_id(0), tl.num_programs(0), N, BLOCK_N, GROUP_M)
         # The grid is sized for the worst routing; blocks past this batch's padded length do nothing.
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return

@@ -44,14 +44,7 @@ def _kernel():
                              A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr, ALIGNED: tl.constexpr, MINS: tl.constexpr):
-        pid = tl.program_id(0)
-        num_n = tl.cdiv(N, BLOCK_N)
-        num_m = tl.num_programs(0) // num_n
-        width = GROUP_M * num_n
-        first_m = (pid // width) * GROUP_M
-        group_rows = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % group_rows
-        pid_n = (pid % width) // group_rows
+        pid_m, pid_n = triton_moe.block_tile(tl.program_id(0), tl.num_programs(0), N, BLOCK_N, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
 
