@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Sequence
@@ -159,6 +160,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from shardserve.server.run import run_server
     _setup_logging()
     configure_tracing(ns.otlp_traces_endpoint)   # before loading the model: a missing extra fails fast
+    if ns.trust_remote_code:
+        logging.getLogger("shardserve").info("--trust-remote-code changes nothing here: every supported "
+                                             "architecture is built in, and no checkpoint code runs")
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
             raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
@@ -169,7 +173,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                       max_log_len=ns.max_log_len, max_queue_len=ns.max_queue_len,
                       max_request_body_bytes=ns.max_request_body_bytes or None,
                       shutdown_timeout=ns.shutdown_timeout,
-                      tool_call_parser=auto_tool_parser(ns.enable_auto_tool_choice, ns.tool_call_parser))
+                      tool_call_parser=auto_tool_parser(ns.enable_auto_tool_choice, ns.tool_call_parser),
+                      log_requests=ns.enable_log_requests, log_stats=not ns.disable_log_stats,
+                      uvicorn_log_level=ns.uvicorn_log_level)
 
 
 def auto_tool_parser(enable: bool, parser: str | None) -> str | None:
@@ -217,6 +223,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--otlp-traces-endpoint", default=None, help=OTLP_HELP)
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish "
                    "after SIGTERM (default: %(default)s)")
+    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=True,
+                   help="log one JSON line per finished request (default: on)")
+    g.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                   help="vLLM's older name for --no-enable-log-requests (default: off, the lines are logged)")
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / queue / KV cache line "
+                   "(every $SHARDSERVE_LOG_STATS_INTERVAL s, default 10, while busy) (default: logged)")
+    g.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   default="info", help="uvicorn's own log level (default: %(default)s)")
+    g.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM's command lines; changes "
+                   "nothing: shardserve builds every architecture it supports itself and never runs a "
+                   "checkpoint's code (default: off)")
 
 
 def config_file_args(argv: list[str]) -> list[str]:

@@ -3,6 +3,7 @@ middleware; every error in OpenAI's shape."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -29,6 +30,7 @@ from shardserve.server.protocol import (
 from shardserve.server.serving import Admissions, ServerSettings
 from shardserve.server.serving_chat import ChatServing
 from shardserve.server.serving_completion import CompletionServing
+from shardserve.server.stat_logger import StatLogger, interval_s
 from shardserve.worker.profiler import profiler_dir
 
 logger = logging.getLogger("shardserve")
@@ -132,8 +134,18 @@ class RequestIdAndAuth:
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | None = None,
               max_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="shardserve", version=__version__)
     metrics = ServerMetrics(engine.stats, settings.served_model_name, engine.config.cache_config)
+    if settings.log_stats:
+        metrics.stat_logger = StatLogger(engine.stats, interval_s())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(metrics.stat_logger.run()) if metrics.stat_logger is not None else None
+        yield
+        if task is not None:
+            task.cancel()
+
+    app = FastAPI(title="shardserve", version=__version__, lifespan=lifespan)
     metrics.observe_steps(engine)
     admissions = Admissions()   # one queue count for both routes
     completions = CompletionServing(engine, settings, metrics, admissions)

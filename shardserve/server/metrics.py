@@ -23,6 +23,7 @@ from shardserve.engine.engine import EngineStats
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
 from shardserve.server import tracing
+from shardserve.server.stat_logger import StatLogger
 
 disable_created_metrics()   # process-wide: vLLM turns them off too; they only clutter dashboards
 
@@ -96,6 +97,7 @@ class _EngineCollector:
 class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats], model_name: str, cache_config: Any = None) -> None:
         self.model_name = model_name
+        self.stat_logger: StatLogger | None = None   # the periodic log line (stat_logger.py), unless disabled
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats, model_name, cache_config))
         labels = ["model_name"]
@@ -165,6 +167,9 @@ class RequestRecord:
         now = time.monotonic()
         total = sum(len(c.token_ids) for c in out.outputs)
         new = total - self._seen_tokens
+        if self.metrics.stat_logger is not None:
+            prompt = len(out.prompt_token_ids or ()) if self.last is None else 0
+            self.metrics.stat_logger.record(prompt, max(new, 0))
         if new > 0:
             if self._last_token_at is not None:
                 self.itls.extend([(now - self._last_token_at) / new] * new)

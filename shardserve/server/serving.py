@@ -28,6 +28,7 @@ class ServerSettings:
     chat_template: str | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)   # from --generation-config
     tool_call_parser: str | None = None   # set only with --enable-auto-tool-choice: tool_choice "auto" on
+    log_stats: bool = True   # the periodic throughput line (stat_logger.py); --disable-log-stats
 
 
 def sse(payload: dict[str, Any] | str) -> str:

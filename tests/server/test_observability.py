@@ -9,6 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -41,7 +42,8 @@ def stack(tmp_path_factory):
     receiver = OtlpReceiver()
     ckpt = make_tiny_checkpoint(str(tmp / "ckpt"), "llama")
     server = ServerProcess([ckpt, "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
-                            "--otlp-traces-endpoint", receiver.url], str(tmp / "server.log"))
+                            "--otlp-traces-endpoint", receiver.url], str(tmp / "server.log"),
+                           env={"SHARDSERVE_LOG_STATS_INTERVAL": "0.3"})
     config = {"backends": [{"id": "tiny", "type": "shardserve", "base_url": server.url + "/v1", "model": "tiny"}],
               "default_model": "tiny"}
     (tmp / "router.yaml").write_text(yaml.safe_dump(config))
@@ -120,6 +122,30 @@ def test_request_log_and_metrics_agree(stack):
     assert log["e2e_s"] == pytest.approx(delta["vllm:e2e_request_latency_seconds_sum"], abs=2e-6)
     assert log["tpot_s"] == pytest.approx(delta["vllm:request_time_per_output_token_seconds_sum"], abs=2e-6)
     assert log["queue_s"] == pytest.approx(delta["vllm:request_queue_time_seconds_sum"], abs=2e-6)
+
+
+def test_periodic_stats_line(stack):
+    """vLLM's periodic line: after a request, one whose generation throughput counts its tokens; idle
+    intervals log nothing."""
+    server, _, _ = stack
+    server.wait_idle()
+    time.sleep(0.7)   # an idle interval or two: no line
+    before = server.read_log().count("Avg prompt throughput")
+    time.sleep(0.7)
+    assert server.read_log().count("Avg prompt throughput") == before
+    assert post(server.url + "/v1/completions", {"model": "tiny", "prompt": "count me", "max_tokens": 12,
+                                                 "ignore_eos": True})[0] == 200
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [line for line in server.read_log().splitlines() if "Avg prompt throughput" in line][before:]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    pattern = (r"Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) tokens/s, "
+               r"Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: [\d.]+%, Prefix cache hit rate: [\d.]+%")
+    found = [re.search(pattern, line) for line in lines]
+    assert found and all(found), lines
+    assert sum(float(m.group(2)) for m in found) > 0 and sum(float(m.group(1)) for m in found) > 0
 
 
 def test_spans_arrive_in_one_trace_through_the_router(stack):

@@ -26,10 +26,14 @@ def _long(extra: dict | None = None) -> dict:
 
 
 def test_api_key_config_file_and_queue_limit(tiny, tmp_path, monkeypatch):
+    """Also vLLM's logging flags, from the config file: no request lines, no periodic stats line
+    (every 0.2 s otherwise), and --trust-remote-code accepted with a line saying it changes nothing."""
     config = tmp_path / "serve.yaml"
     config.write_text(f"model: {tiny}\nserved-model-name: tiny\nkv_cache_memory: 16MiB\nmax-num-seqs: 1\n"
-                      "max-queue-len: 1\nenable-prefix-caching: false\n")
-    srv = ServerProcess(["--config", str(config)], str(tmp_path / "server.log"), env={"SHARDSERVE_API_KEY": "s3cret"})
+                      "max-queue-len: 1\nenable-prefix-caching: false\ndisable-log-requests: true\n"
+                      "disable_log_stats: true\ntrust-remote-code: true\nuvicorn-log-level: warning\n")
+    srv = ServerProcess(["--config", str(config)], str(tmp_path / "server.log"),
+                        env={"SHARDSERVE_API_KEY": "s3cret", "SHARDSERVE_LOG_STATS_INTERVAL": "0.2"})
     try:
         # Auth: /v1, /tokenize, /detokenize need the key; probes and metrics stay open.
         status, body, _ = post(srv.url + "/v1/completions", {"prompt": "hi", "max_tokens": 1})
@@ -61,6 +65,9 @@ def test_api_key_config_file_and_queue_limit(tiny, tmp_path, monkeypatch):
         for t in threads:
             t.join()
         assert [r[0] for r in results] == [200, 200]
+        log = srv.read_log()
+        assert "request_finished" not in log and "Avg prompt throughput" not in log
+        assert "--trust-remote-code changes nothing" in log
     finally:
         assert srv.stop() == 0
 
