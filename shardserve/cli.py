@@ -23,7 +23,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="default: %(default)s")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="token budget per step (default: 2048)")
+                        help="token budget per step (default: 2048; the model length without chunked prefill)")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="split long prompts over steps, beside running decodes (default: on)")
     parser.add_argument("--block-size", type=int, default=d.block_size,
                         help="KV block size in tokens (default: %(default)s)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -73,6 +75,9 @@ def add_parallel_args(parser: argparse.ArgumentParser, engine: bool = True) -> N
                        help="uni for one device, mp (default for more) or ray")
         g.add_argument("--pp-layer-partition", default=None,
                        help="layers per pipeline stage, comma-separated, e.g. 17,15 (default: even)")
+        g.add_argument("--disable-custom-all-reduce", action="store_true",
+                       help="CUDA: every TP all-reduce through NCCL, none one-shot over symmetric memory or fused "
+                       "with the next norm or the matmul before it (default: off)")
     # Inside a LeaderWorkerSet the group's env gives the defaults (docs/deploy.md); flags still win.
     env = os.environ
     g.add_argument("--nnodes", type=int, default=int(env.get("LWS_GROUP_SIZE", 1)),
@@ -92,7 +97,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(model=ns.model, tokenizer=ns.tokenizer, dtype=ns.dtype, device=ns.device,
                       max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
-                      enable_prefix_caching=ns.enable_prefix_caching,
+                      enable_chunked_prefill=ns.enable_chunked_prefill, enable_prefix_caching=ns.enable_prefix_caching,
                       gpu_memory_utilization=ns.gpu_memory_utilization, kv_cache_memory=ns.kv_cache_memory,
                       kv_cache_dtype=ns.kv_cache_dtype,
                       seed=ns.seed, max_logprobs=ns.max_logprobs, load_format=ns.load_format,
@@ -107,7 +112,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       pp_layer_partition=[int(x) for x in ns.pp_layer_partition.split(",")]
                       if ns.pp_layer_partition else None,
                       nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
-                      master_port=ns.master_port, distributed_timeout_s=ns.distributed_timeout_s)
+                      master_port=ns.master_port, distributed_timeout_s=ns.distributed_timeout_s,
+                      disable_custom_all_reduce=ns.disable_custom_all_reduce)
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -176,6 +176,9 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None   # torch.distributed rendezvous; workers dial the engine at port + 1
+    # vLLM's --disable-custom-all-reduce: every TP all-reduce through NCCL, none one-shot over
+    # symmetric memory or fused with the norm / matmul (distributed/comm.py)
+    disable_custom_all_reduce: bool = False
 
     @property
     def ranks_per_node(self) -> int:

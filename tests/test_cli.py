@@ -45,6 +45,26 @@ def test_serve_help_lists_vllm_flags_with_defaults():
             if a.option_strings and a.dest != "help" and "default" not in (a.help or "")] == []
 
 
+def test_vllm_flags_reach_the_engine_config(tmp_path):
+    """--no-enable-chunked-prefill (the budget becomes the model length) and
+    --disable-custom-all-reduce (the workers' TP all-reduces through NCCL only) land in the config
+    the workers get; the logging flags in the server's namespace."""
+    from shardserve.cli import build_parser, engine_args_from
+    from tests.tiny_models import make_tiny_checkpoint
+    ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama")
+    ns = build_parser().parse_args(["serve", ckpt, "--device", "cpu", "--no-enable-chunked-prefill",
+                                    "--max-model-len", "96", "--disable-custom-all-reduce", "--disable-log-requests",
+                                    "--disable-log-stats", "--trust-remote-code"])
+    ns.model = ns.model_tag
+    config = engine_args_from(ns).create_engine_config()
+    assert not config.scheduler_config.enable_chunked_prefill
+    assert config.scheduler_config.max_num_batched_tokens == 96
+    assert config.parallel_config.disable_custom_all_reduce
+    assert (ns.enable_log_requests, ns.disable_log_stats, ns.trust_remote_code) == (False, True, True)
+    default = engine_args_from(build_parser().parse_args(["serve", ckpt, "--device", "cpu"]))
+    assert default.enable_chunked_prefill and not default.disable_custom_all_reduce
+
+
 def test_serve_config_file_flags_and_command_line_precedence(tmp_path):
     from shardserve.cli import build_parser, config_file_args
     cfg = tmp_path / "c.yaml"

@@ -61,6 +61,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     pp_layer_partition: list[int] | None = None
     distributed_timeout_s: float = 120.0
+    disable_custom_all_reduce: bool = False
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -108,7 +109,8 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
             pp_layer_partition=tuple(self.pp_layer_partition) if self.pp_layer_partition else None,
             distributed_timeout_s=self.distributed_timeout_s, nnodes=self.nnodes, node_rank=self.node_rank,
-            master_addr=self.master_addr, master_port=self.master_port)
+            master_addr=self.master_addr, master_port=self.master_port,
+            disable_custom_all_reduce=self.disable_custom_all_reduce)
         check_parallel_layout(hf_config, parallel)
         speculative = self._speculative_config(hf_config)
         batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)

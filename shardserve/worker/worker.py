@@ -31,6 +31,7 @@ class Worker:
             set_pp_partition(parallel_config.pp_layer_partition)
             init_distributed(rank, parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size,
                              init_method, config.device, parallel_config.distributed_timeout_s,
+                             fast_all_reduce=not parallel_config.disable_custom_all_reduce,
                              enable_expert_parallel=parallel_config.enable_expert_parallel,
                              dp_size=parallel_config.data_parallel_size if spans else 1,
                              dp_rank=parallel_config.data_parallel_rank)

@@ -54,10 +54,9 @@ def test_nccl_tp2_and_pp2_match_tp1(checkpoint, monkeypatch):
         [o.token_ids for o in tp2]
     # Small all-reduces go one-shot over symmetric memory, fused with the add and norm after them;
     # with two ranks a + b is the same sum NCCL computes, so sending every all-reduce through NCCL
-    # (which turns the fused path off too) changes no token.
-    monkeypatch.setenv("SHARDSERVE_ONE_SHOT_ALLREDUCE", "0")
-    assert [o.token_ids for o in _run(checkpoint, tensor_parallel_size=2)] == [o.token_ids for o in tp2]
-    monkeypatch.delenv("SHARDSERVE_ONE_SHOT_ALLREDUCE")
+    # (which turns the fused path off too: vLLM's --disable-custom-all-reduce) changes no token.
+    assert [o.token_ids for o in _run(checkpoint, tensor_parallel_size=2, disable_custom_all_reduce=True)] == \
+        [o.token_ids for o in tp2]
     # Async scheduling: rank 1 embeds the tokens rank 0 sampled, broadcast on the device.
     assert [o.token_ids for o in _run(checkpoint, tensor_parallel_size=2, async_scheduling=False)] == \
         [o.token_ids for o in tp2]
