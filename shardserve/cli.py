@@ -10,6 +10,7 @@ from typing import Sequence
 from shardserve.config import KV_CACHE_DTYPES
 from shardserve.engine.args import EngineArgs
 from shardserve.quantization.config import QUANTIZATION_METHODS
+from shardserve.server.reasoning import PARSERS as REASONING_PARSERS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -181,7 +182,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                       shutdown_timeout=ns.shutdown_timeout,
                       tool_call_parser=auto_tool_parser(ns.enable_auto_tool_choice, ns.tool_call_parser),
                       log_requests=ns.enable_log_requests, log_stats=not ns.disable_log_stats,
-                      uvicorn_log_level=ns.uvicorn_log_level)
+                      uvicorn_log_level=ns.uvicorn_log_level, reasoning_parser=ns.reasoning_parser)
 
 
 def auto_tool_parser(enable: bool, parser: str | None) -> str | None:
@@ -226,6 +227,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "\"required\" and named tool choices work without it)")
     g.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
                    help="how the model writes tool calls, for tool_choice \"auto\" (default: none)")
+    g.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="a reasoning model's <think> block in the chat response's `reasoning` field (and "
+                   "`reasoning_content`), the rest in `content`: deepseek_r1 (R1, its distills, QwQ) or qwen3 "
+                   "(default: none; the thinking stays in content)")
     g.add_argument("--otlp-traces-endpoint", default=None, help=OTLP_HELP)
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish "
                    "after SIGTERM (default: %(default)s)")

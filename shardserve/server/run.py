@@ -56,7 +56,8 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
                max_log_len: int | None = None, max_queue_len: int | None = None,
                max_request_body_bytes: int | None = 32 * 1024 * 1024,
                shutdown_timeout: float = 30.0, uvicorn_log_level: str = "info",
-               tool_call_parser: str | None = None, log_requests: bool = True, log_stats: bool = True) -> int:
+               tool_call_parser: str | None = None, log_requests: bool = True, log_stats: bool = True,
+               reasoning_parser: str | None = None) -> int:
     import uvicorn
 
     from shardserve.server.api import build_app
@@ -70,7 +71,8 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
         settings = ServerSettings(served_model_name or engine_args.model or DEFAULT_MODEL_NAME,
                                   model_config.max_model_len, max_log_len, max_queue_len, template,
                                   generation_defaults(generation_config, model_dir),
-                                  tool_call_parser=tool_call_parser, log_stats=log_stats)
+                                  tool_call_parser=tool_call_parser, log_stats=log_stats,
+                                  reasoning_parser=reasoning_parser)
         if not log_requests:   # the per-request line (server/metrics.py) goes to this logger alone
             logging.getLogger("shardserve.requests").setLevel(logging.WARNING)
         gate = DrainGate(build_app(async_engine, settings, api_key, max_request_body_bytes))

@@ -29,6 +29,7 @@ class ServerSettings:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)   # from --generation-config
     tool_call_parser: str | None = None   # set only with --enable-auto-tool-choice: tool_choice "auto" on
     log_stats: bool = True   # the periodic throughput line (stat_logger.py); --disable-log-stats
+    reasoning_parser: str | None = None   # --reasoning-parser: thinking apart from the answer (reasoning.py)
 
 
 def sse(payload: dict[str, Any] | str) -> str:

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from shardserve.outputs import CompletionOutput
 from shardserve.sampling_params import InvalidParameter
 from shardserve.server.protocol import APIError, ChatCompletionRequest, ChatMessage
+from shardserve.server.reasoning import ReasoningParser
 from shardserve.server.serving import Serving, now_s, sse, usage
 from shardserve.server.tool_parsers import ToolCall
 from shardserve.server.tools import ToolPlan, plan_tools
@@ -104,16 +105,21 @@ class ChatServing(Serving):
         request_id = raw.state.request_id
         streams = await self.start_all(raw, [{"prompt": text, "prompt_token_ids": ids}], params)
         meta = {"id": f"chatcmpl-{request_id}", "created": now_s(), "model": self.settings.served_model_name}
+        parser = (ReasoningParser(self.settings.reasoning_parser, text) if self.settings.reasoning_parser
+                  else None)
         if req.stream:
-            return self.sse_errors(self._stream(req, streams, meta, plan))
+            return self.sse_errors(self._stream(req, streams, meta, plan, parser))
         (out,) = await self.collect(streams, raw)
         choices = []
         for c in out.outputs:
             lp = {"content": chat_logprobs(self.tokenizer, c, 0, req.top_logprobs or 0)} if req.logprobs else None
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reasoning, text = parser.split(c.text) if parser else (None, c.text)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning is not None:   # vLLM's field, and its older name
+                message.update(reasoning=reasoning, reasoning_content=reasoning, content=text or None)
             finish = c.finish_reason
             if plan.active:
-                content, calls = plan.extract(c.text)
+                content, calls = plan.extract(text)
                 message["tool_calls"] = [call.to_openai() for call in calls]
                 if calls:
                     message["content"] = content
@@ -123,11 +129,13 @@ class ChatServing(Serving):
         return {**meta, "object": "chat.completion", "choices": choices,
                 "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
 
-    async def _stream(self, req: ChatCompletionRequest, streams, meta: dict, plan: ToolPlan) -> AsyncIterator[str]:
+    async def _stream(self, req: ChatCompletionRequest, streams, meta: dict, plan: ToolPlan,
+                      parser: ReasoningParser | None) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
-        sent_text: dict[int, int] = {}
+        sent_text: dict[int, int] = {}   # of the content (the text after any reasoning)
         sent_tokens: dict[int, int] = {}
+        sent_reasoning: dict[int, int] = {}
         prompt_tokens = 0
 
         def chunk(choices: list[dict], extra: dict | None = None) -> str:
@@ -137,25 +145,34 @@ class ChatServing(Serving):
             prompt_tokens = len(out.prompt_token_ids)
             for c in out.outputs:
                 if c.index not in sent_text:   # OpenAI opens every choice with the role
-                    sent_text[c.index] = sent_tokens[c.index] = 0
+                    sent_text[c.index] = sent_tokens[c.index] = sent_reasoning[c.index] = 0
                     yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
                 elif sent_text[c.index] < 0:   # this choice already finished
                     continue
-                delta = c.text[sent_text[c.index]:]
+                # With a reasoning parser, the thinking goes out as `reasoning` deltas and the rest
+                # as the content below; text that may still be a tag waits for the next tokens.
+                reasoning, text = (parser.split(c.text, c.finish_reason is not None) if parser
+                                   else (None, c.text))
+                think: dict[str, str] = {}
+                if reasoning is not None and len(reasoning) > sent_reasoning[c.index]:
+                    new = reasoning[sent_reasoning[c.index]:]
+                    think, sent_reasoning[c.index] = {"reasoning": new, "reasoning_content": new}, len(reasoning)
+                delta = text[sent_text[c.index]:]
                 start = sent_tokens[c.index]
-                new_sent = len(c.text)
+                new_sent = len(text)
                 if plan.active:   # text that may begin a tool call is held back; calls go out when the choice ends
                     sent = sent_text[c.index]
                     if c.finish_reason is None:
-                        new_sent = max(sent, plan.content_end(c.text))
-                        delta = c.text[sent:new_sent]
-                        if not delta:
+                        new_sent = max(sent, plan.content_end(text))
+                        delta = text[sent:new_sent]
+                        if not delta and not think:
                             continue
                     else:
-                        content, calls = plan.extract(c.text[sent:])
+                        content, calls = plan.extract(text[sent:])
                         if calls:   # content (if any), then each call: id + name, then its arguments
-                            deltas = ([{"content": content}] if content else []) + tool_call_deltas(calls)
+                            deltas = (([think] if think else []) + ([{"content": content}] if content else [])
+                                      + tool_call_deltas(calls))
                             for d in deltas[:-1]:
                                 yield chunk([{"index": c.index, "delta": d, "logprobs": None,
                                               "finish_reason": None}])
@@ -165,15 +182,16 @@ class ChatServing(Serving):
                             yield chunk([{"index": c.index, "delta": deltas[-1], "logprobs": lp,
                                           "finish_reason": "tool_calls", "stop_reason": c.stop_reason}])
                             continue
-                if not delta and c.finish_reason is None and len(c.token_ids) == start:
+                if not delta and not think and c.finish_reason is None and len(c.token_ids) == start:
                     continue
                 lp = ({"content": chat_logprobs(self.tokenizer, c, start, req.top_logprobs or 0)}
                       if req.logprobs else None)
                 sent_text[c.index] = -1 if c.finish_reason is not None else new_sent
                 sent_tokens[c.index] = len(c.token_ids)
                 extra = {"usage": usage(prompt_tokens, sum(sent_tokens.values()))} if continuous else None
-                yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], extra)
+                fields = {**think, **({"content": delta} if delta else {})}
+                yield chunk([{"index": c.index, "delta": fields, "logprobs": lp, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}], extra)
         if include_usage:
             yield chunk([], {"usage": usage(prompt_tokens, sum(sent_tokens.values()))})
         yield sse("[DONE]")
