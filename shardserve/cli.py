@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -182,7 +183,21 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                       shutdown_timeout=ns.shutdown_timeout,
                       tool_call_parser=auto_tool_parser(ns.enable_auto_tool_choice, ns.tool_call_parser),
                       log_requests=ns.enable_log_requests, log_stats=not ns.disable_log_stats,
-                      uvicorn_log_level=ns.uvicorn_log_level, reasoning_parser=ns.reasoning_parser)
+                      uvicorn_log_level=ns.uvicorn_log_level, reasoning_parser=ns.reasoning_parser,
+                      cors=dict(allow_origins=ns.allowed_origins, allow_methods=ns.allowed_methods,
+                                allow_headers=ns.allowed_headers, allow_credentials=ns.allow_credentials),
+                      ssl=tls_settings(ns))
+
+
+def tls_settings(ns: argparse.Namespace) -> dict | None:
+    """uvicorn's TLS settings from the --ssl-* flags; None for plain HTTP. A key without its
+    certificate (or the reverse) is refused here, not at the first connection."""
+    if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both, or neither for plain HTTP")
+    if ns.ssl_certfile is None:
+        return None
+    return dict(ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
+                ssl_cert_reqs=ns.ssl_cert_reqs)
 
 
 def auto_tool_parser(enable: bool, parser: str | None) -> str | None:
@@ -231,6 +246,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="a reasoning model's <think> block in the chat response's `reasoning` field (and "
                    "`reasoning_content`), the rest in `content`: deepseek_r1 (R1, its distills, QwQ) or qwen3 "
                    "(default: none; the thinking stays in content)")
+    g.add_argument("--allowed-origins", type=json.loads, default=["*"], help="CORS: origins allowed, a JSON list "
+                   "(default: [\"*\"])")
+    g.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: methods allowed, a JSON list "
+                   "(default: [\"*\"])")
+    g.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS: headers allowed, a JSON list "
+                   "(default: [\"*\"])")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: off)")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key file (default: HTTP)")
+    g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain file (default: none)")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates for client certificates (default: none)")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0, help="client certificates: 0 none, 1 optional, "
+                   "2 required (Python's ssl.CERT_*) (default: %(default)s)")
     g.add_argument("--otlp-traces-endpoint", default=None, help=OTLP_HELP)
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish "
                    "after SIGTERM (default: %(default)s)")
@@ -269,6 +296,8 @@ def config_file_args(argv: list[str]) -> list[str]:
             extra.append(flag)
         elif value is False:
             extra.append("--no-" + flag[2:])
+        elif isinstance(value, (list, dict)):   # JSON-valued flags (--allowed-origins, --speculative-config)
+            extra += [flag, json.dumps(value)]
         elif value is not None:
             extra += [flag, str(value)]
     return argv[:1] + extra + argv[1:]

@@ -65,12 +65,20 @@ def test_vllm_flags_reach_the_engine_config(tmp_path):
     assert default.enable_chunked_prefill and not default.disable_custom_all_reduce
 
 
+def test_tls_flags_go_together():
+    done = _cli("serve", "--ssl-keyfile", "key.pem", timeout=60)
+    assert done.returncode == 2 and "--ssl-keyfile and --ssl-certfile go together" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_serve_config_file_flags_and_command_line_precedence(tmp_path):
     from shardserve.cli import build_parser, config_file_args
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("port: 9001\nmax_num_seqs: 7\nenable-prefix-caching: false\nserved-model-name: m\n")
+    cfg.write_text("port: 9001\nmax_num_seqs: 7\nenable-prefix-caching: false\nserved-model-name: m\n"
+                   "allowed-origins: [https://a.example]\n")
     argv = config_file_args(["serve", "--config", str(cfg), "--port", "9002"])
     ns = build_parser().parse_args(argv)
     assert (ns.port, ns.max_num_seqs, ns.enable_prefix_caching, ns.served_model_name) == (9002, 7, False, "m")
+    assert ns.allowed_origins == ["https://a.example"]   # lists reach JSON-valued flags as JSON
     bad = _cli("serve", "--config", str(tmp_path / "missing.yaml"), timeout=60)
     assert bad.returncode == 2 and "--config" in bad.stderr and "Traceback" not in bad.stderr

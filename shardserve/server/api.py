@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -152,6 +153,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
     chats = ChatServing(engine, settings, metrics, admissions)
     app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics
     app.add_middleware(RequestIdAndAuth, api_key=api_key, max_body_bytes=max_body_bytes)
+    # Outermost: a browser's preflight (OPTIONS, no credentials) is answered before the API key check.
+    app.add_middleware(CORSMiddleware, **settings.cors)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):

@@ -57,7 +57,9 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
                max_request_body_bytes: int | None = 32 * 1024 * 1024,
                shutdown_timeout: float = 30.0, uvicorn_log_level: str = "info",
                tool_call_parser: str | None = None, log_requests: bool = True, log_stats: bool = True,
-               reasoning_parser: str | None = None) -> int:
+               reasoning_parser: str | None = None, cors: dict[str, Any] | None = None,
+               ssl: dict[str, Any] | None = None) -> int:
+    """ssl: uvicorn's ssl_keyfile, ssl_certfile, ssl_ca_certs, ssl_cert_reqs (serve HTTPS)."""
     import uvicorn
 
     from shardserve.server.api import build_app
@@ -73,13 +75,16 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
                                   generation_defaults(generation_config, model_dir),
                                   tool_call_parser=tool_call_parser, log_stats=log_stats,
                                   reasoning_parser=reasoning_parser)
+        if cors is not None:
+            settings.cors = cors
         if not log_requests:   # the per-request line (server/metrics.py) goes to this logger alone
             logging.getLogger("shardserve.requests").setLevel(logging.WARNING)
         gate = DrainGate(build_app(async_engine, settings, api_key, max_request_body_bytes))
-        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", settings.served_model_name, host, port)
+        scheme = "https" if ssl and ssl.get("ssl_certfile") else "http"
+        logger.info("serving %s on %s://%s:%d (OpenAI API under /v1)", settings.served_model_name, scheme, host, port)
         # The drain waits for in-flight requests; uvicorn's own grace then only closes idle connections.
         config = uvicorn.Config(gate, host=host, port=port, log_level=uvicorn_log_level,
-                                timeout_graceful_shutdown=0.5, access_log=False)
+                                timeout_graceful_shutdown=0.5, access_log=False, **(ssl or {}))
         # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found
         # installed. A no-op one underneath lets a drained shutdown end normally, with exit code 0.
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

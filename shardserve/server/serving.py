@@ -30,6 +30,9 @@ class ServerSettings:
     tool_call_parser: str | None = None   # set only with --enable-auto-tool-choice: tool_choice "auto" on
     log_stats: bool = True   # the periodic throughput line (stat_logger.py); --disable-log-stats
     reasoning_parser: str | None = None   # --reasoning-parser: thinking apart from the answer (reasoning.py)
+    # CORS, vLLM's defaults (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials)
+    cors: dict[str, Any] = field(default_factory=lambda: dict(allow_origins=["*"], allow_methods=["*"],
+                                                              allow_headers=["*"], allow_credentials=False))
 
 
 def sse(payload: dict[str, Any] | str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -19,9 +20,11 @@ STARTUP_TIMEOUT_S = 180
 
 class ServerProcess:
     def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None,
-                 command: str = "serve") -> None:
+                 command: str = "serve", tls: ssl.SSLContext | None = None) -> None:
+        """tls: a client context trusting the server's certificate (it serves HTTPS)."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "shardserve.cli", command, *args, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log = open(log_path, "w")
@@ -31,7 +34,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
             try:
-                if get(self.url + "/health")[0] == 200:
+                if request("GET", self.url + "/health", timeout=10, context=tls)[0] == 200:
                     return
             except OSError:
                 pass
@@ -88,12 +91,13 @@ class ServerProcess:
 
 
 def request(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
-            raw: bytes | None = None, timeout: float = 120) -> tuple[int, bytes, dict[str, str]]:
+            raw: bytes | None = None, timeout: float = 120,
+            context: ssl.SSLContext | None = None) -> tuple[int, bytes, dict[str, str]]:
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
             return r.status, r.read(), dict(r.headers)
     except urllib.error.HTTPError as e:
         return e.code, e.read(), dict(e.headers)

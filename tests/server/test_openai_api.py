@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from tests.server.server_process import get, post, server_fixture
+from tests.server.server_process import get, post, request, server_fixture
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -157,6 +157,13 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     while server.metrics().get('vllm:request_success_total{finished_reason="abort"}', 0) < before + 2:
         assert time.monotonic() < deadline, "aborted requests were not recorded"
         time.sleep(0.1)
+
+
+def test_cors_allows_every_origin_by_default(server):
+    """vLLM's default CORS: any origin, method and header (a browser app may call the API)."""
+    status, _, headers = request("OPTIONS", server.url + "/v1/completions", timeout=10,
+                                 headers={"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"})
+    assert status == 200 and headers["access-control-allow-origin"] == "*"
 
 
 def test_request_id_is_echoed(server):
