@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from typing import Sequence
@@ -58,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding, JSON with vLLM\'s keys: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4} or {"model": DRAFT_PATH, '
                         '"num_speculative_tokens": 4} (default: off)')
+    parser.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM's command lines; "
+                        "changes nothing: every supported architecture is built in and no checkpoint code runs "
+                        "(default: off)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights with the checkpoint's shapes, for benchmarks "
                         "(default: %(default)s)")
@@ -115,7 +117,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       if ns.pp_layer_partition else None,
                       nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
                       master_port=ns.master_port, distributed_timeout_s=ns.distributed_timeout_s,
-                      disable_custom_all_reduce=ns.disable_custom_all_reduce)
+                      disable_custom_all_reduce=ns.disable_custom_all_reduce, trust_remote_code=ns.trust_remote_code)
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -168,9 +170,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from shardserve.server.run import run_server
     _setup_logging()
     configure_tracing(ns.otlp_traces_endpoint)   # before loading the model: a missing extra fails fast
-    if ns.trust_remote_code:
-        logging.getLogger("shardserve").info("--trust-remote-code changes nothing here: every supported "
-                                             "architecture is built in, and no checkpoint code runs")
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
             raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
@@ -269,9 +268,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "(every $SHARDSERVE_LOG_STATS_INTERVAL s, default 10, while busy) (default: logged)")
     g.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
                    default="info", help="uvicorn's own log level (default: %(default)s)")
-    g.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM's command lines; changes "
-                   "nothing: shardserve builds every architecture it supports itself and never runs a "
-                   "checkpoint's code (default: off)")
 
 
 def config_file_args(argv: list[str]) -> list[str]:

@@ -46,9 +46,9 @@ def test_serve_help_lists_vllm_flags_with_defaults():
 
 
 def test_vllm_flags_reach_the_engine_config(tmp_path):
-    """--no-enable-chunked-prefill (the budget becomes the model length) and
-    --disable-custom-all-reduce (the workers' TP all-reduces through NCCL only) land in the config
-    the workers get; the logging flags in the server's namespace."""
+    """--no-enable-chunked-prefill (the budget becomes the model length),
+    --disable-custom-all-reduce (the workers' TP all-reduces through NCCL only) and --trust-remote-code
+    land in the engine's arguments; the logging flags in the server's namespace."""
     from shardserve.cli import build_parser, engine_args_from
     from tests.tiny_models import make_tiny_checkpoint
     ckpt = make_tiny_checkpoint(str(tmp_path / "ckpt"), "llama")
@@ -60,7 +60,8 @@ def test_vllm_flags_reach_the_engine_config(tmp_path):
     assert not config.scheduler_config.enable_chunked_prefill
     assert config.scheduler_config.max_num_batched_tokens == 96
     assert config.parallel_config.disable_custom_all_reduce
-    assert (ns.enable_log_requests, ns.disable_log_stats, ns.trust_remote_code) == (False, True, True)
+    assert (ns.enable_log_requests, ns.disable_log_stats) == (False, True)
+    assert engine_args_from(ns).trust_remote_code   # taken (LLM(trust_remote_code=True) too), changes nothing
     default = engine_args_from(build_parser().parse_args(["serve", ckpt, "--device", "cpu"]))
     assert default.enable_chunked_prefill and not default.disable_custom_all_reduce
 

@@ -75,10 +75,16 @@ class EngineArgs:
     max_logprobs: int = 20
     async_scheduling: bool | None = None   # None: on for CUDA without pipeline stages
     speculative_config: dict | str | None = None   # vLLM's keys (config.SpeculativeConfig), or its JSON
+    # Taken so vLLM's scripts and command lines run unchanged; nothing to trust: every architecture
+    # is built in (models/registry.py) and no checkpoint code ever runs.
+    trust_remote_code: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r}: choose auto or dummy")
+        if self.trust_remote_code:
+            logger.info("trust_remote_code changes nothing here: every supported architecture is built in, "
+                        "and no checkpoint code runs")
         path = resolve_model_path(self.model)
         hf_config = load_hf_config(path)
         resolve_model_class(hf_config)   # fail early, listing the supported architectures

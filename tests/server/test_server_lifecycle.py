@@ -67,7 +67,7 @@ def test_api_key_config_file_and_queue_limit(tiny, tmp_path, monkeypatch):
         assert [r[0] for r in results] == [200, 200]
         log = srv.read_log()
         assert "request_finished" not in log and "Avg prompt throughput" not in log
-        assert "--trust-remote-code changes nothing" in log
+        assert "trust_remote_code changes nothing" in log
     finally:
         assert srv.stop() == 0
 
