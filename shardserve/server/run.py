@@ -74,9 +74,7 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
                                   model_config.max_model_len, max_log_len, max_queue_len, template,
                                   generation_defaults(generation_config, model_dir),
                                   tool_call_parser=tool_call_parser, log_stats=log_stats,
-                                  reasoning_parser=reasoning_parser)
-        if cors is not None:
-            settings.cors = cors
+                                  reasoning_parser=reasoning_parser, **({"cors": cors} if cors else {}))
         if not log_requests:   # the per-request line (server/metrics.py) goes to this logger alone
             logging.getLogger("shardserve.requests").setLevel(logging.WARNING)
         gate = DrainGate(build_app(async_engine, settings, api_key, max_request_body_bytes))
