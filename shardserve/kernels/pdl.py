@@ -36,6 +36,7 @@ import torch
 
 ENABLED = os.environ.get("SHARDSERVE_PDL", "1") != "0"
 PREFETCH_BYTES = int(float(os.environ.get("SHARDSERVE_GEMV_PREFETCH_MB", "16")) * 2 ** 20)
+PREFETCH_LINES = os.environ.get("SHARDSERVE_GEMV_PREFETCH", "lines") == "lines"
 
 
 try:
@@ -67,6 +68,13 @@ if triton is not None:
  mov.u32 $0, 0;
 }""")
 
+    _LINE_ASM = tl.constexpr("""{
+ .reg .pred p;
+ setp.ne.s32 p, $2, 0;
+ @p prefetch.global.L2 [$1];
+ mov.u32 $0, 0;
+}""")
+
     @triton.jit
     def start(PDL: tl.constexpr):
         """A kernel's first step: with PDL, let the next kernel launch, then wait until the previous
@@ -84,10 +92,20 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
-    def prefetch_rows(PDL: tl.constexpr, row_ptr, stride, rows, nbytes, BLOCK: tl.constexpr):
+    def prefetch_rows(PDL: tl.constexpr, row_ptr, stride, rows, nbytes, BLOCK: tl.constexpr,
+                      LINES: tl.constexpr = PREFETCH_LINES):
         """With PDL (a kernel that then waits in `start`): ask the L2 for `nbytes` bytes from row_ptr
         of each of `rows` rows (at most BLOCK) `stride` bytes apart (the module docstring)."""
-        if PDL:
+        if PDL and LINES:
+            base = row_ptr.to(tl.int64)
+            per_row = tl.cdiv(nbytes, 128)
+            total = tl.minimum(rows, BLOCK) * per_row
+            for first in range(0, total, 128):
+                i = first + tl.arange(0, 128)
+                addr = base + (i // per_row).to(tl.int64) * stride + (i % per_row) * 128
+                tl.inline_asm_elementwise(_LINE_ASM, "=r,l,r", [addr, (i < total).to(tl.int32)], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+        elif PDL:
             base = row_ptr.to(tl.int64)
             for i in tl.static_range(0, BLOCK, 32):
                 tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,l,r,l", [base + i * stride, stride.to(tl.int64),
