@@ -128,6 +128,8 @@ def prefetch_bytes(t: torch.Tensor, rows: int, row_bytes: int) -> int:
     ahead: all of them within the budget, else an equal share of it per row (0: none)."""
     if not enabled(t) or PREFETCH_BYTES <= 0:
         return 0
+    if os.environ.get("SHARDSERVE_GEMV_PREFETCH_FIT") == "1":
+        return row_bytes // 128 * 128 if rows * row_bytes <= PREFETCH_BYTES else 0
     return min(row_bytes, PREFETCH_BYTES // max(rows, 1)) // 128 * 128
 
 
