@@ -218,39 +218,3 @@ def test_fp8_group_quantization_matches_torch():
     want_q = (groups / want_s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(37, 4096)
     assert torch.equal(scales[:37], want_s) and torch.equal(q[:37].float(), want_q.float())
     assert not q[37:].float().any()
-
-
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0),
-                    reason="the L2 prefetch rides on PDL (compute capability 9.0+)")
-@pytest.mark.parametrize("budget_mb", [0.001, 1, 64])
-@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (14336, 4096, True), (1000, 904, False),
-                                       (328, 200, True)])
-def test_weight_prefetch_changes_no_result(monkeypatch, budget_mb, n, k, gated):
-    """The decode GEMVs' weight prefetch into L2 (kernels/pdl.py) with budgets from a sliver of
-    each row to all of it, rows that start off the 16-byte bounds (904, 200), split-K: bit for bit
-    what the same kernels give without it."""
-    from shardserve.kernels import pdl
-    from shardserve.kernels.gemv import triton_gemv
-    from shardserve.kernels.quant import triton_fp8_gemv, triton_w4a16_gemv
-    torch.manual_seed(k)
-    rows = 2 * n if gated else n
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    w8, s8 = _fp8_weight(rows, k)
-    group = {4096: 128, 904: 904, 200: 32}[k]
-    g, run = int4_layout.kernel_group(group, k)
-    words, scales, zeros = _int4_weight(rows, k, group, run)
-    w16 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * 0.05
-    calls = [lambda t=t: triton_fp8_gemv.gemv(x, w8, s8, None, gated, tiles=t) for t in
-             (("runs8", 16, 64, 1, 3, 1), ("runs", 32, 64, 2, 3, 3))]
-    calls += [lambda t=t: triton_w4a16_gemv.gemv(x, words, scales, zeros, k, g, run, None, gated, tiles=t) for t in
-              (("mma", 32, 64, 2, 1, 3), ("mmak", 16, 64, 3, 2, 3))]
-    if triton_gemv.handles(x, w16):
-        calls += [lambda t=t: triton_gemv.gemv(x, w16, gated=gated, block_n=t) for t in (32, 64)]
-    monkeypatch.setattr(pdl, "PREFETCH_BYTES", 0)
-    want = [call() for call in calls]
-    monkeypatch.setattr(pdl, "PREFETCH_BYTES", int(budget_mb * 2 ** 20))
-    for _ in range(2):
-        got = [call() for call in calls]
-        torch.cuda.synchronize()
-        for a, b in zip(got, want):
-            assert torch.equal(a, b)

@@ -35,18 +35,13 @@ def _kernel():
     send_to_peers, sum_with_peers = exchange_fns()
 
     @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stride_w, stride_o, pf, peers_ptr, calls_ptr,
-                    rank, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stride_w, stride_o, peers_ptr, calls_ptr, rank,
+                    HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEND: tl.constexpr,
                     WORLD: tl.constexpr, SEND_ROWS: tl.constexpr, SEND_HIDDEN: tl.constexpr, REDUCE: tl.constexpr,
                     PDL: tl.constexpr):
-        row0 = tl.program_id(0) * BLOCK_N   # the weight ahead into L2 (kernels/pdl.py): pf bytes of each row
-        row_bytes = stride_w * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        pdl.prefetch_rows(PDL, w_ptr + row0.to(tl.int64) * stride_w, row_bytes, n - row0, pf, BLOCK_N)
-        if GATED:
-            pdl.prefetch_rows(PDL, w_ptr + (n + row0).to(tl.int64) * stride_w, row_bytes, n - row0, pf, BLOCK_N)
         pdl.start(PDL)
-        cols = row0 + tl.arange(0, BLOCK_N)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         col_ok = cols < n
@@ -65,7 +60,6 @@ def _kernel():
             if GATED:   # the up half's rows sit n rows below the gate's
                 w_up = tl.load(w_rows + n * stride_w + (k0 + kk)[None, :], mask=col_ok[:, None], other=0.0)
                 acc_up = tl.dot(w_up, x, acc_up)
-        pdl.release(PDL)
         dt = out_ptr.dtype.element_ty
         if HAS_BIAS:   # added in fp32 before the one rounding, as cuBLAS's bias epilogue does
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
@@ -132,12 +126,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     grid = (programs(weight, gated, block_n),)
     send = send or dict(peers_ptr=weight, calls_ptr=weight, rank=0, WORLD=1, SEND_ROWS=1, SEND_HIDDEN=1, REDUCE=False)
-    # with its weight prefetched, the kernel lets the next launch only after its loads (kernels/pdl.py):
-    # launched at its start, the next GEMVs down the chain would be resident early and prefetch
-    # while this one streams
-    pf = pdl.prefetch_bytes(x, weight.shape[0], weight.shape[1] * weight.element_size())
     _kernel()[grid](x, weight, bias if bias is not None else weight, out, rows, n, k,
-                    x.stride(0), weight.stride(0), out.stride(0), pf, **send, SEND=send["WORLD"] > 1,
+                    x.stride(0), weight.stride(0), out.stride(0), **send, SEND=send["WORLD"] > 1,
                     HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
-                    BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(x, late=pf > 0))
+                    BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(x))
     return out

@@ -167,24 +167,10 @@ if triton is not None:
         return tl.where(lanes[None, :] == 7, y7, t)
 
     @triton.jit
-    def prefetch(w_ptr, n, k, stride_w, pf, BLOCK_N: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr,
-                 GATED: tl.constexpr, PDL: tl.constexpr):
-        """The runs loops' weight ahead into L2 (kernels/pdl.py): pf bytes of each of the program's
-        rows (the up half's too), from its first K step."""
-        row0 = tl.program_id(0) * BLOCK_N
-        k0 = tl.program_id(1) * tl.cdiv(tl.cdiv(k, 8 * C), SPLIT) * 8 * C
-        nbytes = tl.minimum(pf, k - k0)
-        pdl.prefetch_rows(PDL, w_ptr + row0.to(tl.int64) * stride_w + k0, stride_w, n - row0, nbytes, BLOCK_N)
-        if GATED:
-            pdl.prefetch_rows(PDL, w_ptr + (n + row0).to(tl.int64) * stride_w + k0, stride_w, n - row0, nbytes,
-                              BLOCK_N)
-
-    @triton.jit
     def fp8_runs8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, stride_x, stride_w,
-                         stride_o, pf, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr,
+                         stride_o, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr,
                          HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
         """fp8_runs_kernel with one accumulator per run (the "runs8" loop)."""
-        prefetch(w_ptr, n, k, stride_w, pf, BLOCK_N, C, SPLIT, GATED, PDL)
         pdl.start(PDL)
         COLS: tl.constexpr = 16 if 8 * ROWS < 16 else 8 * ROWS
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -226,12 +212,11 @@ if triton is not None:
 
     @triton.jit
     def fp8_runs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, stride_x, stride_w, stride_o,
-                        pf, srow_ptr, stride_s, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr,
+                        srow_ptr, stride_s, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BK: tl.constexpr,
                         PDL: tl.constexpr):
         """BK 0: a scale per output row, s_ptr [N]; BK > 0: block scales of BK inputs, s_ptr the scale
         rows [R, ceil(K / BK)] and srow_ptr [N] each output row's (kernels/quant/triton_fp8_block.py)."""
-        prefetch(w_ptr, n, k, stride_w, pf, BLOCK_N, C, SPLIT, GATED, PDL)
         pdl.start(PDL)
         COLS: tl.constexpr = 16 if 8 * ROWS < 16 else 8 * ROWS   # a tensor-core tile is 16 wide at least
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -332,9 +317,8 @@ def runs(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch
     grid = (cdiv(n, block_n), split)
     ws, counters = splitk.buffers(x.device, split * padded * 2 * n, grid[0])
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    pf = pdl.prefetch_bytes(x, weight.shape[0] * split, cdiv(k, split))   # bytes per row and program
     args = (x, weight, scale, bias if bias is not None else scale, out, ws, counters, rows, n, k, x.stride(0),
-            weight.stride(0), out.stride(0), pf)
+            weight.stride(0), out.stride(0))
     kw = dict(ROWS=padded, BLOCK_N=block_n, C=run, SPLIT=split, HAS_BIAS=bias is not None, GATED=gated,
               num_warps=warps, num_stages=stages, **pdl.launch_args(x, late=True))
     if loop == "runs8":

@@ -178,24 +178,10 @@ if triton is not None:
         return y
 
     @triton.jit
-    def prefetch(w_ptr, n, k, words, pf, BLOCK_N: tl.constexpr, RUN: tl.constexpr, SPLIT: tl.constexpr,
-                 GATED: tl.constexpr, PDL: tl.constexpr):
-        """The weight ahead into L2 (kernels/pdl.py): pf bytes of each of the program's rows of words
-        (the up half's too), from its first block."""
-        row0 = tl.program_id(0) * BLOCK_N
-        w0 = tl.program_id(1) * tl.cdiv(tl.cdiv(k, 8 * RUN), SPLIT) * RUN   # the first block's first word
-        nbytes = tl.minimum(pf, 4 * (words - w0))
-        pdl.prefetch_rows(PDL, w_ptr + row0.to(tl.int64) * words + w0, 4 * words, n - row0, nbytes, BLOCK_N)
-        if GATED:
-            pdl.prefetch_rows(PDL, w_ptr + (n + row0).to(tl.int64) * words + w0, 4 * words, n - row0, nbytes,
-                              BLOCK_N)
-
-    @triton.jit
     def w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, words, stride_x,
-                          stride_o, pf, GROUP: tl.constexpr, RUN: tl.constexpr, ROWS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, STEP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          GATED: tl.constexpr, SZ_DOT: tl.constexpr, PDL: tl.constexpr):
-        prefetch(w_ptr, n, k, words, pf, BLOCK_N, RUN, SPLIT, GATED, PDL)
+                          stride_o, GROUP: tl.constexpr, RUN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          STEP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                          SZ_DOT: tl.constexpr, PDL: tl.constexpr):
         pdl.start(PDL)
         COLS: tl.constexpr = 16 if 8 * ROWS < 16 else 8 * ROWS   # a tensor-core tile is 16 wide at least
         BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
@@ -265,12 +251,11 @@ if triton is not None:
 
     @triton.jit
     def w4a16_gemvk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, words, stride_x,
-                           stride_o, pf, GROUP: tl.constexpr, RUN: tl.constexpr, ROWS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, STEP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           GATED: tl.constexpr, PDL: tl.constexpr):
+                           stride_o, GROUP: tl.constexpr, RUN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                           STEP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                           PDL: tl.constexpr):
         """w4a16_gemv_kernel with each block's RUN // STEP chunks on their own warps (the "mmak" loop,
         fp16 scales): a strip of outputs gets that many warps to hide its loads' latency."""
-        prefetch(w_ptr, n, k, words, pf, BLOCK_N, RUN, SPLIT, GATED, PDL)
         pdl.start(PDL)
         H: tl.constexpr = RUN // STEP
         COLS: tl.constexpr = 16 if 8 * ROWS < 16 else 8 * ROWS
@@ -350,17 +335,16 @@ def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
     grid = (cdiv(n, block_n), split)
     ws, counters = splitk.buffers(x.device, split * padded * 2 * n, grid[0])
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    pf = pdl.prefetch_bytes(x, words.shape[0] * split, cdiv(4 * words.shape[1], split))   # bytes per row and program
     if loop == "mmak":
         w4a16_gemvk_kernel[grid](
             x, words, scales, zeros, bias if bias is not None else scales, out, ws, counters, rows, n, k,
-            words.shape[1], x.stride(0), out.stride(0), pf, GROUP=group, RUN=run, ROWS=padded, BLOCK_N=block_n,
-            STEP=step, SPLIT=split, HAS_BIAS=bias is not None, GATED=gated, num_warps=run // step, num_stages=stages,
+            words.shape[1], x.stride(0), out.stride(0), GROUP=group, RUN=run, ROWS=padded, BLOCK_N=block_n, STEP=step,
+            SPLIT=split, HAS_BIAS=bias is not None, GATED=gated, num_warps=run // step, num_stages=stages,
             **pdl.launch_args(x, late=True))
         return out
     w4a16_gemv_kernel[grid](
         x, words, scales, zeros, bias if bias is not None else scales, out, ws, counters, rows, n, k, words.shape[1],
-        x.stride(0), out.stride(0), pf, GROUP=group, RUN=run, ROWS=padded, BLOCK_N=block_n, STEP=step, SPLIT=split,
+        x.stride(0), out.stride(0), GROUP=group, RUN=run, ROWS=padded, BLOCK_N=block_n, STEP=step, SPLIT=split,
         HAS_BIAS=bias is not None, GATED=gated, SZ_DOT=scales.dtype == torch.float16,
         num_warps=warps, num_stages=stages, **pdl.launch_args(x, late=True))
     return out
