@@ -224,6 +224,9 @@ class ParallelConfig:
         return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -231,8 +234,11 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False     # schedule step N+1 while step N runs (engine.py)
+    policy: str = "fcfs"               # or "priority": requests by (priority, arrival), engine/scheduler.py
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.policy!r}: choose {' or '.join(SCHEDULING_POLICIES)}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens < 1:

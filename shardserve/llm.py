@@ -56,7 +56,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """priority: one per prompt, lower first (needs scheduling_policy="priority", as in vLLM)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -65,7 +66,9 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        return self._run(list(prompts), list(params), use_tqdm)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        return self._run(list(prompts), list(params), use_tqdm, list(priority or [0] * len(prompts)))
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -83,7 +86,8 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
+             priority: list[int]) -> list[RequestOutput]:
         engine = self.engine
         # Only finished outputs are returned, so only those are built (as vLLM's LLM does). The
         # caller's params are left as they are: each distinct one is copied once.
@@ -91,9 +95,9 @@ class LLM:
         params = [final[id(p)] for p in params]
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, urgency in zip(prompts, params, priority):
                 rid = engine.next_request_id()
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, priority=urgency)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)

@@ -47,6 +47,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"   # or "priority" (config.SchedulerConfig)
     block_size: int = 16
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
@@ -122,7 +123,8 @@ class EngineArgs:
         batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                                     max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
-                                    async_scheduling=self._async_scheduling(device, speculative))
+                                    async_scheduling=self._async_scheduling(device, speculative),
+                                    policy=self.scheduling_policy)
         kv_memory = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                             gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory=kv_memory,

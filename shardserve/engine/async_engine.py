@@ -93,7 +93,7 @@ class AsyncLLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, priority: int = 0) -> RequestStream:
         """Queue a request; returns once the engine has accepted it (a bad request raises here).
         Iterate the stream for cumulative outputs; `aclose()` before the end aborts the request
         and frees its KV blocks."""
@@ -102,7 +102,8 @@ class AsyncLLMEngine:
             await loop.run_in_executor(None, self.engine.compile_structured, params)
         stream = RequestStream(self, request_id, loop)
         try:
-            await self._call(loop, self._add, request_id, prompt, params, arrival_time or time.monotonic(), stream)
+            await self._call(loop, self._add, request_id, prompt, params, arrival_time or time.monotonic(), priority,
+                             stream)
         except BaseException:   # includes a caller cancelled while the add was pending
             self._commands.put((self._abort, (request_id,), None))
             raise
@@ -115,9 +116,9 @@ class AsyncLLMEngine:
         self._commands.put((fn, args, future))
         return await future
 
-    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival: float,
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival: float, priority: int,
              stream: RequestStream) -> None:
-        self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+        self.engine.add_request(request_id, prompt, params, arrival_time=arrival, priority=priority)
         self._streams[request_id] = stream
 
     def _abort(self, request_id: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shardserve.config import KV_CACHE_DTYPES
+from shardserve.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
 from shardserve.engine.args import EngineArgs
 from shardserve.quantization.config import QUANTIZATION_METHODS
 
@@ -24,6 +24,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="token budget per step (default: 2048; the model length without chunked prefill)")
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="split long prompts over steps, beside running decodes (default: on)")
+    parser.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default=d.scheduling_policy,
+                        help="fcfs: requests in arrival order; priority: by each request's priority (lower "
+                        "first), then arrival, and under KV pressure the lowest-priority request is preempted "
+                        "first (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=d.block_size,
                         help="KV block size in tokens (default: %(default)s)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -99,6 +103,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
                       enable_chunked_prefill=ns.enable_chunked_prefill, enable_prefix_caching=ns.enable_prefix_caching,
+                      scheduling_policy=ns.scheduling_policy,
                       gpu_memory_utilization=ns.gpu_memory_utilization, kv_cache_memory=ns.kv_cache_memory,
                       kv_cache_dtype=ns.kv_cache_dtype,
                       seed=ns.seed, max_logprobs=ns.max_logprobs, load_format=ns.load_format,

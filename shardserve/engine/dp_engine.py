@@ -75,12 +75,12 @@ class DataParallelEngine:
         self.replicas[0].compile_structured(params)   # the grammar travels with params to any replica
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> int:
+                    arrival_time: float | None = None, priority: int = 0) -> int:
         """Returns the index of the replica that took the request."""
         if request_id in self.owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         index = min(range(len(self.replicas)), key=lambda i: self.load(self.replicas[i]))
-        self.replicas[index].add_request(request_id, prompt, params, arrival_time)
+        self.replicas[index].add_request(request_id, prompt, params, arrival_time, priority)
         self.owner[request_id] = self.replicas[index]
         return index
 

@@ -144,7 +144,11 @@ class LLMEngine:
         self._grammar_compiler.compile(spec)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request. `priority` (lower runs first) needs `scheduling_policy="priority"`."""
+        if priority and self.config.scheduler_config.policy != "priority":
+            raise InvalidParameter(f"priority={priority} needs priority scheduling: start the engine with "
+                                   "--scheduling-policy priority", "priority")
         self.compile_structured(params)
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
@@ -174,7 +178,7 @@ class LLMEngine:
                      if self.tokenizer is not None and child.detokenize else None)
             samples.append(SampleState(i, detok))
             engine_ids.append(rid)
-            requests.append(Request(rid, token_ids, child, eos, arrival_time or time.monotonic()))
+            requests.append(Request(rid, token_ids, child, eos, arrival_time or time.monotonic(), priority=priority))
         if request_id in self.output_processor.requests or any(self._id_in_use(r) for r in engine_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         final_only = params.output_kind == RequestOutputKind.FINAL_ONLY

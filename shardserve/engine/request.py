@@ -37,6 +37,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0                    # --scheduling-policy priority: lower runs first
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0     # tokens being sampled by steps in flight

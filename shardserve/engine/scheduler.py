@@ -6,6 +6,12 @@ order while `max_num_seqs` allows. When the KV pool runs dry, the most recently 
 request is preempted: its blocks are freed and it goes back to the head of the queue to be
 recomputed later (vLLM's recompute preemption). A step that preempted admits nobody new.
 
+`--scheduling-policy priority` (vLLM's): both queues are kept in order of (priority, arrival time),
+lower first. So the most urgent waiting request is admitted first, running requests get their
+tokens in that order, and the one preempted when the pool runs dry is the least urgent (latest of
+the lowest priority); it goes back into the waiting queue at its own place in that order. A
+waiting request does not preempt running ones: it waits for their blocks like any other.
+
 Workers keep each request's tokens and block ids between steps; `num_synced_tokens` and
 `num_synced_blocks` on the request say how much of them the workers hold, so each step sends
 only what is new.
@@ -18,6 +24,7 @@ where the next step writes before anything reads them: that is the whole rollbac
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -67,8 +74,18 @@ class Scheduler:
 
     # ---- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        self._enqueue(self.waiting, request)
         self.requests[request.request_id] = request
+
+    def _enqueue(self, queue: deque[Request] | list[Request], req: Request, first: bool = False) -> None:
+        """Into `queue` at its place: by (priority, arrival) under the priority policy; else at the
+        back, or at the front (`first`: a preempted request, which was admitted before the rest)."""
+        if self.config.policy == "priority":
+            bisect.insort(queue, req, key=_urgency)
+        elif first:
+            queue.appendleft(req)
+        else:
+            queue.append(req)
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finish (abort, or stop on a stop string) requests wherever they are; frees their blocks."""
@@ -179,8 +196,9 @@ class Scheduler:
         return self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
 
     def _make_room(self, req: Request, num_new_tokens: int, output: SchedulerOutput) -> bool:
-        """Preempt the most recently admitted running requests until `req`'s next tokens fit in the
-        KV pool. Returns False if `req` itself had to go (everything admitted after it went first)."""
+        """Preempt the last running requests (the most recently admitted; the least urgent under the
+        priority policy) until `req`'s next tokens fit in the KV pool. Returns False if `req` itself
+        had to go (everything after it went first)."""
         while not self.kv.can_allocate(req.request_id, req.num_computed_tokens + num_new_tokens):
             victim = self.running.pop()
             self._preempt(victim, output)
@@ -191,7 +209,7 @@ class Scheduler:
     def _start_running(self, req: Request, num_hit_tokens: int) -> None:
         """Move an admitted request (already off the waiting queue) to running, its prefix hits
         counted as computed."""
-        self.running.append(req)
+        self._enqueue(self.running, req)
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_hit_tokens
         if req.num_cached_tokens < 0:
@@ -238,7 +256,7 @@ class Scheduler:
         req.spec_token_ids, req.wants_drafts = [], False
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(self.waiting, req, first=True)
         output.finished_req_ids.add(req.request_id)   # workers drop it; it comes back as new
 
     # ---- after the model ran ---------------------------------------------------------------
@@ -318,3 +336,8 @@ def _computed_end(scheduler_output: SchedulerOutput, req_id: str) -> int:
     scheduled = (*scheduler_output.scheduled_new_reqs, *scheduler_output.scheduled_cached_reqs)
     start = next(data.num_computed_tokens for data in scheduled if data.req_id == req_id)
     return start + scheduler_output.num_scheduled_tokens[req_id]
+
+
+def _urgency(req: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority values first, then earlier arrivals."""
+    return req.priority, req.arrival_time

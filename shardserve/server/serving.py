@@ -134,11 +134,11 @@ class Serving:
 
     # ---- running ---------------------------------------------------------------------------
     async def _start(self, request_id: str, prompt: dict[str, Any], params: SamplingParams,
-                     record: RequestRecord) -> AsyncIterator[RequestOutput]:
+                     record: RequestRecord, priority: int) -> AsyncIterator[RequestOutput]:
         """The engine's output stream for one prompt; the request is accepted (or its error raised)
         before this returns, so a bad request never becomes a half-open stream."""
         try:
-            stream = await self.engine.add_request(request_id, prompt, params)
+            stream = await self.engine.add_request(request_id, prompt, params, priority=priority)
         except EngineDeadError as e:
             raise APIError(503, str(e)) from e
         except InvalidParameter as e:
@@ -158,7 +158,7 @@ class Serving:
         return _Closing(outputs(), stream)
 
     async def start_all(self, raw: Request, prompts: list[dict[str, Any]], params: SamplingParams,
-                        ) -> list[AsyncIterator[RequestOutput]]:
+                        priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
         streams = []
         try:
             for i, prompt in enumerate(prompts):
@@ -166,7 +166,7 @@ class Serving:
                 rid = raw.state.request_id + suffix
                 record = RequestRecord(self.metrics, raw.state.client_request_id + suffix, prompt.get("prompt"),
                                        self.settings.max_log_len, params, raw.headers)
-                streams.append(await self._start(rid, prompt, params, record))
+                streams.append(await self._start(rid, prompt, params, record, priority))
         except BaseException:
             for s in streams:
                 await s.aclose()

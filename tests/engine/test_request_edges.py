@@ -160,3 +160,33 @@ def test_final_only_requests_yield_one_output_and_generate_leaves_params_alone(l
     params = SamplingParams(temperature=0, max_tokens=3)
     assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == final.outputs[0].token_ids[:3]
     assert params.output_kind == RequestOutputKind.CUMULATIVE
+
+
+def test_priority_needs_the_priority_policy_and_leaves_nothing_behind(llm):
+    with pytest.raises(ValueError, match="--scheduling-policy priority") as err:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False, priority=[1])
+    assert err.value.param == "priority"
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.output_processor.requests
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0])[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="2 prompts but 1 priorities"):
+        llm.generate([[1, 2], [3, 4]], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0])
+
+
+def test_priority_policy_serves_the_most_urgent_first(tmp_path):
+    """One sequence at a time: requests finish in priority order, ties in arrival order, whatever
+    order they came in; LLM.generate still returns its outputs in the prompts' order."""
+    path = make_tiny_checkpoint(str(tmp_path), "llama")
+    llm = LLM(path, kv_cache_memory="16MiB", show_progress=False, max_num_seqs=1, scheduling_policy="priority")
+    try:
+        engine = llm.engine
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        for rid, priority in [("background", 10), ("normal-1", 0), ("urgent", -5), ("normal-2", 0)]:
+            engine.add_request(rid, [7, 8, 9], params, priority=priority)
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [out.request_id for out in engine.step() if out.finished]
+        assert finished == ["urgent", "normal-1", "normal-2", "background"]
+        outs = llm.generate([[1, 2, 3], [4, 5, 6]], params, use_tqdm=False, priority=[3, -3])
+        assert [out.prompt_token_ids for out in outs] == [[1, 2, 3], [4, 5, 6]]
+    finally:
+        llm.engine.shutdown()

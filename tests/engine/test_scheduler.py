@@ -20,19 +20,20 @@ EOS = 2
 
 class Harness:
     def __init__(self, num_blocks: int = 64, max_num_batched_tokens: int = 16, max_num_seqs: int = 8,
-                 max_model_len: int = 256, prefix_caching: bool = True, chunked_prefill: bool = True) -> None:
+                 max_model_len: int = 256, prefix_caching: bool = True, chunked_prefill: bool = True,
+                 policy: str = "fcfs") -> None:
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill)
+            max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill, policy=policy)
         cache_config = CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching)
         self.sched = Scheduler(scheduler_config, cache_config, num_blocks)
         self.worker: dict[str, CachedRequestState] = {}
         self.next_token = 1000   # fake model: distinct tokens unless told otherwise
         self.history: list[SchedulerOutput] = []
 
-    def add(self, req_id: str, prompt: list[int], **params) -> Request:
+    def add(self, req_id: str, prompt: list[int], priority: int = 0, **params) -> Request:
         params.setdefault("max_tokens", 100)
-        req = Request(req_id, list(prompt), SamplingParams(**params), frozenset({EOS}))
+        req = Request(req_id, list(prompt), SamplingParams(**params), frozenset({EOS}), priority=priority)
         self.sched.add_request(req)
         return req
 
@@ -262,6 +263,59 @@ def test_running_request_preempts_itself_when_alone():
     assert r.status == RequestStatus.PREEMPTED and out.num_scheduled_tokens == {}
     assert out.finished_req_ids == {"r"} and list(h.sched.waiting) == [r]
     assert h.sched.kv.num_free_blocks == 2
+
+
+# ---- priority scheduling ------------------------------------------------------------------
+def test_priority_policy_admits_by_priority_then_arrival():
+    h = Harness(max_num_seqs=1, policy="priority")
+    order = [("late-low", 5), ("urgent", -1), ("normal-1", 0), ("normal-2", 0), ("low", 5)]
+    for i, (name, priority) in enumerate(order):
+        h.add(name, prompt(10 * i + 3, 4), priority=priority, max_tokens=2)
+    assert [r.request_id for r in h.sched.waiting] == ["urgent", "normal-1", "normal-2", "late-low", "low"]
+    admitted = []
+    while h.sched.has_unfinished_requests():
+        out, _ = h.step()
+        admitted += [n.req_id for n in out.scheduled_new_reqs]
+    assert admitted == ["urgent", "normal-1", "normal-2", "late-low", "low"]
+    assert free_blocks_all_returned(h)
+
+
+def test_fcfs_policy_keeps_arrival_order():
+    h = Harness(max_num_seqs=1)
+    for i, name in enumerate(["a", "b", "c"]):
+        h.add(name, prompt(10 * i + 3, 4), max_tokens=2)
+    admitted = []
+    while h.sched.has_unfinished_requests():
+        out, _ = h.step()
+        admitted += [n.req_id for n in out.scheduled_new_reqs]
+    assert admitted == ["a", "b", "c"]
+
+
+def test_priority_policy_preempts_the_least_urgent_running_request():
+    # As test_preemption_when_blocks_run_out, but the request admitted first is the less urgent one:
+    # FCFS would preempt b (admitted last); priority preempts a. c waits (two running at most).
+    h = Harness(num_blocks=7, max_num_batched_tokens=32, max_num_seqs=2, prefix_caching=False, policy="priority")
+    a = h.add("a", prompt(1, 8), priority=1, max_tokens=16)
+    out, _ = h.step()
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["a"]
+    b = h.add("b", prompt(100, 8), priority=0, max_tokens=16)
+    c = h.add("c", prompt(200, 3), priority=2, max_tokens=1)
+    out, _ = h.step()
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["b"] and h.sched.running == [b, a]   # urgent first
+    while not h.sched.num_preemptions:
+        out, _ = h.step()
+        assert b.status == RequestStatus.RUNNING
+    assert a.status == RequestStatus.PREEMPTED and a.num_preemptions == 1 and b.num_preemptions == 0
+    assert "a" in out.finished_req_ids and out.num_scheduled_tokens == {"b": 1}
+    assert list(h.sched.waiting) == [a, c]   # back at its place: before the less urgent c
+    h.run_until_done()
+    assert a.num_output_tokens == 16 and b.num_output_tokens == 16 and c.num_output_tokens == 1
+    assert free_blocks_all_returned(h)
+
+
+def test_unknown_scheduling_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduling_policy='lifo'"):
+        SchedulerConfig(policy="lifo")
 
 
 # ---- finishing ----------------------------------------------------------------------------

@@ -201,6 +201,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}, 400, "stop_token_ids", None),
     ("/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens", "min_tokens"),
     ("/v1/completions", [1, 2, 3], 400, "JSON object", None),
+    ("/v1/chat/completions", {"messages": FRANCE, "priority": 1}, 400, "--scheduling-policy priority", "priority"),
+    ("/v1/completions", {"prompt": "hi", "priority": -1}, 400, "--scheduling-policy priority", "priority"),
 ]
 
 
