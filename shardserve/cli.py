@@ -68,6 +68,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return run_server(engine_args_from(ns), host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
                       api_key=ns.api_key or os.environ.get("SHARDSERVE_API_KEY") or None,
                       chat_template=ns.chat_template, generation_config=ns.generation_config,
+                      override_generation_config=ns.override_generation_config,
                       max_log_len=ns.max_log_len, max_queue_len=ns.max_queue_len,
                       max_request_body_bytes=ns.max_request_body_bytes or None,
                       shutdown_timeout=ns.shutdown_timeout,
@@ -121,6 +122,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, help="chat template file or inline Jinja (default: the model's)")
     g.add_argument("--generation-config", default="auto", help="'auto': sampling defaults from the model's "
                    "generation_config.json; 'vllm': none; or a folder holding one (default: %(default)s)")
+    g.add_argument("--override-generation-config", default=None, help="JSON object of sampling defaults set over "
+                   "--generation-config's, e.g. '{\"temperature\": 0.6}' (temperature, top_p, top_k, min_p, "
+                   "repetition_penalty; default: none)")
     g.add_argument("--max-log-len", type=int, default=None, help="put at most this many prompt characters in "
                    "each request's log line (default: none; prompts are not logged unless asked)")
     g.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024, help="refuse larger request "

@@ -35,24 +35,44 @@ def read_chat_template(value: str | None) -> str | None:
     return value
 
 
-def generation_defaults(setting: str, model_dir: str) -> dict[str, Any]:
-    """Sampling defaults for fields a request leaves unset: 'auto' reads the model's
-    generation_config.json (as vLLM does), 'vllm' uses none, anything else is a folder holding one."""
-    if setting == "vllm":
+def parse_generation_override(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """--override-generation-config: a JSON object (or a dict, from a config file or Python) of
+    sampling defaults; refused here, before the model loads, if it is anything else."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--override-generation-config is not valid JSON: {e}") from None
+    if value is None:
         return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"--override-generation-config takes a JSON object, got {value!r}")
+    unknown = sorted(set(value) - set(_SAMPLING_DEFAULTS))
+    if unknown:
+        raise ValueError(f"--override-generation-config: {', '.join(unknown)} cannot be set; these can: "
+                         f"{', '.join(_SAMPLING_DEFAULTS)}")
+    return value
+
+
+def generation_defaults(setting: str, model_dir: str, override: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Sampling defaults for fields a request leaves unset: 'auto' reads the model's
+    generation_config.json (as vLLM does), 'vllm' uses none, anything else is a folder holding one;
+    then `override` (parse_generation_override's) sets or replaces any of them."""
+    defaults = {}
     folder = model_dir if setting == "auto" else setting
     path = os.path.join(folder, "generation_config.json")
-    if not os.path.isfile(path):
-        if setting != "auto":
-            raise ValueError(f"--generation-config {setting!r}: no generation_config.json there")
-        return {}
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    return {k: config[k] for k in _SAMPLING_DEFAULTS if k in config}
+    if setting != "vllm" and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        defaults = {k: config[k] for k in _SAMPLING_DEFAULTS if k in config}
+    elif setting not in ("vllm", "auto"):
+        raise ValueError(f"--generation-config {setting!r}: no generation_config.json there")
+    return {**defaults, **(override or {})}
 
 
 def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000, served_model_name: str | None = None,
                api_key: str | None = None, chat_template: str | None = None, generation_config: str = "auto",
+               override_generation_config: str | dict[str, Any] | None = None,
                max_log_len: int | None = None, max_queue_len: int | None = None,
                max_request_body_bytes: int | None = 32 * 1024 * 1024,
                shutdown_timeout: float = 30.0, uvicorn_log_level: str = "info",
@@ -65,6 +85,7 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
     from shardserve.server.api import build_app
     from shardserve.server.drain import DrainGate, DrainingServer
     template = read_chat_template(chat_template)
+    override = parse_generation_override(override_generation_config)
     engine = create_engine(engine_args)
     async_engine = AsyncLLMEngine(engine)
     try:
@@ -72,7 +93,7 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
         model_dir = model_config.model if os.path.isdir(model_config.model) else os.path.dirname(model_config.model)
         settings = ServerSettings(served_model_name or engine_args.model or DEFAULT_MODEL_NAME,
                                   model_config.max_model_len, max_log_len, max_queue_len, template,
-                                  generation_defaults(generation_config, model_dir),
+                                  generation_defaults(generation_config, model_dir, override),
                                   tool_call_parser=tool_call_parser, log_stats=log_stats,
                                   reasoning_parser=reasoning_parser, **({"cors": cors} if cors else {}))
         if not log_requests:   # the per-request line (server/metrics.py) goes to this logger alone

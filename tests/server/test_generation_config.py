@@ -1,0 +1,44 @@
+"""Sampling defaults a request leaves unset: the model's generation_config.json (--generation-config)
+and vLLM's --override-generation-config over it; a real server using the override."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardserve.server.run import generation_defaults, parse_generation_override
+from tests.server.server_process import server_fixture
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_override_sets_and_replaces_the_models_defaults(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "bos_token_id": 1}))
+    assert generation_defaults("auto", str(tmp_path)) == {"temperature": 0.6, "top_p": 0.9}
+    override = parse_generation_override('{"temperature": 0.2, "top_k": 5}')
+    assert generation_defaults("auto", str(tmp_path), override) == {"temperature": 0.2, "top_p": 0.9, "top_k": 5}
+    assert generation_defaults("vllm", str(tmp_path), override) == {"temperature": 0.2, "top_k": 5}
+    assert generation_defaults("auto", str(tmp_path / "none"), override) == override   # no file: the override alone
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        generation_defaults(str(tmp_path / "none"), str(tmp_path))
+
+
+@pytest.mark.parametrize("value,message", [("{temperature: 0}", "not valid JSON"), ("[0.5]", "JSON object"),
+                                           ('{"max_new_tokens": 9, "seed": 1}', "max_new_tokens, seed cannot")])
+def test_bad_override_is_refused_naming_the_problem(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_generation_override(value)
+
+
+server = server_fixture("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--generation-config", "vllm",
+                        "--override-generation-config", '{"temperature": 0}')
+
+
+def test_requests_without_a_temperature_take_the_override(client):
+    prompt = "Write a short story about a cat who learns to fly."
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0).choices[0].text
+    for _ in range(3):   # sampled at temperature 1 these would differ from the greedy text
+        assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=32).choices[0].text == greedy
+    sampled = {client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=1.5, seed=s)
+               .choices[0].text for s in range(3)}
+    assert sampled != {greedy}   # a request's own temperature still wins
