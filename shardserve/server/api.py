@@ -25,12 +25,14 @@ from shardserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
     error_body,
 )
 from shardserve.server.serving import Admissions, ServerSettings
 from shardserve.server.serving_chat import ChatServing
 from shardserve.server.serving_completion import CompletionServing
+from shardserve.server.serving_responses import ResponsesServing
 from shardserve.server.stat_logger import StatLogger, interval_s
 from shardserve.worker.profiler import profiler_dir
 
@@ -148,9 +150,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
 
     app = FastAPI(title="shardserve", version=__version__, lifespan=lifespan)
     metrics.observe_steps(engine)
-    admissions = Admissions()   # one queue count for both routes
+    admissions = Admissions()   # one queue count for every generating route
     completions = CompletionServing(engine, settings, metrics, admissions)
     chats = ChatServing(engine, settings, metrics, admissions)
+    responses = ResponsesServing(engine, settings, metrics, admissions)
     app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics
     app.add_middleware(RequestIdAndAuth, api_key=api_key, max_body_bytes=max_body_bytes)
     # Outermost: a browser's preflight (OPTIONS, no credentials) is answered before the API key check.
@@ -193,6 +196,13 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
             return respond(await chats.create(await _json_body(request, ChatCompletionRequest), request))
         finally:
             chats.release(request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        try:
+            return respond(await responses.create(await _json_body(request, ResponsesRequest), request))
+        finally:
+            responses.release(request)
 
     @app.get("/v1/models")
     async def list_models():
@@ -244,6 +254,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
     document_bodies(app, {
         "/v1/completions": (CompletionRequest, "Create completion", True),
         "/v1/chat/completions": (ChatCompletionRequest, "Create chat completion", True),
+        "/v1/responses": (ResponsesRequest, "Create response", True),
         "/tokenize": (TokenizeRequest, "Tokenize", False),
         "/detokenize": (DetokenizeRequest, "Detokenize", False)})
 

@@ -220,6 +220,75 @@ class ChatCompletionRequest(_SamplingFields):
         return spec
 
 
+class ResponseInputPart(_Request):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class ResponseInputMessage(_Request):
+    """A message of the Responses API's `input` list (an item of type "message", the type optional)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ResponseInputPart]
+
+    def chat_message(self) -> ChatMessage:
+        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        # "developer" is the Responses API's name for system instructions; chat templates know "system"
+        return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
+
+
+class ResponseTextFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseText(_Request):
+    format: ResponseTextFormat | None = None
+
+
+class ResponsesRequest(_SamplingFields):
+    """POST /v1/responses (OpenAI's Responses API) without stored state: `input` is the whole
+    conversation; no tools. vLLM's extra sampling fields (top_k, ...) are taken as on chat."""
+
+    input: str | Annotated[list[ResponseInputMessage], Field(min_length=1, max_length=4096)]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    text: ResponseText | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None                 # accepted; nothing is stored (previous_response_id is refused)
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None   # accepted (effort, summary); --reasoning-parser decides
+
+    def messages(self) -> list[ChatMessage]:
+        turns = ([ChatMessage(role="user", content=self.input)] if isinstance(self.input, str)
+                 else [item.chat_message() for item in self.input])
+        return ([ChatMessage(role="system", content=self.instructions)] if self.instructions else []) + turns
+
+    def text_format(self) -> dict[str, Any]:
+        fmt = self.text.format if self.text is not None and self.text.format is not None else ResponseTextFormat()
+        return fmt.model_dump(by_alias=True, exclude_none=True)
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        spec = super().structured_spec()
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return spec
+        if spec is not None:
+            raise InvalidParameter("give either text.format or structured_outputs, not both", "text.format")
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.schema_ is None:
+            raise InvalidParameter("text.format json_schema needs its schema", "text.format.schema")
+        return StructuredOutputsParams(json=fmt.schema_)
+
+
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None

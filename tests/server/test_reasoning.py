@@ -75,3 +75,22 @@ def test_thinking_apart_from_the_answer(client):
 def test_an_answer_without_thinking_is_all_content(client):
     message = _ask(client, "Paris").choices[0].message
     assert message.content == "Paris" and "reasoning" not in (message.model_extra or {})
+
+
+def test_responses_api_gives_the_thinking_its_own_item(client):
+    """/v1/responses: the thinking is a `reasoning` output item before the message, whole and
+    streamed (reasoning_text deltas, that item closed before the message opens)."""
+    kwargs = dict(model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=40,
+                  extra_body={"structured_outputs": {"regex": THOUGHT.replace(".", r"\.")}})
+    r = client.responses.create(**kwargs)
+    reasoning, message = r.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "\nThe capital of France is Paris.\n"
+    assert message.type == "message" and r.output_text == "\n\nParis"
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "\n\nParis"
+    assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == "\n\nParis"
