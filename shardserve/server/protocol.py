@@ -238,6 +238,33 @@ class ResponseInputMessage(_Request):
         return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
 
 
+class ResponseFunctionCall(_Request):
+    """An earlier function call of the conversation (an output item sent back as input)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class ResponseFunctionCallOutput(_Request):
+    """What the client's function returned for `call_id`."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ResponseReasoningItem(_Request):
+    """An earlier reasoning item sent back as input: accepted and left out of the prompt, as chat
+    templates leave out earlier turns' thinking."""
+
+    type: Literal["reasoning"]
+
+
+ResponseInputItem = ResponseFunctionCall | ResponseFunctionCallOutput | ResponseReasoningItem | ResponseInputMessage
+
+
 class ResponseTextFormat(_Request):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
@@ -252,9 +279,9 @@ class ResponseText(_Request):
 
 class ResponsesRequest(_SamplingFields):
     """POST /v1/responses (OpenAI's Responses API) without stored state: `input` is the whole
-    conversation; no tools. vLLM's extra sampling fields (top_k, ...) are taken as on chat."""
+    conversation (server/serving_responses.py). vLLM's extra sampling fields are taken as on chat."""
 
-    input: str | Annotated[list[ResponseInputMessage], Field(min_length=1, max_length=4096)]
+    input: str | Annotated[list[ResponseInputItem], Field(min_length=1, max_length=4096)]
     instructions: str | None = None
     max_output_tokens: int | None = None
     text: ResponseText | None = None
@@ -262,14 +289,45 @@ class ResponsesRequest(_SamplingFields):
     store: bool | None = None                 # accepted; nothing is stored (previous_response_id is refused)
     previous_response_id: str | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = "auto"
+    tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     reasoning: dict[str, Any] | None = None   # accepted (effort, summary); --reasoning-parser decides
+    _tool_spec: StructuredOutputsParams | None = PrivateAttr(None)   # set by the server from tool_choice
 
     def messages(self) -> list[ChatMessage]:
-        turns = ([ChatMessage(role="user", content=self.input)] if isinstance(self.input, str)
-                 else [item.chat_message() for item in self.input])
-        return ([ChatMessage(role="system", content=self.instructions)] if self.instructions else []) + turns
+        """The conversation as chat messages: function calls become the assistant turn's tool_calls
+        (consecutive calls one turn), their outputs "tool" messages."""
+        turns = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        items = [ResponseInputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, ResponseInputMessage):
+                turns.append(item.chat_message())
+            elif isinstance(item, ResponseFunctionCall):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if turns and turns[-1].role == "assistant" and turns[-1].tool_call_id is None:
+                    turns[-1].tool_calls = [*(turns[-1].tool_calls or []), call]
+                else:
+                    turns.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            elif isinstance(item, ResponseFunctionCallOutput):
+                turns.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+        return turns
+
+    def chat_tools(self) -> tuple[list[dict[str, Any]] | None, Any]:
+        """tools and tool_choice in the chat API's shapes ({"type": "function", "function": {...}})."""
+        tools = None
+        if self.tools is not None:
+            tools = []
+            for i, tool in enumerate(self.tools):
+                if tool.get("type") != "function":
+                    raise InvalidParameter(f"tools[{i}]: only function tools are served, not {tool.get('type')!r}",
+                                           "tools")
+                tools.append({"type": "function", "function": {k: v for k, v in tool.items()
+                                                               if k in ("name", "description", "parameters")}})
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+            choice = {"type": "function", "function": {"name": choice.get("name")}}
+        return tools, choice
 
     def text_format(self) -> dict[str, Any]:
         fmt = self.text.format if self.text is not None and self.text.format is not None else ResponseTextFormat()
@@ -278,15 +336,21 @@ class ResponsesRequest(_SamplingFields):
     def structured_spec(self) -> StructuredOutputsParams | None:
         spec = super().structured_spec()
         fmt = self.text.format if self.text is not None else None
-        if fmt is None or fmt.type == "text":
-            return spec
-        if spec is not None:
-            raise InvalidParameter("give either text.format or structured_outputs, not both", "text.format")
-        if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if fmt.schema_ is None:
-            raise InvalidParameter("text.format json_schema needs its schema", "text.format.schema")
-        return StructuredOutputsParams(json=fmt.schema_)
+        if fmt is not None and fmt.type != "text":
+            if spec is not None:
+                raise InvalidParameter("give either text.format or structured_outputs, not both", "text.format")
+            if fmt.type == "json_object":
+                spec = StructuredOutputsParams(json_object=True)
+            elif fmt.schema_ is None:
+                raise InvalidParameter("text.format json_schema needs its schema", "text.format.schema")
+            else:
+                spec = StructuredOutputsParams(json=fmt.schema_)
+        if self._tool_spec is not None:
+            if spec is not None:
+                raise InvalidParameter("tool_choice \"required\" or a named function cannot be combined with "
+                                       "text.format or structured_outputs", "tool_choice")
+            return self._tool_spec
+        return spec
 
 
 class TokenizeRequest(_Request):

@@ -1,10 +1,12 @@
 """POST /v1/responses (OpenAI's Responses API, server/serving_responses.py) on a real server through
 the official openai client: whole and streamed responses, instructions and message lists, the
-length cut, JSON output through text.format, and what it refuses."""
+length cut, JSON output through text.format, function tools (named and required choices, enforced
+by structured outputs; calls and their outputs sent back as input), and what it refuses."""
 from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -13,7 +15,16 @@ from tests.server.server_process import post, server_fixture
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
 
-server = server_fixture("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--max-num-seqs", "4")
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER},
+         {"type": "function", "name": "get_time", "description": "Current time in a timezone",
+          "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 24}},
+                         "required": ["timezone"], "additionalProperties": False}}]
+ASK = "What is the weather like in Paris today?"
+
+server = server_fixture("--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--max-num-seqs", "4")
 
 
 def test_answers_paris_with_exact_usage(server, client):
@@ -67,7 +78,10 @@ def test_text_format_json_schema_constrains_the_output(client):
 
 
 @pytest.mark.parametrize("extra,param", [({"previous_response_id": "resp_1"}, "previous_response_id"),
-                                         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+                                         ({"tools": [{"type": "web_search"}]}, "tools"),
+                                         ({"tools": TOOLS}, "tool_choice"),   # auto needs a tool parser
+                                         ({"tools": TOOLS, "tool_choice": "required",
+                                           "text": {"format": {"type": "json_object"}}}, "tool_choice"),
                                          ({"n": 2}, "n"), ({"max_output_tokens": 0}, "max_output_tokens"),
                                          ({"text": {"format": {"type": "json_schema"}}}, "text.format.schema")])
 def test_what_it_does_not_do_is_a_400_naming_the_field(client, extra, param):
@@ -79,3 +93,39 @@ def test_what_it_does_not_do_is_a_400_naming_the_field(client, extra, param):
         client.responses.create(model=MODEL, input=[])
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-nope", input=QUESTION)
+
+
+def test_named_and_required_tool_choices_give_function_calls(client):
+    r = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, temperature=0, max_output_tokens=96,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    assert r.status == "completed" and r.tool_choice.name == "get_weather" and len(r.tools) == 2
+    r = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, tool_choice="required", temperature=0,
+                                max_output_tokens=160)
+    assert r.output and all(item.type == "function_call" for item in r.output)
+    with client.responses.stream(model=MODEL, input=ASK, tools=TOOLS, temperature=0, max_output_tokens=96,
+                                 tool_choice={"type": "function", "name": "get_weather"}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[2:] == ["response.output_item.added", "response.function_call_arguments.delta",
+                         "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    (streamed,) = final.output
+    assert streamed.arguments == events[3].delta == call.arguments   # greedy: what the whole response gave
+
+
+def test_calls_and_their_outputs_go_back_as_input(client):
+    """A conversation that carries the earlier call and its result (as an agent loop sends it):
+    the template gets an assistant turn with tool_calls and a tool message."""
+    first = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, temperature=0, max_output_tokens=96,
+                                    tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = first.output
+    conversation = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
+                    {"type": "function_call_output", "call_id": call.call_id,
+                     "output": json.dumps({"temperature": 21, "sky": "sunny"})}]
+    r = client.responses.create(model=MODEL, input=conversation, tools=TOOLS, tool_choice="none", temperature=0,
+                                max_output_tokens=24)
+    assert r.output[0].type == "message" and r.output_text
+    assert r.usage.input_tokens > first.usage.input_tokens   # the call and its result reached the prompt

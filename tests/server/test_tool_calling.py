@@ -161,6 +161,27 @@ def test_auto_with_the_hermes_parser(auto_client):
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls   # no call: plain content
 
 
+def test_responses_api_auto_gives_the_text_and_the_call_as_items(auto_client):
+    """/v1/responses with tool_choice auto (the default with tools) and the Hermes parser: the text
+    before the call is a message item, the call a function_call item, whole and streamed."""
+    force = {"structured_outputs": {"choice": ["Let me check. " + HERMES_CALL]}}
+    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    kwargs = dict(model=MODEL, input=ASK[0]["content"], tools=tools, temperature=0, max_output_tokens=200,
+                  extra_body=force)
+    r = auto_client.responses.create(**kwargs)
+    message, call = r.output
+    assert message.type == "message" and r.output_text == "Let me check."
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris", "unit": "celsius"}
+    with auto_client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text.strip() == "Let me check." and "<tool_call>" not in text   # the call's text is held back
+    assert [item.type for item in final.output] == ["message", "function_call"]
+    assert final.output[1].arguments == call.arguments
+
+
 CHECKING_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m.tool_calls and m.tool_calls[0].function.arguments is string %}{{ raise_exception('args as text') }}"
