@@ -190,3 +190,27 @@ def test_priority_policy_serves_the_most_urgent_first(tmp_path):
         assert [out.prompt_token_ids for out in outs] == [[1, 2, 3], [4, 5, 6]]
     finally:
         llm.engine.shutdown()
+
+
+def test_priority_order_changes_no_greedy_tokens(llm, tmp_path):
+    """Urgent requests arriving mid-decode go ahead of running ones in the batch, and a tight KV
+    pool preempts the least urgent: every request still gets the greedy tokens it gets alone."""
+    path = make_tiny_checkpoint(str(tmp_path), "llama")
+    urgent = LLM(path, show_progress=False, max_num_seqs=4, block_size=16, max_model_len=64,
+                 num_gpu_blocks_override=9, scheduling_policy="priority")   # 8 blocks: room for ~2.5 requests
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        prompts = {f"r{i}": [(7 * i + j) % 250 + 3 for j in range(5 + 3 * i)] for i in range(8)}
+        want = {rid: out.outputs[0].token_ids for rid, out in
+                zip(prompts, llm.generate(list(prompts.values()), params, use_tqdm=False))}
+        engine, got, pending = urgent.engine, {}, list(prompts.items())
+        while pending or engine.has_unfinished_requests():
+            if pending:   # two more each step, alternately less and more urgent than those before
+                for rid, prompt in pending[:2]:
+                    engine.add_request(rid, prompt, params, priority=-int(rid[1:]) if int(rid[1:]) % 2 else 5)
+                pending = pending[2:]
+            got.update({out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished})
+        assert got == want
+        assert sum(s.num_preemptions for s in engine.schedulers) > 0, "the pool was meant to run dry"
+    finally:
+        urgent.engine.shutdown()
