@@ -75,6 +75,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                       tool_call_parser=auto_tool_parser(ns.enable_auto_tool_choice, ns.tool_call_parser),
                       log_requests=ns.enable_log_requests, log_stats=not ns.disable_log_stats,
                       uvicorn_log_level=ns.uvicorn_log_level, reasoning_parser=ns.reasoning_parser,
+                      app_options=dict(enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+                                       disable_fastapi_docs=ns.disable_fastapi_docs, root_path=ns.root_path),
                       cors=dict(allow_origins=ns.allowed_origins, allow_methods=ns.allowed_methods,
                                 allow_headers=ns.allowed_headers, allow_credentials=ns.allow_credentials),
                       ssl=tls_settings(ns))
@@ -163,6 +165,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "(every $SHARDSERVE_LOG_STATS_INTERVAL s, default 10, while busy) (default: logged)")
     g.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
                    default="info", help="uvicorn's own log level (default: %(default)s)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true", help="usage.prompt_tokens_details."
+                   "cached_tokens: the prompt tokens the prefix cache held (default: off)")
+    g.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json "
+                   "(default: served)")
+    g.add_argument("--root-path", default=None, help="the path prefix a proxy strips before requests reach the "
+                   "server, for the OpenAPI document's links (default: none)")
 
 
 def config_file_args(argv: list[str]) -> list[str]:

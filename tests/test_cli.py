@@ -36,7 +36,8 @@ def test_serve_help_lists_vllm_flags_with_defaults():
                  "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching", "--tensor-parallel-size",
                  "--pipeline-parallel-size", "--data-parallel-size", "--distributed-executor-backend", "--seed",
                  "--api-key", "--chat-template", "--generation-config", "--max-log-len", "--max-queue-len",
-                 "--config", "--enable-expert-parallel", "--override-generation-config", "--scheduling-policy"):
+                 "--config", "--enable-expert-parallel", "--override-generation-config", "--scheduling-policy",
+                 "--enable-prompt-tokens-details", "--disable-fastapi-docs", "--root-path"):
         assert flag in text, flag
     assert "--port PORT default: 8000" in text
     from shardserve.cli import build_parser

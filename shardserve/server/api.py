@@ -148,7 +148,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
         if task is not None:
             task.cancel()
 
-    app = FastAPI(title="shardserve", version=__version__, lifespan=lifespan)
+    docs = not settings.disable_fastapi_docs
+    app = FastAPI(title="shardserve", version=__version__, lifespan=lifespan, root_path=settings.root_path or "",
+                  openapi_url="/openapi.json" if docs else None, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None)
     metrics.observe_steps(engine)
     admissions = Admissions()   # one queue count for every generating route
     completions = CompletionServing(engine, settings, metrics, admissions)

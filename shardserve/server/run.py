@@ -78,8 +78,10 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
                shutdown_timeout: float = 30.0, uvicorn_log_level: str = "info",
                tool_call_parser: str | None = None, log_requests: bool = True, log_stats: bool = True,
                reasoning_parser: str | None = None, cors: dict[str, Any] | None = None,
-               ssl: dict[str, Any] | None = None) -> int:
-    """ssl: uvicorn's ssl_keyfile, ssl_certfile, ssl_ca_certs, ssl_cert_reqs (serve HTTPS)."""
+               ssl: dict[str, Any] | None = None, app_options: dict[str, Any] | None = None) -> int:
+    """ssl: uvicorn's ssl_keyfile, ssl_certfile, ssl_ca_certs, ssl_cert_reqs (serve HTTPS);
+    app_options: more ServerSettings fields (enable_prompt_tokens_details, disable_fastapi_docs,
+    root_path)."""
     import uvicorn
 
     from shardserve.server.api import build_app
@@ -95,7 +97,8 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
                                   model_config.max_model_len, max_log_len, max_queue_len, template,
                                   generation_defaults(generation_config, model_dir, override),
                                   tool_call_parser=tool_call_parser, log_stats=log_stats,
-                                  reasoning_parser=reasoning_parser, **({"cors": cors} if cors else {}))
+                                  reasoning_parser=reasoning_parser, **({"cors": cors} if cors else {}),
+                                  **(app_options or {}))
         if not log_requests:   # the per-request line (server/metrics.py) goes to this logger alone
             logging.getLogger("shardserve.requests").setLevel(logging.WARNING)
         gate = DrainGate(build_app(async_engine, settings, api_key, max_request_body_bytes))

@@ -30,6 +30,9 @@ class ServerSettings:
     tool_call_parser: str | None = None   # set only with --enable-auto-tool-choice: tool_choice "auto" on
     log_stats: bool = True   # the periodic throughput line (stat_logger.py); --disable-log-stats
     reasoning_parser: str | None = None   # --reasoning-parser: thinking apart from the answer (reasoning.py)
+    enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
+    disable_fastapi_docs: bool = False   # no /docs, /redoc, /openapi.json
+    root_path: str | None = None         # behind a proxy that strips this prefix
     # CORS, vLLM's defaults (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials)
     cors: dict[str, Any] = field(default_factory=lambda: dict(allow_origins=["*"], allow_methods=["*"],
                                                               allow_headers=["*"], allow_credentials=False))
@@ -84,6 +87,10 @@ class Serving:
         if getattr(raw.state, "admitted", False):
             raw.state.admitted = False
             self.admissions.count -= 1
+
+    def cached(self, outs: list[RequestOutput]) -> int | None:
+        """Prompt tokens the prefix cache held for these outputs, where usage reports them."""
+        return sum(out.num_cached_tokens for out in outs) if self.settings.enable_prompt_tokens_details else None
 
     def check_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -259,9 +266,14 @@ class _Closing:
         await self.stream.aclose()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; with cached_tokens (--enable-prompt-tokens-details) the prompt tokens
+    the prefix cache held, in prompt_tokens_details."""
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def now_s() -> int:

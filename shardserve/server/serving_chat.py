@@ -127,7 +127,8 @@ class ChatServing(Serving):
             choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish,
                             "stop_reason": c.stop_reason})
         return {**meta, "object": "chat.completion", "choices": choices,
-                "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
+                "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                               self.cached([out]))}
 
     async def _stream(self, req: ChatCompletionRequest, streams, meta: dict, plan: ToolPlan,
                       parser: ReasoningParser | None) -> AsyncIterator[str]:
@@ -136,13 +137,13 @@ class ChatServing(Serving):
         sent_text: dict[int, int] = {}   # of the content (the text after any reasoning)
         sent_tokens: dict[int, int] = {}
         sent_reasoning: dict[int, int] = {}
-        prompt_tokens = 0
+        prompt_tokens, last = 0, None
 
         def chunk(choices: list[dict], extra: dict | None = None) -> str:
             return sse({**meta, "object": "chat.completion.chunk", "choices": choices, **(extra or {})})
 
         async for _, out in self.merged(streams):
-            prompt_tokens = len(out.prompt_token_ids)
+            prompt_tokens, last = len(out.prompt_token_ids), out
             for c in out.outputs:
                 if c.index not in sent_text:   # OpenAI opens every choice with the role
                     sent_text[c.index] = sent_tokens[c.index] = sent_reasoning[c.index] = 0
@@ -188,10 +189,12 @@ class ChatServing(Serving):
                       if req.logprobs else None)
                 sent_text[c.index] = -1 if c.finish_reason is not None else new_sent
                 sent_tokens[c.index] = len(c.token_ids)
-                extra = {"usage": usage(prompt_tokens, sum(sent_tokens.values()))} if continuous else None
+                extra = ({"usage": usage(prompt_tokens, sum(sent_tokens.values()), self.cached([out]))}
+                         if continuous else None)
                 fields = {**think, **({"content": delta} if delta else {})}
                 yield chunk([{"index": c.index, "delta": fields, "logprobs": lp, "finish_reason": c.finish_reason,
                               "stop_reason": c.stop_reason}], extra)
         if include_usage:
-            yield chunk([], {"usage": usage(prompt_tokens, sum(sent_tokens.values()))})
+            yield chunk([], {"usage": usage(prompt_tokens, sum(sent_tokens.values()),
+                                            self.cached([last]) if last is not None else None)})
         yield sse("[DONE]")

@@ -102,7 +102,7 @@ class CompletionServing(Serving):
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         choices.sort(key=lambda ch: ch["index"])
         return {**meta, "object": "text_completion", "choices": choices,
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, self.cached(finals))}
 
     async def _stream(self, req: CompletionRequest, streams, meta: dict) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -111,13 +111,14 @@ class CompletionServing(Serving):
         sent_tokens: dict[int, int] = {}
         offsets: dict[int, int] = {}
         prompt_tokens: dict[int, int] = {}
+        latest: dict[int, RequestOutput] = {}   # each prompt's (for its cached prompt tokens)
         finished: set[int] = set()
 
         def chunk(choices: list[dict], extra: dict | None = None) -> str:
             return sse({**meta, "object": "text_completion", "choices": choices, **(extra or {})})
 
         async for i, out in self.merged(streams):
-            prompt_tokens[i] = len(out.prompt_token_ids)
+            prompt_tokens[i], latest[i] = len(out.prompt_token_ids), out
             for c in out.outputs:
                 index = i * req.n + c.index
                 if index in finished:
@@ -143,9 +144,11 @@ class CompletionServing(Serving):
                     finished.add(index)
                 extra = None
                 if continuous:
-                    extra = {"usage": usage(sum(prompt_tokens.values()), sum(sent_tokens.values()))}
+                    extra = {"usage": usage(sum(prompt_tokens.values()), sum(sent_tokens.values()),
+                                            self.cached(list(latest.values())))}
                 yield chunk([{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
                               "stop_reason": c.stop_reason}], extra)
         if include_usage:
-            yield chunk([], {"usage": usage(sum(prompt_tokens.values()), sum(sent_tokens.values()))})
+            yield chunk([], {"usage": usage(sum(prompt_tokens.values()), sum(sent_tokens.values()),
+                                            self.cached(list(latest.values())))})
         yield sse("[DONE]")

@@ -1,5 +1,6 @@
-"""Sampling defaults a request leaves unset: the model's generation_config.json (--generation-config)
-and vLLM's --override-generation-config over it; a real server using the override."""
+"""Server options, on one real server: sampling defaults a request leaves unset (the model's
+generation_config.json, vLLM's --override-generation-config over it), --enable-prompt-tokens-details
+(the prefix cache's share of the prompt in usage), --disable-fastapi-docs and --root-path."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import json
 import pytest
 
 from shardserve.server.run import generation_defaults, parse_generation_override
-from tests.server.server_process import server_fixture
+from tests.server.server_process import get, server_fixture
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -31,7 +32,8 @@ def test_bad_override_is_refused_naming_the_problem(value, message):
 
 
 server = server_fixture("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--generation-config", "vllm",
-                        "--override-generation-config", '{"temperature": 0}')
+                        "--override-generation-config", '{"temperature": 0}', "--enable-prompt-tokens-details",
+                        "--disable-fastapi-docs", "--root-path", "/llm")
 
 
 def test_requests_without_a_temperature_take_the_override(client):
@@ -42,3 +44,22 @@ def test_requests_without_a_temperature_take_the_override(client):
     sampled = {client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=1.5, seed=s)
                .choices[0].text for s in range(3)}
     assert sampled != {greedy}   # a request's own temperature still wins
+
+
+def test_usage_reports_the_cached_prompt_tokens(client):
+    messages = [{"role": "user", "content": "List three rivers of France and one fact about each of them."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # whole 16-token blocks of the same prompt come from the prefix cache (its last token is recomputed)
+    assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // 16 * 16 > 0
+    stream = client.completions.create(model=MODEL, prompt="List three rivers of France.", max_tokens=4, stream=True,
+                                       stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+    assert usage.prompt_tokens_details.cached_tokens >= 0 and usage.completion_tokens == 4
+
+
+def test_no_docs_and_the_routes_under_the_root_path_too(server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert get(server.url + path)[0] == 404, path
+    assert get(server.url + "/v1/models")[0] == get(server.url + "/llm/v1/models")[0] == 200
