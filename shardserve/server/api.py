@@ -38,7 +38,7 @@ from shardserve.worker.profiler import profiler_dir
 
 logger = logging.getLogger("shardserve")
 
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/invocations")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024   # --max-request-body-bytes (vLLM has no such limit)
 
 
@@ -206,6 +206,23 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
             return respond(await responses.create(await _json_body(request, ResponsesRequest), request))
         finally:
             responses.release(request)
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """SageMaker's one route, as vLLM has it: a body with `messages` is a chat completion, one
+        with `prompt` a completion."""
+        raw = await request.body()   # kept by starlette: _json_body reads it again
+        try:
+            keys = json.loads(raw).keys()
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            keys = ()   # _json_body names what is wrong with it
+        serving, model = (chats, ChatCompletionRequest) if "messages" in keys else (completions, CompletionRequest)
+        if keys and "messages" not in keys and "prompt" not in keys:
+            raise APIError(400, "/invocations takes a chat completion (messages) or a completion (prompt) body")
+        try:
+            return respond(await serving.create(await _json_body(request, model), request))
+        finally:
+            serving.release(request)
 
     @app.get("/v1/models")
     async def list_models():

@@ -270,3 +270,15 @@ def test_logit_bias_steers_and_bad_ids_are_refused(server):
         status, data, _ = post(server.url + "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2,
                                                                  "logit_bias": bias})
         assert status == 400 and why in data["error"]["message"] and data["error"]["param"] == "logit_bias", data
+
+
+def test_sagemaker_invocations_route_by_body(server):
+    """/invocations (vLLM's SageMaker route): messages make a chat completion, a prompt a completion."""
+    status, chat, _ = post(server.url + "/invocations", {"messages": FRANCE, "max_tokens": 16, "temperature": 0})
+    assert status == 200 and chat["object"] == "chat.completion" and "Paris" in chat["choices"][0]["message"]["content"]
+    status, text, _ = post(server.url + "/invocations", {"prompt": "The capital of France is", "max_tokens": 2})
+    assert status == 200 and text["object"] == "text_completion" and text["usage"]["completion_tokens"] == 2
+    status, err, _ = post(server.url + "/invocations", {"input": "hi"})
+    assert status == 400 and "messages" in err["error"]["message"]
+    assert post(server.url + "/invocations", raw=b"[1]")[0] == 400
+    server.wait_idle()

@@ -40,6 +40,7 @@ def test_api_key_config_file_and_queue_limit(tiny, tmp_path, monkeypatch):
         assert status == 401 and body["error"]["code"] == 401
         assert post(srv.url + "/tokenize", {"prompt": "hi"},
                     headers={"Authorization": "Bearer wrong"})[0] == 401
+        assert post(srv.url + "/invocations", {"prompt": "hi", "max_tokens": 1})[0] == 401   # SageMaker's too
         with pytest.raises(openai.AuthenticationError):
             srv.client(api_key="wrong").models.list()
         client = srv.client(api_key="s3cret")
