@@ -25,10 +25,10 @@ from shardserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ResponsesRequest,
     TokenizeRequest,
     error_body,
 )
+from shardserve.server.protocol_responses import ResponsesRequest
 from shardserve.server.serving import Admissions, ServerSettings
 from shardserve.server.serving_chat import ChatServing
 from shardserve.server.serving_completion import CompletionServing

@@ -28,7 +28,8 @@ from starlette.requests import Request
 
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import InvalidParameter
-from shardserve.server.protocol import APIError, ResponsesRequest
+from shardserve.server.protocol import APIError
+from shardserve.server.protocol_responses import ResponsesRequest
 from shardserve.server.reasoning import ReasoningParser
 from shardserve.server.serving import now_s
 from shardserve.server.serving_chat import ChatServing
