@@ -76,6 +76,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                       log_requests=ns.enable_log_requests, log_stats=not ns.disable_log_stats,
                       uvicorn_log_level=ns.uvicorn_log_level, reasoning_parser=ns.reasoning_parser,
                       app_options=dict(enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+                                       return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
                                        disable_fastapi_docs=ns.disable_fastapi_docs, root_path=ns.root_path),
                       cors=dict(allow_origins=ns.allowed_origins, allow_methods=ns.allowed_methods,
                                 allow_headers=ns.allowed_headers, allow_credentials=ns.allow_credentials),
@@ -167,6 +168,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    default="info", help="uvicorn's own log level (default: %(default)s)")
     g.add_argument("--enable-prompt-tokens-details", action="store_true", help="usage.prompt_tokens_details."
                    "cached_tokens: the prompt tokens the prefix cache held (default: off)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true", help="logprobs name each token "
+                   "'token_id:N' instead of its text; a request's return_tokens_as_token_ids wins (default: off)")
     g.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json "
                    "(default: served)")
     g.add_argument("--root-path", default=None, help="the path prefix a proxy strips before requests reach the "

@@ -37,7 +37,8 @@ def test_serve_help_lists_vllm_flags_with_defaults():
                  "--pipeline-parallel-size", "--data-parallel-size", "--distributed-executor-backend", "--seed",
                  "--api-key", "--chat-template", "--generation-config", "--max-log-len", "--max-queue-len",
                  "--config", "--enable-expert-parallel", "--override-generation-config", "--scheduling-policy",
-                 "--enable-prompt-tokens-details", "--disable-fastapi-docs", "--root-path"):
+                 "--enable-prompt-tokens-details", "--disable-fastapi-docs", "--root-path",
+                 "--return-tokens-as-token-ids"):
         assert flag in text, flag
     assert "--port PORT default: 8000" in text
     from shardserve.cli import build_parser

@@ -80,8 +80,8 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
                reasoning_parser: str | None = None, cors: dict[str, Any] | None = None,
                ssl: dict[str, Any] | None = None, app_options: dict[str, Any] | None = None) -> int:
     """ssl: uvicorn's ssl_keyfile, ssl_certfile, ssl_ca_certs, ssl_cert_reqs (serve HTTPS);
-    app_options: more ServerSettings fields (enable_prompt_tokens_details, disable_fastapi_docs,
-    root_path)."""
+    app_options: more ServerSettings fields (enable_prompt_tokens_details, return_tokens_as_token_ids,
+    disable_fastapi_docs, root_path)."""
     import uvicorn
 
     from shardserve.server.api import build_app

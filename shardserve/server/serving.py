@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 
@@ -31,11 +31,29 @@ class ServerSettings:
     log_stats: bool = True   # the periodic throughput line (stat_logger.py); --disable-log-stats
     reasoning_parser: str | None = None   # --reasoning-parser: thinking apart from the answer (reasoning.py)
     enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
+    return_tokens_as_token_ids: bool = False     # logprobs name tokens `token_id:N` (a request may say too)
     disable_fastapi_docs: bool = False   # no /docs, /redoc, /openapi.json
     root_path: str | None = None         # behind a proxy that strips this prefix
     # CORS, vLLM's defaults (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials)
     cors: dict[str, Any] = field(default_factory=lambda: dict(allow_origins=["*"], allow_methods=["*"],
                                                               allow_headers=["*"], allow_credentials=False))
+
+
+TokenNamer = Callable[[int, Any], str]   # (token id, its Logprob or None) -> the token as logprobs show it
+
+
+def token_namer(tokenizer, as_ids: bool) -> TokenNamer:
+    """How logprobs name a token: its text (the sampler's decoded token, else decoded here), or
+    `token_id:N` (--return-tokens-as-token-ids, vLLM's spelling: exact ids for RL pipelines, where a
+    token's text may not map back to it)."""
+    if as_ids:
+        return lambda token_id, lp: f"token_id:{token_id}"
+
+    def text(token_id: int, lp: Any) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else str(token_id)
+    return text
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -87,6 +105,12 @@ class Serving:
         if getattr(raw.state, "admitted", False):
             raw.state.admitted = False
             self.admissions.count -= 1
+
+    def namer(self, req: Any) -> TokenNamer:
+        """The request's way of naming tokens in logprobs: its own return_tokens_as_token_ids, else
+        the server's."""
+        own = req.return_tokens_as_token_ids
+        return token_namer(self.tokenizer, self.settings.return_tokens_as_token_ids if own is None else own)
 
     def cached(self, outs: list[RequestOutput]) -> int | None:
         """Prompt tokens the prefix cache held for these outputs, where usage reports them."""

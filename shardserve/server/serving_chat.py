@@ -11,23 +11,23 @@ from shardserve.outputs import CompletionOutput
 from shardserve.sampling_params import InvalidParameter
 from shardserve.server.protocol import APIError, ChatCompletionRequest, ChatMessage
 from shardserve.server.reasoning import ReasoningParser
-from shardserve.server.serving import Serving, now_s, sse, usage
+from shardserve.server.serving import Serving, TokenNamer, now_s, sse, usage
 from shardserve.server.tool_parsers import ToolCall
 from shardserve.server.tools import ToolPlan, plan_tools
 
 
-def _logprob_entry(tokenizer, token_id: int, lp) -> dict[str, Any]:
-    text = lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([token_id], skip_special_tokens=False)
+def _logprob_entry(name: TokenNamer, token_id: int, lp) -> dict[str, Any]:
+    text = name(token_id, lp)
     return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(tokenizer, c: CompletionOutput, start: int, top: int) -> list[dict[str, Any]]:
+def chat_logprobs(name: TokenNamer, c: CompletionOutput, start: int, top: int) -> list[dict[str, Any]]:
     """OpenAI's logprobs.content entries for output tokens [start:]."""
     content = []
     for tid, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:len(c.token_ids)]):
-        item = _logprob_entry(tokenizer, tid, entry[tid])
+        item = _logprob_entry(name, tid, entry[tid])
         ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
-        item["top_logprobs"] = [_logprob_entry(tokenizer, t, lp) for t, lp in ranked[:top]]
+        item["top_logprobs"] = [_logprob_entry(name, t, lp) for t, lp in ranked[:top]]
         content.append(item)
     return content
 
@@ -112,7 +112,7 @@ class ChatServing(Serving):
         (out,) = await self.collect(streams, raw)
         choices = []
         for c in out.outputs:
-            lp = {"content": chat_logprobs(self.tokenizer, c, 0, req.top_logprobs or 0)} if req.logprobs else None
+            lp = {"content": chat_logprobs(self.namer(req), c, 0, req.top_logprobs or 0)} if req.logprobs else None
             reasoning, text = parser.split(c.text) if parser else (None, c.text)
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if reasoning is not None:   # vLLM's field, and its older name
@@ -178,14 +178,14 @@ class ChatServing(Serving):
                                 yield chunk([{"index": c.index, "delta": d, "logprobs": None,
                                               "finish_reason": None}])
                             sent_text[c.index], sent_tokens[c.index] = -1, len(c.token_ids)
-                            lp = ({"content": chat_logprobs(self.tokenizer, c, start, req.top_logprobs or 0)}
+                            lp = ({"content": chat_logprobs(self.namer(req), c, start, req.top_logprobs or 0)}
                                   if req.logprobs else None)
                             yield chunk([{"index": c.index, "delta": deltas[-1], "logprobs": lp,
                                           "finish_reason": "tool_calls", "stop_reason": c.stop_reason}])
                             continue
                 if not delta and not think and c.finish_reason is None and len(c.token_ids) == start:
                     continue
-                lp = ({"content": chat_logprobs(self.tokenizer, c, start, req.top_logprobs or 0)}
+                lp = ({"content": chat_logprobs(self.namer(req), c, start, req.top_logprobs or 0)}
                       if req.logprobs else None)
                 sent_text[c.index] = -1 if c.finish_reason is not None else new_sent
                 sent_tokens[c.index] = len(c.token_ids)

@@ -7,7 +7,7 @@ from starlette.requests import Request
 
 from shardserve.outputs import RequestOutput
 from shardserve.server.protocol import APIError, CompletionRequest
-from shardserve.server.serving import Serving, now_s, sse, usage
+from shardserve.server.serving import Serving, TokenNamer, now_s, sse, usage
 
 
 def _prompts_of(req: CompletionRequest) -> list[str | list[int]]:
@@ -30,14 +30,13 @@ class CompletionLogprobs:
         self.top_logprobs: list[dict[str, float] | None] = []
         self.text_offset: list[int] = []
 
-    def add(self, token_ids: list[int], entries: list[dict | None], tokenizer, offset: int) -> int:
+    def add(self, token_ids: list[int], entries: list[dict | None], name: TokenNamer, offset: int) -> int:
         for tid, entry in zip(token_ids, entries):
-            text = _token_text(tokenizer, tid, entry)
-            self.tokens.append(text)
             chosen = entry.get(tid) if entry else None
+            text = name(tid, chosen)
+            self.tokens.append(text)
             self.token_logprobs.append(None if chosen is None else chosen.logprob)
-            self.top_logprobs.append(None if not entry else
-                                     {_token_text(tokenizer, t, entry): lp.logprob for t, lp in entry.items()})
+            self.top_logprobs.append(None if not entry else {name(t, lp): lp.logprob for t, lp in entry.items()})
             self.text_offset.append(offset)
             offset += len(text)
         return offset
@@ -45,13 +44,6 @@ class CompletionLogprobs:
     def body(self, start: int = 0) -> dict[str, Any]:
         return {"tokens": self.tokens[start:], "token_logprobs": self.token_logprobs[start:],
                 "top_logprobs": self.top_logprobs[start:], "text_offset": self.text_offset[start:]}
-
-
-def _token_text(tokenizer, token_id: int, entry: dict | None) -> str:
-    lp = entry.get(token_id) if entry else None
-    if lp is not None and lp.decoded_token is not None:
-        return lp.decoded_token
-    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else str(token_id)
 
 
 class CompletionServing(Serving):
@@ -81,9 +73,10 @@ class CompletionServing(Serving):
         finals = await self.collect(streams, raw)
         return self._response(req, finals, meta)
 
-    def _prompt_logprobs(self, out: RequestOutput, lp: CompletionLogprobs) -> int:
+    @staticmethod
+    def _prompt_logprobs(out: RequestOutput, lp: CompletionLogprobs, name: TokenNamer) -> int:
         entries = [None] + list(out.prompt_logprobs[1:]) if out.prompt_logprobs else [None] * len(out.prompt_token_ids)
-        return lp.add(out.prompt_token_ids, entries, self.tokenizer, 0)
+        return lp.add(out.prompt_token_ids, entries, name, 0)
 
     def _response(self, req: CompletionRequest, finals: list[RequestOutput], meta: dict) -> dict[str, Any]:
         choices, prompt_tokens, completion_tokens = [], 0, 0
@@ -95,8 +88,8 @@ class CompletionServing(Serving):
                 prefix = (out.prompt or "") if req.echo else ""
                 if req.logprobs is not None:
                     lp = CompletionLogprobs()
-                    offset = self._prompt_logprobs(out, lp) if req.echo else 0
-                    lp.add(c.token_ids, c.logprobs or [], self.tokenizer, offset)
+                    offset = self._prompt_logprobs(out, lp, self.namer(req)) if req.echo else 0
+                    lp.add(c.token_ids, c.logprobs or [], self.namer(req), offset)
                     logprobs = lp.body()
                 choices.append({"index": i * req.n + c.index, "text": prefix + text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
@@ -131,9 +124,9 @@ class CompletionServing(Serving):
                     lp = CompletionLogprobs()
                     offset = offsets.get(index, 0)
                     if first and req.echo:
-                        offset = self._prompt_logprobs(out, lp)
+                        offset = self._prompt_logprobs(out, lp, self.namer(req))
                     offsets[index] = lp.add(c.token_ids[start_tok:], (c.logprobs or [])[start_tok:len(c.token_ids)],
-                                            self.tokenizer, offset)
+                                            self.namer(req), offset)
                     logprobs = lp.body()
                 if first and req.echo:
                     delta = (out.prompt or "") + delta

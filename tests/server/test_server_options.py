@@ -1,6 +1,7 @@
 """Server options, on one real server: sampling defaults a request leaves unset (the model's
 generation_config.json, vLLM's --override-generation-config over it), --enable-prompt-tokens-details
-(the prefix cache's share of the prompt in usage), --disable-fastapi-docs and --root-path."""
+(the prefix cache's share of the prompt in usage), --return-tokens-as-token-ids (and the request field
+over it), --disable-fastapi-docs and --root-path."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ import json
 import pytest
 
 from shardserve.server.run import generation_defaults, parse_generation_override
-from tests.server.server_process import get, server_fixture
+from tests.server.server_process import get, post, server_fixture
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -33,7 +34,7 @@ def test_bad_override_is_refused_naming_the_problem(value, message):
 
 server = server_fixture("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--generation-config", "vllm",
                         "--override-generation-config", '{"temperature": 0}', "--enable-prompt-tokens-details",
-                        "--disable-fastapi-docs", "--root-path", "/llm")
+                        "--disable-fastapi-docs", "--root-path", "/llm", "--return-tokens-as-token-ids")
 
 
 def test_requests_without_a_temperature_take_the_override(client):
@@ -63,3 +64,20 @@ def test_no_docs_and_the_routes_under_the_root_path_too(server):
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert get(server.url + path)[0] == 404, path
     assert get(server.url + "/v1/models")[0] == get(server.url + "/llm/v1/models")[0] == 200
+
+
+def test_logprobs_name_tokens_by_id(server, client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, logprobs=True, top_logprobs=2)
+    entries = r.choices[0].logprobs.content
+    ids = [int(e.token.removeprefix("token_id:")) for e in entries]
+    assert all(e.token.startswith("token_id:") for e in entries)
+    assert all(t.token.startswith("token_id:") for e in entries for t in e.top_logprobs)
+    detok = post(server.url + "/detokenize", {"tokens": ids})[1]["prompt"]
+    assert detok.startswith(r.choices[0].message.content)   # the ids are the answer's tokens
+    text = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, logprobs=True,
+                                          extra_body={"return_tokens_as_token_ids": False})
+    assert "".join(e.token for e in text.choices[0].logprobs.content) == detok   # the request's own choice
+    c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, logprobs=1, echo=True)
+    assert all(t.startswith("token_id:") for t in c.choices[0].logprobs.tokens)
+    assert all(k.startswith("token_id:") for top in c.choices[0].logprobs.top_logprobs[1:] for k in top)
