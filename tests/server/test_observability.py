@@ -135,17 +135,19 @@ def test_periodic_stats_line(stack):
     assert server.read_log().count("Avg prompt throughput") == before
     assert post(server.url + "/v1/completions", {"model": "tiny", "prompt": "count me", "max_tokens": 12,
                                                  "ignore_eos": True})[0] == 200
+    pattern = (r"Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) tokens/s, "
+               r"Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: [\d.]+%, Prefix cache hit rate: [\d.]+%")
+    # A line logged while the request ran but before its first output counts nothing yet: wait for
+    # the line of the interval its tokens fell in.
     deadline = time.monotonic() + 10
     while True:
         lines = [line for line in server.read_log().splitlines() if "Avg prompt throughput" in line][before:]
-        if lines or time.monotonic() > deadline:
+        found = [re.search(pattern, line) for line in lines]
+        assert all(found), lines
+        if sum(float(m.group(2)) for m in found) > 0 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    pattern = (r"Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) tokens/s, "
-               r"Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: [\d.]+%, Prefix cache hit rate: [\d.]+%")
-    found = [re.search(pattern, line) for line in lines]
-    assert found and all(found), lines
-    assert sum(float(m.group(2)) for m in found) > 0 and sum(float(m.group(1)) for m in found) > 0
+    assert sum(float(m.group(2)) for m in found) > 0 and sum(float(m.group(1)) for m in found) > 0, lines
 
 
 def test_spans_arrive_in_one_trace_through_the_router(stack):
