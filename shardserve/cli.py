@@ -119,7 +119,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="default: %(default)s")
     g.add_argument("--port", type=int, default=8000, help="default: %(default)s")
-    g.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model path)")
+    g.add_argument("--served-model-name", nargs="+", default=None, help="the model id clients send; more names "
+                   "are aliases, also accepted, responses carry the one asked for (default: the model path)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /tokenize and "
                    "/detokenize (default: $SHARDSERVE_API_KEY, else open)")
     g.add_argument("--chat-template", default=None, help="chat template file or inline Jinja (default: the model's)")
@@ -176,6 +177,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "server, for the OpenAPI document's links (default: none)")
 
 
+LIST_FLAGS = ("--served-model-name",)   # flags taking several values (nargs="+"): a YAML list is those values
+
+
 def config_file_args(argv: list[str]) -> list[str]:
     """Flags from a --config YAML file (keys are flag names), placed before argv so that flags on
     the command line win."""
@@ -198,6 +202,8 @@ def config_file_args(argv: list[str]) -> list[str]:
             extra.append(flag)
         elif value is False:
             extra.append("--no-" + flag[2:])
+        elif isinstance(value, list) and flag in LIST_FLAGS:
+            extra += [flag, *map(str, value)]
         elif isinstance(value, (list, dict)):   # JSON-valued flags (--allowed-origins, --speculative-config)
             extra += [flag, json.dumps(value)]
         elif value is not None:

@@ -81,7 +81,10 @@ def test_serve_config_file_flags_and_command_line_precedence(tmp_path):
                    "allowed-origins: [https://a.example]\n")
     argv = config_file_args(["serve", "--config", str(cfg), "--port", "9002"])
     ns = build_parser().parse_args(argv)
-    assert (ns.port, ns.max_num_seqs, ns.enable_prefix_caching, ns.served_model_name) == (9002, 7, False, "m")
+    assert (ns.port, ns.max_num_seqs, ns.enable_prefix_caching, ns.served_model_name) == (9002, 7, False, ["m"])
     assert ns.allowed_origins == ["https://a.example"]   # lists reach JSON-valued flags as JSON
+    cfg.write_text("served-model-name: [m, alias]\n")   # a list-valued flag takes a YAML list as its values
+    assert build_parser().parse_args(config_file_args(["serve", "--config", str(cfg)])).served_model_name == \
+        ["m", "alias"]
     bad = _cli("serve", "--config", str(tmp_path / "missing.yaml"), timeout=60)
     assert bad.returncode == 2 and "--config" in bad.stderr and "Traceback" not in bad.stderr

@@ -227,8 +227,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
     @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [{
-            "id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "shardserve",
-            "root": engine.config.model_config.model, "max_model_len": settings.max_model_len}]}
+            "id": name, "object": "model", "created": 0, "owned_by": "shardserve",
+            "root": engine.config.model_config.model, "max_model_len": settings.max_model_len}
+            for name in (settings.served_model_name, *settings.model_aliases)]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -70,7 +70,8 @@ def generation_defaults(setting: str, model_dir: str, override: dict[str, Any] |
     return {**defaults, **(override or {})}
 
 
-def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000, served_model_name: str | None = None,
+def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
+               served_model_name: str | list[str] | None = None,
                api_key: str | None = None, chat_template: str | None = None, generation_config: str = "auto",
                override_generation_config: str | dict[str, Any] | None = None,
                max_log_len: int | None = None, max_queue_len: int | None = None,
@@ -93,12 +94,13 @@ def run_server(engine_args: EngineArgs, host: str = "0.0.0.0", port: int = 8000,
     try:
         model_config = engine.config.model_config
         model_dir = model_config.model if os.path.isdir(model_config.model) else os.path.dirname(model_config.model)
-        settings = ServerSettings(served_model_name or engine_args.model or DEFAULT_MODEL_NAME,
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        settings = ServerSettings(names[0] if names else engine_args.model or DEFAULT_MODEL_NAME,
                                   model_config.max_model_len, max_log_len, max_queue_len, template,
                                   generation_defaults(generation_config, model_dir, override),
                                   tool_call_parser=tool_call_parser, log_stats=log_stats,
                                   reasoning_parser=reasoning_parser, **({"cors": cors} if cors else {}),
-                                  **(app_options or {}))
+                                  model_aliases=tuple(names[1:]), **(app_options or {}))
         if not log_requests:   # the per-request line (server/metrics.py) goes to this logger alone
             logging.getLogger("shardserve.requests").setLevel(logging.WARNING)
         gate = DrainGate(build_app(async_engine, settings, api_key, max_request_body_bytes))

@@ -21,7 +21,7 @@ DISCONNECT_POLL_S = 0.25
 
 @dataclass
 class ServerSettings:
-    served_model_name: str
+    served_model_name: str   # the first of --served-model-name's names
     max_model_len: int
     max_log_len: int | None = None
     max_queue_len: int | None = None
@@ -32,6 +32,7 @@ class ServerSettings:
     reasoning_parser: str | None = None   # --reasoning-parser: thinking apart from the answer (reasoning.py)
     enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
     return_tokens_as_token_ids: bool = False     # logprobs name tokens `token_id:N` (a request may say too)
+    model_aliases: tuple[str, ...] = ()          # --served-model-name's other names, also accepted
     disable_fastapi_docs: bool = False   # no /docs, /redoc, /openapi.json
     root_path: str | None = None         # behind a proxy that strips this prefix
     # CORS, vLLM's defaults (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials)
@@ -81,10 +82,14 @@ class Serving:
         return self.engine.tokenizer
 
     # ---- checks ----------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.served_model_name:
+    def check_model(self, model: str | None) -> str:
+        """The name a response carries: the one the request gave, if this server serves it by that
+        name (any of --served-model-name's), else its first name."""
+        names = (self.settings.served_model_name, *self.settings.model_aliases)
+        if model is not None and model not in names:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                                f"`{self.settings.served_model_name}`.", "model")
+                                f"{', '.join(f'`{n}`' for n in names)}.", "model")
+        return model or self.settings.served_model_name
 
     def check_ready(self, raw: Request) -> None:
         """Refuse when the engine is dead or the queue is full, else admit the request: it counts as

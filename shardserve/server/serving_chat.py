@@ -85,7 +85,7 @@ class ChatServing(Serving):
         return text, await self.encode(text, add_special_tokens=False)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> dict[str, Any] | AsyncIterator[str]:
-        self.check_model(req.model)
+        model = self.check_model(req.model)
         try:
             plan = plan_tools(req.tools, req.tool_choice, self.settings.tool_call_parser)
         except InvalidParameter as e:
@@ -104,7 +104,7 @@ class ChatServing(Serving):
         params = self.sampling_params(req.sampling_params, max_tokens, logprobs)
         request_id = raw.state.request_id
         streams = await self.start_all(raw, [{"prompt": text, "prompt_token_ids": ids}], params, req.priority)
-        meta = {"id": f"chatcmpl-{request_id}", "created": now_s(), "model": self.settings.served_model_name}
+        meta = {"id": f"chatcmpl-{request_id}", "created": now_s(), "model": model}
         parser = (ReasoningParser(self.settings.reasoning_parser, text) if self.settings.reasoning_parser
                   else None)
         if req.stream:

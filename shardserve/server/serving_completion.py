@@ -48,7 +48,7 @@ class CompletionLogprobs:
 
 class CompletionServing(Serving):
     async def create(self, req: CompletionRequest, raw: Request) -> dict[str, Any] | AsyncIterator[str]:
-        self.check_model(req.model)
+        model = self.check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -67,7 +67,7 @@ class CompletionServing(Serving):
         params = self.sampling_params(req.sampling_params, max_tokens, req.logprobs, prompt_logprobs)
         request_id = raw.state.request_id
         streams = await self.start_all(raw, prompts, params, req.priority)
-        meta = {"id": f"cmpl-{request_id}", "created": now_s(), "model": self.settings.served_model_name}
+        meta = {"id": f"cmpl-{request_id}", "created": now_s(), "model": model}
         if req.stream:
             return self.sse_errors(self._stream(req, streams, meta))
         finals = await self.collect(streams, raw)

@@ -39,7 +39,7 @@ from shardserve.server.tools import ToolPlan, plan_tools
 
 class ResponsesServing(ChatServing):
     async def create(self, req: ResponsesRequest, raw: Request) -> dict[str, Any] | AsyncIterator[str]:
-        self.check_model(req.model)
+        model = self.check_model(req.model)
         if req.previous_response_id is not None:
             raise APIError(400, "previous_response_id: this server stores no responses; send the whole "
                                 "conversation as input", "previous_response_id")
@@ -57,7 +57,7 @@ class ResponsesServing(ChatServing):
         params = self.sampling_params(req.sampling_params, max_tokens, None)
         streams = await self.start_all(raw, [{"prompt": text, "prompt_token_ids": ids}], params, req.priority)
         parser = ReasoningParser(self.settings.reasoning_parser, text) if self.settings.reasoning_parser else None
-        body = ResponseBody(req, raw.state.request_id, self.settings.served_model_name, parser, plan)
+        body = ResponseBody(req, raw.state.request_id, model, parser, plan)
         if req.stream:
             return self.sse_errors(body.events(streams[0]))
         (out,) = await self.collect(streams, raw)

@@ -1,11 +1,12 @@
 """Server options, on one real server: sampling defaults a request leaves unset (the model's
 generation_config.json, vLLM's --override-generation-config over it), --enable-prompt-tokens-details
 (the prefix cache's share of the prompt in usage), --return-tokens-as-token-ids (and the request field
-over it), --disable-fastapi-docs and --root-path."""
+over it), --disable-fastapi-docs, --root-path, and a second --served-model-name (an alias)."""
 from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
 from shardserve.server.run import generation_defaults, parse_generation_override
@@ -34,7 +35,8 @@ def test_bad_override_is_refused_naming_the_problem(value, message):
 
 server = server_fixture("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--generation-config", "vllm",
                         "--override-generation-config", '{"temperature": 0}', "--enable-prompt-tokens-details",
-                        "--disable-fastapi-docs", "--root-path", "/llm", "--return-tokens-as-token-ids")
+                        "--disable-fastapi-docs", "--root-path", "/llm", "--return-tokens-as-token-ids",
+                        "--served-model-name", MODEL, "smol")
 
 
 def test_requests_without_a_temperature_take_the_override(client):
@@ -81,3 +83,13 @@ def test_logprobs_name_tokens_by_id(server, client):
     c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, logprobs=1, echo=True)
     assert all(t.startswith("token_id:") for t in c.choices[0].logprobs.tokens)
     assert all(k.startswith("token_id:") for top in c.choices[0].logprobs.top_logprobs[1:] for k in top)
+
+
+def test_a_second_served_model_name_is_an_alias(client):
+    assert [m.id for m in client.models.list().data] == [MODEL, "smol"]
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert r.model == "smol"   # the name asked for
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).model == MODEL
+    assert client.responses.create(model="smol", input="Hi", max_output_tokens=2).model == "smol"
+    with pytest.raises(openai.NotFoundError, match="smol"):
+        client.completions.create(model="other", prompt="Hi", max_tokens=2)
