@@ -186,26 +186,23 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
         return StreamingResponse(result, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    async def generate(serving, body_model: type, request: Request):
+        try:
+            return respond(await serving.create(await _json_body(request, body_model), request))
+        finally:   # a request refused or failed before reaching the engine leaves the queue count
+            serving.release(request)
+
     @app.post("/v1/completions")
     async def create_completion(request: Request):
-        try:
-            return respond(await completions.create(await _json_body(request, CompletionRequest), request))
-        finally:   # a request refused or failed before reaching the engine leaves the queue count
-            completions.release(request)
+        return await generate(completions, CompletionRequest, request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request):
-        try:
-            return respond(await chats.create(await _json_body(request, ChatCompletionRequest), request))
-        finally:
-            chats.release(request)
+        return await generate(chats, ChatCompletionRequest, request)
 
     @app.post("/v1/responses")
     async def create_response(request: Request):
-        try:
-            return respond(await responses.create(await _json_body(request, ResponsesRequest), request))
-        finally:
-            responses.release(request)
+        return await generate(responses, ResponsesRequest, request)
 
     @app.post("/invocations")
     async def invocations(request: Request):
@@ -216,13 +213,11 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, api_key: str | N
             keys = json.loads(raw).keys()
         except (ValueError, UnicodeDecodeError, AttributeError):
             keys = ()   # _json_body names what is wrong with it
-        serving, model = (chats, ChatCompletionRequest) if "messages" in keys else (completions, CompletionRequest)
         if keys and "messages" not in keys and "prompt" not in keys:
             raise APIError(400, "/invocations takes a chat completion (messages) or a completion (prompt) body")
-        try:
-            return respond(await serving.create(await _json_body(request, model), request))
-        finally:
-            serving.release(request)
+        if "messages" in keys:
+            return await generate(chats, ChatCompletionRequest, request)
+        return await generate(completions, CompletionRequest, request)
 
     @app.get("/v1/models")
     async def list_models():
