@@ -73,14 +73,17 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = True,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: each conversation through the chat template (with `tools`, OpenAI's
+        function definitions, for templates that describe them), then generate."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
-            text = tokenizer.apply_chat_template(conv, add_generation_prompt, chat_template,
+            text = tokenizer.apply_chat_template(conv, add_generation_prompt, chat_template, tools=tools,
                                                  **(chat_template_kwargs or {}))
             # The template already wrote any BOS; do not let the tokenizer add another.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})

@@ -214,3 +214,14 @@ def test_priority_order_changes_no_greedy_tokens(llm, tmp_path):
         assert sum(s.num_preemptions for s in engine.schedulers) > 0, "the pool was meant to run dry"
     finally:
         urgent.engine.shutdown()
+
+
+def test_chat_hands_tools_to_the_template(llm):
+    template = ("{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}{{ '\\n' }}{% endif %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "weather?"}]
+    params = SamplingParams(max_tokens=1)
+    with_tools = llm.chat(messages, params, chat_template=template, tools=tools, use_tqdm=False)[0]
+    assert with_tools.prompt == "TOOLS: get_weather\nuser: weather?\nassistant:"
+    assert llm.chat(messages, params, chat_template=template, use_tqdm=False)[0].prompt == "user: weather?\nassistant:"
