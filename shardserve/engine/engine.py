@@ -149,6 +149,9 @@ class LLMEngine:
         if priority and self.config.scheduler_config.policy != "priority":
             raise InvalidParameter(f"priority={priority} needs priority scheduling: start the engine with "
                                    "--scheduling-policy priority", "priority")
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameter("cache_salt must be a non-empty string", "cache_salt")
         self.compile_structured(params)
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
@@ -178,7 +181,8 @@ class LLMEngine:
                      if self.tokenizer is not None and child.detokenize else None)
             samples.append(SampleState(i, detok))
             engine_ids.append(rid)
-            requests.append(Request(rid, token_ids, child, eos, arrival_time or time.monotonic(), priority=priority))
+            requests.append(Request(rid, token_ids, child, eos, arrival_time or time.monotonic(), priority=priority,
+                                    cache_salt=cache_salt))
         if request_id in self.output_processor.requests or any(self._id_in_use(r) for r in engine_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         final_only = params.output_kind == RequestOutputKind.FINAL_ONLY

@@ -5,8 +5,10 @@ Invariants:
 - A block is in the free queue iff its ref_cnt is 0. Free blocks keep their hash (and so stay
   reusable as prefix hits) until they are popped for a new allocation: that is the LRU eviction.
 - A full block's hash chains its parent's hash with its token ids, so equal hashes mean equal
-  prefixes. The pool also stores each cached block's token ids and parent hash and compares them on
-  lookup, so a hash collision can never hand a request someone else's KV.
+  prefixes. The pool also stores each cached block's token ids and parent hash and compares them
+  on lookup, so a hash collision can never hand a request someone else's KV.
+- A request with a `cache_salt` (vLLM's, one per tenant) starts its chain from the salt's hash
+  instead of none, so it shares blocks only with requests of the same salt.
 """
 from __future__ import annotations
 
@@ -33,6 +35,15 @@ def sha256_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> in
 
 
 HASH_ALGOS: dict[str, BlockHashFn] = {"sha256": sha256_block_hash, "builtin": builtin_block_hash}
+
+
+def salt_root(cache_salt: str | None) -> int | None:
+    """The parent hash of a salted request's first block (None: unsalted). Domain-separated from
+    block hashes, so no chain of token blocks can reach it."""
+    if cache_salt is None:
+        return None
+    digest = hashlib.sha256(b"shardserve cache_salt\0" + cache_salt.encode("utf-8")).digest()
+    return int.from_bytes(digest[:16], "little")
 
 
 @dataclass
@@ -134,6 +145,10 @@ class ReqKV:
     blocks: list[KVCacheBlock] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
+    root: int | None = None   # the first block's parent hash: salt_root(the request's cache_salt)
+
+    def parent(self, index: int) -> int | None:
+        return self.block_hashes[index - 1] if index else self.root
 
 
 class KVCacheManager:
@@ -159,25 +174,33 @@ class KVCacheManager:
     def _block_tokens(self, token_ids: Sequence[int], index: int) -> tuple[int, ...]:
         return tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
 
+    def _record(self, req_id: str, cache_salt: str | None = None) -> ReqKV:
+        """The request's record, made on first use (with the chain's root from its salt)."""
+        record = self.requests.get(req_id)
+        if record is None:
+            record = self.requests[req_id] = ReqKV(root=salt_root(cache_salt))
+        return record
+
     def _block_hashes(self, req_id: str, token_ids: Sequence[int], upto_tokens: int) -> list[int]:
         """Hashes of the request's full blocks among its first `upto_tokens` tokens (memoised)."""
-        hashes = self.requests.setdefault(req_id, ReqKV()).block_hashes
+        record = self.requests[req_id]
+        hashes = record.block_hashes
         while (len(hashes) + 1) * self.block_size <= upto_tokens:
-            parent_hash = hashes[-1] if hashes else None
-            hashes.append(self.hash_fn(parent_hash, self._block_tokens(token_ids, len(hashes))))
+            hashes.append(self.hash_fn(record.parent(len(hashes)), self._block_tokens(token_ids, len(hashes))))
         return hashes
 
     # ---- scheduling API --------------------------------------------------------------------
-    def get_computed_blocks(self, req_id: str, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of whole blocks. The last token is always left to compute, since
-        the model must run on at least one token to produce logits."""
+    def get_computed_blocks(self, req_id: str, token_ids: Sequence[int],
+                            cache_salt: str | None = None) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of whole blocks (of the same salt). The last token is always left
+        to compute, since the model must run on at least one token to produce logits."""
         if not self.enable_prefix_caching:
             return [], 0
+        record = self._record(req_id, cache_salt)
         hashes = self._block_hashes(req_id, token_ids, len(token_ids) - 1)
         hits: list[KVCacheBlock] = []
         for index, block_hash in enumerate(hashes):
-            parent_hash = hashes[index - 1] if index else None
-            block = self.pool.lookup(block_hash, self._block_tokens(token_ids, index), parent_hash)
+            block = self.pool.lookup(block_hash, self._block_tokens(token_ids, index), record.parent(index))
             if block is None:
                 break
             hits.append(block)
@@ -209,13 +232,12 @@ class KVCacheManager:
         return num_needed <= self.pool.num_free_blocks - num_free_hits
 
     def allocate(self, req_id: str, token_ids: Sequence[int], num_total_tokens: int,
-                 computed_blocks: Sequence[KVCacheBlock] = ()) -> list[KVCacheBlock]:
+                 computed_blocks: Sequence[KVCacheBlock] = (), cache_salt: str | None = None) -> list[KVCacheBlock]:
         """Grow the request to `num_total_tokens`: take `computed_blocks`, then new blocks. Only after
-        `can_allocate` said yes. Returns the new blocks."""
+        `can_allocate` said yes. Returns the new blocks. `cache_salt` counts where this makes the
+        request's record (its first allocation without a lookup before)."""
         num_needed = self.num_blocks_needed(req_id, num_total_tokens, len(computed_blocks))
-        record = self.requests.get(req_id)
-        if record is None:
-            record = self.requests[req_id] = ReqKV()
+        record = self._record(req_id, cache_salt)
         blocks = record.blocks
         if computed_blocks:
             self.pool.touch(computed_blocks)
@@ -247,7 +269,7 @@ class KVCacheManager:
             block = record.blocks[index]
             if block.block_hash is None:
                 self.pool.cache_block(block, hashes[index], self._block_tokens(token_ids, index),
-                                      hashes[index - 1] if index else None)
+                                      record.parent(index))
         record.num_cached_blocks = max(record.num_cached_blocks, num_full_blocks)
 
     def free(self, req_id: str) -> None:

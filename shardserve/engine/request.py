@@ -38,6 +38,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0                    # --scheduling-policy priority: lower runs first
+    cache_salt: str | None = None        # prefix-cache hits only among requests of the same salt
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0     # tokens being sampled by steps in flight

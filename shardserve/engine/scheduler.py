@@ -161,7 +161,8 @@ class Scheduler:
             num_total_tokens = num_hit_tokens + num_new_tokens
             if not self.kv.can_allocate(req.request_id, num_total_tokens + self.lookahead, hit_blocks):
                 break
-            self.kv.allocate(req.request_id, req.all_token_ids, num_total_tokens + self.lookahead, hit_blocks)
+            self.kv.allocate(req.request_id, req.all_token_ids, num_total_tokens + self.lookahead, hit_blocks,
+                             req.cache_salt)
             self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
             self.waiting.popleft()
             self._start_running(req, num_hit_tokens)
@@ -193,7 +194,7 @@ class Scheduler:
         for prompt logprobs, which need every position computed."""
         if req.sampling_params.prompt_logprobs is not None:
             return [], 0
-        return self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+        return self.kv.get_computed_blocks(req.request_id, req.all_token_ids, req.cache_salt)
 
     def _make_room(self, req: Request, num_new_tokens: int, output: SchedulerOutput) -> bool:
         """Preempt the last running requests (the most recently admitted; the least urgent under the

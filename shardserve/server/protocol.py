@@ -94,6 +94,7 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None   # token id (as a JSON key) -> bias in [-100, 100]
     priority: int = 0   # vLLM's: lower runs first; other than 0 only under --scheduling-policy priority
     return_tokens_as_token_ids: bool | None = None   # vLLM's: logprobs tokens as "token_id:N" (None: the server's)
+    cache_salt: str | None = None   # vLLM's: prefix-cache hits only among requests with this salt (per tenant)
     # vLLM's older names for the same (guided decoding)
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None

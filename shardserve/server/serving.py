@@ -194,7 +194,8 @@ class Serving:
         return _Closing(outputs(), stream)
 
     async def start_all(self, raw: Request, prompts: list[dict[str, Any]], params: SamplingParams,
-                        priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
+                        req: Any) -> list[AsyncIterator[RequestOutput]]:
+        """One engine request per prompt, with the API request's `priority` and `cache_salt`."""
         streams = []
         try:
             for i, prompt in enumerate(prompts):
@@ -202,7 +203,9 @@ class Serving:
                 rid = raw.state.request_id + suffix
                 record = RequestRecord(self.metrics, raw.state.client_request_id + suffix, prompt.get("prompt"),
                                        self.settings.max_log_len, params, raw.headers)
-                streams.append(await self._start(rid, prompt, params, record, priority))
+                if req.cache_salt is not None:
+                    prompt = {**prompt, "cache_salt": req.cache_salt}
+                streams.append(await self._start(rid, prompt, params, record, req.priority))
         except BaseException:
             for s in streams:
                 await s.aclose()

@@ -103,7 +103,7 @@ class ChatServing(Serving):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req.sampling_params, max_tokens, logprobs)
         request_id = raw.state.request_id
-        streams = await self.start_all(raw, [{"prompt": text, "prompt_token_ids": ids}], params, req.priority)
+        streams = await self.start_all(raw, [{"prompt": text, "prompt_token_ids": ids}], params, req)
         meta = {"id": f"chatcmpl-{request_id}", "created": now_s(), "model": model}
         parser = (ReasoningParser(self.settings.reasoning_parser, text) if self.settings.reasoning_parser
                   else None)

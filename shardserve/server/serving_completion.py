@@ -66,7 +66,7 @@ class CompletionServing(Serving):
             prompt_logprobs = req.logprobs   # echoed prompt tokens carry logprobs too
         params = self.sampling_params(req.sampling_params, max_tokens, req.logprobs, prompt_logprobs)
         request_id = raw.state.request_id
-        streams = await self.start_all(raw, prompts, params, req.priority)
+        streams = await self.start_all(raw, prompts, params, req)
         meta = {"id": f"cmpl-{request_id}", "created": now_s(), "model": model}
         if req.stream:
             return self.sse_errors(self._stream(req, streams, meta))

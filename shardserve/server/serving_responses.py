@@ -55,7 +55,7 @@ class ResponsesServing(ChatServing):
         text, ids = await self.render(req.messages(), True, False, None, None, plan.template_tools)
         max_tokens = self.max_tokens_for(len(ids), req.max_output_tokens, "max_output_tokens")
         params = self.sampling_params(req.sampling_params, max_tokens, None)
-        streams = await self.start_all(raw, [{"prompt": text, "prompt_token_ids": ids}], params, req.priority)
+        streams = await self.start_all(raw, [{"prompt": text, "prompt_token_ids": ids}], params, req)
         parser = ReasoningParser(self.settings.reasoning_parser, text) if self.settings.reasoning_parser else None
         body = ResponseBody(req, raw.state.request_id, model, parser, plan)
         if req.stream:

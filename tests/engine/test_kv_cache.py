@@ -19,9 +19,9 @@ def state(kv: KVCacheManager) -> tuple:
             dict(pool.cached), {r: [b.block_id for b in rec.blocks] for r, rec in kv.requests.items()})
 
 
-def run_request(kv: KVCacheManager, req_id: str, tokens: list[int]) -> list[int]:
+def run_request(kv: KVCacheManager, req_id: str, tokens: list[int], cache_salt: str | None = None) -> list[int]:
     """Admit a request the way the scheduler does (prefix lookup, then allocate); returns block ids."""
-    hits, num_hit = kv.get_computed_blocks(req_id, tokens)
+    hits, num_hit = kv.get_computed_blocks(req_id, tokens, cache_salt)
     assert kv.allocate_slots(req_id, tokens, num_hit, len(tokens) - num_hit, hits) is not None
     kv.record_prefix_lookup(len(tokens), num_hit)
     return kv.block_ids(req_id)
@@ -102,6 +102,23 @@ def test_prefix_hit_shares_blocks_and_counts_references():
     kv.free("b")
     assert all(kv.pool.blocks[i].ref_cnt == 0 for i in a + b)
     assert kv.num_free_blocks == 19
+
+
+def test_cache_salt_shares_blocks_only_within_the_salt():
+    kv = KVCacheManager(num_blocks=40, block_size=BS)
+    prompt = toks(1, 12) + [99]
+    plain = run_request(kv, "plain", prompt)
+    a1 = run_request(kv, "a1", prompt, cache_salt="tenant-a")
+    b1 = run_request(kv, "b1", prompt, cache_salt="tenant-b")
+    assert len({*plain[:3], *a1[:3], *b1[:3]}) == 9   # same tokens, three salts: nothing shared
+    a2 = run_request(kv, "a2", prompt, cache_salt="tenant-a")
+    assert a2[:3] == a1[:3]                            # the same salt shares, every block of the chain
+    assert kv.get_computed_blocks("p2", prompt)[1] == 12 and kv.get_computed_blocks("c", prompt, "c")[1] == 0
+    for req_id in ("plain", "a1", "b1", "a2"):
+        kv.free(req_id)
+    # A salted request that allocates without a lookup first (prompt logprobs) still caches salted.
+    kv.allocate("a3", prompt, len(prompt), cache_salt="tenant-a")
+    assert kv.get_computed_blocks("a4", prompt, "tenant-a")[1] == 12
 
 
 def test_free_puts_blocks_in_queue_tail_first():

@@ -93,3 +93,21 @@ def test_a_second_served_model_name_is_an_alias(client):
     assert client.responses.create(model="smol", input="Hi", max_output_tokens=2).model == "smol"
     with pytest.raises(openai.NotFoundError, match="smol"):
         client.completions.create(model="other", prompt="Hi", max_tokens=2)
+
+
+def test_cache_salt_keeps_tenants_apart(server, client):
+    """vLLM's cache_salt: a request reuses cached prompt blocks only of requests with its salt."""
+    messages = [{"role": "user", "content": "Name the four largest cities of France, in order of size."}]
+
+    def cached(salt: str | None) -> tuple[int, int]:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens, (r.usage.prompt_tokens - 1) // 16 * 16
+
+    cached(None)
+    hit, whole = cached(None)
+    assert hit == whole > 0            # unsalted: every whole block of the prompt from the first
+    assert cached("tenant-a")[0] == 0  # another tenant: not even the chat template's shared preamble
+    assert cached("tenant-a")[0] == whole and cached("tenant-b")[0] == 0
+    status, body, _ = post(server.url + "/v1/completions", {"prompt": "hi", "max_tokens": 1, "cache_salt": ""})
+    assert status == 400 and body["error"]["param"] == "cache_salt"
