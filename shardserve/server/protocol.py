@@ -213,13 +213,19 @@ class ChatCompletionRequest(_SamplingFields):
         from_format = self.response_format.structured_spec() if self.response_format is not None else None
         if spec is not None and from_format is not None:
             raise InvalidParameter("give either response_format or structured_outputs, not both", "response_format")
-        spec = spec or from_format
-        if self._tool_spec is not None:
-            if spec is not None:
-                raise InvalidParameter("tool_choice \"required\" or a named function cannot be combined with "
-                                       "response_format or structured_outputs", "tool_choice")
-            return self._tool_spec
+        return with_tool_spec(spec or from_format, self._tool_spec, "response_format")
+
+
+def with_tool_spec(spec: StructuredOutputsParams | None, tool_spec: StructuredOutputsParams | None,
+                   format_field: str) -> StructuredOutputsParams | None:
+    """A request's output constraint once tool_choice is counted: the tool call's schema (required
+    or a named function) where there is one, which no other constraint may come with."""
+    if tool_spec is None:
         return spec
+    if spec is not None:
+        raise InvalidParameter(f"tool_choice \"required\" or a named function cannot be combined with "
+                               f"{format_field} or structured_outputs", "tool_choice")
+    return tool_spec
 
 
 class TokenizeRequest(_Request):

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, PrivateAttr
 
 from shardserve.sampling_params import InvalidParameter, StructuredOutputsParams
-from shardserve.server.protocol import ChatMessage, _Request, _SamplingFields
+from shardserve.server.protocol import ChatMessage, _Request, _SamplingFields, with_tool_spec
 
 
 class ResponseInputPart(_Request):
@@ -135,9 +135,4 @@ class ResponsesRequest(_SamplingFields):
                 raise InvalidParameter("text.format json_schema needs its schema", "text.format.schema")
             else:
                 spec = StructuredOutputsParams(json=fmt.schema_)
-        if self._tool_spec is not None:
-            if spec is not None:
-                raise InvalidParameter("tool_choice \"required\" or a named function cannot be combined with "
-                                       "text.format or structured_outputs", "tool_choice")
-            return self._tool_spec
-        return spec
+        return with_tool_spec(spec, self._tool_spec, "text.format")
