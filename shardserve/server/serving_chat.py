@@ -137,13 +137,14 @@ class ChatServing(Serving):
         sent_text: dict[int, int] = {}   # of the content (the text after any reasoning)
         sent_tokens: dict[int, int] = {}
         sent_reasoning: dict[int, int] = {}
-        prompt_tokens, last = 0, None
+        prompt_tokens, cached = 0, None   # of the latest output
+        name = self.namer(req)
 
         def chunk(choices: list[dict], extra: dict | None = None) -> str:
             return sse({**meta, "object": "chat.completion.chunk", "choices": choices, **(extra or {})})
 
         async for _, out in self.merged(streams):
-            prompt_tokens, last = len(out.prompt_token_ids), out
+            prompt_tokens, cached = len(out.prompt_token_ids), self.cached([out])
             for c in out.outputs:
                 if c.index not in sent_text:   # OpenAI opens every choice with the role
                     sent_text[c.index] = sent_tokens[c.index] = sent_reasoning[c.index] = 0
@@ -178,23 +179,21 @@ class ChatServing(Serving):
                                 yield chunk([{"index": c.index, "delta": d, "logprobs": None,
                                               "finish_reason": None}])
                             sent_text[c.index], sent_tokens[c.index] = -1, len(c.token_ids)
-                            lp = ({"content": chat_logprobs(self.namer(req), c, start, req.top_logprobs or 0)}
+                            lp = ({"content": chat_logprobs(name, c, start, req.top_logprobs or 0)}
                                   if req.logprobs else None)
                             yield chunk([{"index": c.index, "delta": deltas[-1], "logprobs": lp,
                                           "finish_reason": "tool_calls", "stop_reason": c.stop_reason}])
                             continue
                 if not delta and not think and c.finish_reason is None and len(c.token_ids) == start:
                     continue
-                lp = ({"content": chat_logprobs(self.namer(req), c, start, req.top_logprobs or 0)}
+                lp = ({"content": chat_logprobs(name, c, start, req.top_logprobs or 0)}
                       if req.logprobs else None)
                 sent_text[c.index] = -1 if c.finish_reason is not None else new_sent
                 sent_tokens[c.index] = len(c.token_ids)
-                extra = ({"usage": usage(prompt_tokens, sum(sent_tokens.values()), self.cached([out]))}
-                         if continuous else None)
+                extra = {"usage": usage(prompt_tokens, sum(sent_tokens.values()), cached)} if continuous else None
                 fields = {**think, **({"content": delta} if delta else {})}
                 yield chunk([{"index": c.index, "delta": fields, "logprobs": lp, "finish_reason": c.finish_reason,
                               "stop_reason": c.stop_reason}], extra)
         if include_usage:
-            yield chunk([], {"usage": usage(prompt_tokens, sum(sent_tokens.values()),
-                                            self.cached([last]) if last is not None else None)})
+            yield chunk([], {"usage": usage(prompt_tokens, sum(sent_tokens.values()), cached)})
         yield sse("[DONE]")

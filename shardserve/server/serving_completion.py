@@ -88,8 +88,9 @@ class CompletionServing(Serving):
                 prefix = (out.prompt or "") if req.echo else ""
                 if req.logprobs is not None:
                     lp = CompletionLogprobs()
-                    offset = self._prompt_logprobs(out, lp, self.namer(req)) if req.echo else 0
-                    lp.add(c.token_ids, c.logprobs or [], self.namer(req), offset)
+                    name = self.namer(req)
+                    offset = self._prompt_logprobs(out, lp, name) if req.echo else 0
+                    lp.add(c.token_ids, c.logprobs or [], name, offset)
                     logprobs = lp.body()
                 choices.append({"index": i * req.n + c.index, "text": prefix + text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
@@ -100,6 +101,7 @@ class CompletionServing(Serving):
     async def _stream(self, req: CompletionRequest, streams, meta: dict) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
+        name = self.namer(req)
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         offsets: dict[int, int] = {}
@@ -124,9 +126,9 @@ class CompletionServing(Serving):
                     lp = CompletionLogprobs()
                     offset = offsets.get(index, 0)
                     if first and req.echo:
-                        offset = self._prompt_logprobs(out, lp, self.namer(req))
+                        offset = self._prompt_logprobs(out, lp, name)
                     offsets[index] = lp.add(c.token_ids[start_tok:], (c.logprobs or [])[start_tok:len(c.token_ids)],
-                                            self.namer(req), offset)
+                                            name, offset)
                     logprobs = lp.body()
                 if first and req.echo:
                     delta = (out.prompt or "") + delta
