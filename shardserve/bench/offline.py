@@ -39,6 +39,7 @@ from shardserve.bench.shapes import (
     shape_config,
     write_shape_dir,
 )
+from shardserve.quantization.stored import head_quantized
 from shardserve.worker.profiler import require_profiler_dir
 
 
@@ -185,8 +186,8 @@ def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
     # FP8 layers hold one byte per weight, INT4 ones half a byte and a scale and zero per group (the
     # layout the GPU kernels read); embeddings, LM head (unless quantized), norms and experts stay in the dtype.
     linear_elem, label = _linear_bytes(model_config.quantization, config, elem)
-    head_quantized = bool((config.get("quantization_config") or {}).get("lm_head"))   # GPTQ's lm_head: true
-    in_dtype = counts["embed"] + (0 if head_quantized else counts["lm_head"]) + counts["experts"]
+    head = head_quantized(config.get("quantization_config"))   # GPTQ's lm_head: true, compressed-tensors' ignore
+    in_dtype = counts["embed"] + (0 if head else counts["lm_head"]) + counts["experts"]
     if linear_elem is None:   # GGUF: what the ranks hold as loaded (blocks kept, parts dequantized)
         total = tp * max(llm.engine.executor.collective_rpc("weight_bytes"))
         experts = total * counts["experts"] / counts["total"]
@@ -215,6 +216,14 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
         cfg = config["quantization_config"]
         group = cfg.get("group_size", cfg.get("q_group_size", 128))
         return held_bytes_per_weight(group, config["hidden_size"]), f" int4 weights ({stored}, group {group})"
+    if stored == "compressed-tensors":
+        from shardserve.quantization.ct_scheme import parse
+        from shardserve.quantization.int4 import held_bytes_per_weight
+        scheme = parse(config["quantization_config"])
+        if scheme.weights == "fp8":
+            return 1.0, f" fp8 weights (compressed-tensors, {scheme.strategy} scales)"
+        group = scheme.group_size or -1
+        return held_bytes_per_weight(group, config["hidden_size"]), f" int4 weights (compressed-tensors, group {group})"
     return float(elem), ""
 
 

@@ -7,7 +7,7 @@ import os
 
 from shardserve.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
 from shardserve.engine.args import EngineArgs
-from shardserve.quantization.config import QUANTIZATION_METHODS
+from shardserve.quantization.config import CHECKPOINT_FORMATS, QUANTIZATION_METHODS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -51,9 +51,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule and prepare step N+1 while step N runs on the device "
                              "(default: on for CUDA without pipeline parallelism)")
-    parser.add_argument("--quantization", "-q", choices=list(QUANTIZATION_METHODS), default=None,
-                        help="quantize a full-precision checkpoint's weights at load (a quantized checkpoint's "
-                        "own format is read from its config; default: none)")
+    parser.add_argument("--quantization", "-q", choices=sorted({*QUANTIZATION_METHODS, *CHECKPOINT_FORMATS}),
+                        default=None, help="fp8: quantize a full-precision checkpoint's weights at load; a quantized "
+                        "checkpoint's own format is read from its config (naming it here only checks it; "
+                        "default: none)")
     parser.add_argument("--speculative-config", default=None,
                         help='speculative decoding, JSON with vLLM\'s keys: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4} or {"model": DRAFT_PATH, '

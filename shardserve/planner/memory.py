@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from shardserve.quantization.stored import head_quantized, weight_dtype
+
 # Bytes per weight. int4 adds, per group of 128 weights (GPTQ/AWQ's usual group), the fp16 scale
 # and uint8 zero point the CUDA kernels hold (kernels/quant/int4_layout.py).
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 3 / 128}
@@ -51,7 +53,7 @@ class ModelShape:
         self.head_dim = c.get("head_dim") or self.hidden // self.heads
         self.tie = bool(c.get("tie_word_embeddings", False))
         # GPTQ's lm_head: true: the LM head is held like the linears (layers/vocab.py)
-        self.head_quantized = bool((c.get("quantization_config") or {}).get("lm_head"))
+        self.head_quantized = head_quantized(c.get("quantization_config"))
         self.mla = "kv_lora_rank" in c
         self.experts = int(c.get("n_routed_experts") or c.get("num_local_experts") or c.get("num_experts") or 0)
         self.top_k = int(c.get("num_experts_per_tok") or 0)
@@ -208,11 +210,8 @@ class ModelShape:
 
 def config_dtype(config: dict[str, Any]) -> str:
     """The dtype a checkpoint's weights are stored in: its quantization, else torch_dtype."""
-    q = config.get("quantization_config") or {}
-    method = str(q.get("quant_method", "")).lower()
-    if method == "fp8":
-        return "fp8"
-    if method in ("gptq", "awq", "compressed-tensors") and q.get("bits") in (4, 8):
-        return "int4" if q["bits"] == 4 else "int8"
+    stored = weight_dtype(config.get("quantization_config"))
+    if stored:
+        return stored
     name = norm_dtype(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"))
     return "bf16" if name == "fp32" else name   # served in 16 bits, as the engine does on GPUs

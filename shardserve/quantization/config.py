@@ -10,6 +10,7 @@ from torch import nn
 from shardserve.layers.linear import LinearBase, LinearMethod
 from shardserve.layers.moe import FusedMoE, MoEMethod
 from shardserve.layers.vocab import ParallelLMHead
+from shardserve.quantization.compressed_tensors import CompressedTensorsConfig
 from shardserve.quantization.fp8 import Fp8Config
 from shardserve.quantization.fp8_block_moe import Fp8BlockMoEMethod
 from shardserve.quantization.fp8_moe import Fp8MoEMethod
@@ -18,9 +19,12 @@ from shardserve.quantization.gguf_moe import GgufMoEMethod
 from shardserve.quantization.int4 import AwqConfig, GptqConfig
 from shardserve.quantization.int4_moe import Int4MoEMethod
 
-QUANTIZATION_METHODS = ("fp8",)
-_FROM_CHECKPOINT = {"fp8": Fp8Config, "gptq": GptqConfig, "awq": AwqConfig, "gguf": GgufConfig}
-QuantConfig = Fp8Config | GptqConfig | AwqConfig | GgufConfig   # each has .name and .linear_method(layer)
+QUANTIZATION_METHODS = ("fp8",)   # quantize a full-precision checkpoint at load
+_FROM_CHECKPOINT = {"fp8": Fp8Config, "gptq": GptqConfig, "awq": AwqConfig, "gguf": GgufConfig,
+                    "compressed-tensors": CompressedTensorsConfig}
+CHECKPOINT_FORMATS = tuple(_FROM_CHECKPOINT)   # --quantization may also name the checkpoint's own format, as in vLLM
+# each has .name and .linear_method(layer)
+QuantConfig = Fp8Config | GptqConfig | AwqConfig | GgufConfig | CompressedTensorsConfig
 
 
 def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> QuantConfig | None:
@@ -40,6 +44,11 @@ def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> Qu
         return None
     if requested == "fp8":
         return Fp8Config(from_checkpoint=False)
+    if requested == "gguf" and "gguf_architecture" in hf_config:   # a GGUF file whose every tensor is dequantized
+        return None
+    if requested in _FROM_CHECKPOINT:
+        raise ValueError(f"--quantization {requested} names the format of an already quantized checkpoint; this one "
+                         f"is full precision (only {', '.join(QUANTIZATION_METHODS)} quantizes at load)")
     raise ValueError(f"--quantization {requested!r} is not supported; choose one of {', '.join(QUANTIZATION_METHODS)}")
 
 
@@ -47,7 +56,8 @@ def check_device(config: QuantConfig | None, device: torch.device, dtype: torch.
     """Refuse what cannot run, before any process starts."""
     if config is None or device.type != "cuda":
         return
-    if config.name == "fp8" and not config.block:   # (block-scaled: widened at load where FP8 is missing, fp8_block.py)
+    # FP8 weights (also compressed-tensors'); block-scaled ones are widened at load where FP8 is missing (fp8_block.py)
+    if getattr(config, "fp8", False) and not config.block:
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             raise ValueError(f"FP8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper); this one "

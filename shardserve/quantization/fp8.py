@@ -3,9 +3,12 @@
 
 - Weights: E4M3 with a scale per output channel. A bf16 checkpoint is quantized after loading
   (absmax per row / 448). An FP8 checkpoint carries a scale per tensor (`weight_scale`), so fused
-  q/k/v and gate/up layers keep one scale per part and spread it over that part's rows.
+  q/k/v and gate/up layers keep one scale per part and spread it over that part's rows; one per
+  output channel ([N, 1], compressed-tensors' channel strategy, quantization/compressed_tensors.py)
+  is taken as it is.
 - Activations: scaled per token at run time (dynamic). A checkpoint's static `input_scale` is read
-  and not used: a per-token scale is never less accurate than one per tensor.
+  if present (`activation_scheme: static`) and not used: a per-token scale is never less accurate
+  than one per tensor.
 - CUDA: 1-16 rows (decode) go to a weight-streaming Triton GEMV that reads the E4M3 weight once
   and widens it in registers against the bf16/fp16 activations as they are (kernels/quant/
   triton_fp8_gemv.py; W8A16 there: no per-token rounding, no quantization kernel), with the gated
@@ -58,6 +61,7 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Fp8Config:
     name = "fp8"
+    fp8 = True   # (config.check_device)
 
     def __init__(self, from_checkpoint: bool, block: tuple[int, int] | None = None) -> None:
         self.from_checkpoint = from_checkpoint   # weights stored as FP8 (else quantized after loading)
@@ -92,8 +96,9 @@ def _scaled_matmul(layer: LinearBase, xq: torch.Tensor, x_scale: torch.Tensor, b
 
 
 class Fp8LinearMethod(LinearMethod):
-    def __init__(self, from_checkpoint: bool) -> None:
+    def __init__(self, from_checkpoint: bool, per_channel: bool = False) -> None:
         self.from_checkpoint = from_checkpoint
+        self.per_channel = per_channel   # the checkpoint's weight_scale: [N, 1] (compressed-tensors' channel strategy)
 
     def create_weights(self, layer: LinearBase) -> None:
         if not self.from_checkpoint:   # the checkpoint's own dtype first; quantized after loading
@@ -101,14 +106,25 @@ class Fp8LinearMethod(LinearMethod):
             return
         layer.register_weight(torch.empty(layer.output_size, layer.input_size, dtype=FP8))
         parts = len(layer.output_shard_sizes)
-        for name in ("weight_scale", "input_scale"):   # one per fused part (q, k, v / gate, up)
-            layer.register_quant_param(name, torch.ones(parts, dtype=torch.float32), output_dim=None, per_part=True,
-                                       full_precision=True)
+        if self.per_channel:
+            layer.register_quant_param("weight_scale", torch.ones(layer.output_size, 1, dtype=torch.float32),
+                                       output_dim=0, full_precision=True)
+        else:   # one per fused part (q, k, v / gate, up)
+            layer.register_quant_param("weight_scale", torch.ones(parts, dtype=torch.float32), output_dim=None,
+                                       per_part=True, full_precision=True)
+        # A static input_scale per part: optional (a dynamic-scheme checkpoint has none), read and dropped.
+        # Buffers with a weight_loader are what models/loader.py fills when present.
+        buf = torch.ones(parts, dtype=torch.float32)
+        layer.register_buffer("input_scale", buf, persistent=False)
+        buf.weight_loader, buf.per_part, buf.output_dim, buf.full_precision = layer.weight_loader, True, None, True
 
     def process_after_loading(self, layer: LinearBase) -> None:
         if self.from_checkpoint:   # per-part scales spread over each part's rows
-            sizes = torch.tensor(layer.output_shard_sizes, device=layer.weight.device)
-            scale = layer.weight_scale.data.repeat_interleave(sizes)
+            if self.per_channel:
+                scale = layer.weight_scale.data.view(-1)
+            else:
+                sizes = torch.tensor(layer.output_shard_sizes, device=layer.weight.device)
+                scale = layer.weight_scale.data.repeat_interleave(sizes)
             weight = layer.weight.data
             del layer.weight_scale, layer.input_scale   # input_scale: read, unused (the module docstring)
         else:

@@ -41,8 +41,9 @@ def compact_scale_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Fp8BlockLinearMethod(LinearMethod):
-    def __init__(self, block: tuple[int, int]) -> None:
+    def __init__(self, block: tuple[int, int], scale_name: str = "weight_scale_inv") -> None:
         self.block_n, self.block_k = block
+        self.scale_name = scale_name   # the checkpoint's name for the scales (compressed-tensors: weight_scale)
 
     def create_weights(self, layer: LinearBase) -> None:
         bn, bk = self.block_n, self.block_k
@@ -51,7 +52,7 @@ class Fp8BlockLinearMethod(LinearMethod):
                              f"{layer.input_size * layer.tp_size} inputs, not a multiple of the checkpoint's FP8 "
                              f"blocks of {bk}: the ranks would cut blocks in two; choose a size that keeps them whole")
         layer.register_weight(torch.empty(layer.output_size, layer.input_size, dtype=FP8))
-        scales = layer.register_quant_param("weight_scale_inv",
+        scales = layer.register_quant_param(self.scale_name,
                                             torch.ones(layer.output_size, cdiv(layer.input_size, bk),
                                                        dtype=torch.float32),
                                             output_dim=0, input_dim=1, full_precision=True)
@@ -64,8 +65,8 @@ class Fp8BlockLinearMethod(LinearMethod):
         scales.weight_loader = load_scales
 
     def process_after_loading(self, layer: LinearBase) -> None:
-        q, rows = layer.weight.data, layer.weight_scale_inv.data   # E4M3 [N, K], fp32 [N, ceil(K / BK)]
-        del layer.weight_scale_inv
+        q, rows = layer.weight.data, getattr(layer, self.scale_name).data   # E4M3 [N, K], fp32 [N, ceil(K / BK)]
+        delattr(layer, self.scale_name)
         scales, scale_row = compact_scale_rows(rows)
         if not (q.is_cuda and torch.cuda.get_device_capability(q.device) >= (8, 9)):
             widened = reference.fp8_block_weight(q, scales, scale_row, self.block_k, layer.params_dtype)

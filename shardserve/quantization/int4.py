@@ -182,32 +182,42 @@ class AwqConfig(Int4Config):
 class Int4LinearMethod(LinearMethod):
     """One per layer: holds where this rank's inputs sit among the checkpoint's groups."""
 
+    packed_by_input = True    # 8 inputs to a word (GPTQ's qweight); AWQ packs outputs
+    zeros_by_output = True    # the zero points are packed 8 outputs to a word
+
     def __init__(self, config: Int4Config) -> None:
         self.config = config
         self.gptq = config.name == "gptq"
+        self.packed_by_input = self.gptq
 
-    def create_weights(self, layer: LinearBase) -> None:
-        cfg, k, n = self.config, layer.input_size, layer.output_size
+    def _layout(self, layer: LinearBase) -> tuple[int, int | None]:
+        """Checks the layer's shape against the packing; sets where this rank's inputs sit among the
+        checkpoint's groups. Returns (groups held, their dim: 0 where this rank holds its own only)."""
+        cfg, k = self.config, layer.input_size
         what = f"{cfg.name.upper()} {type(layer).__name__}"
-        if any(size % PACK for size in layer.output_shard_sizes):
+        if self.zeros_by_output and any(size % PACK for size in layer.output_shard_sizes):
             raise ValueError(f"{what}: output rows per rank {layer.output_shard_sizes} must be multiples of 8 (the "
                              "4-bit zero points are packed 8 outputs to a word); use a smaller tensor_parallel_size")
         row_split = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
-        if self.gptq and k % PACK:
-            raise ValueError(f"{what}: {k} inputs per rank are not a multiple of 8 (GPTQ packs 8 inputs to a word); "
-                             "use a smaller tensor_parallel_size")
+        if self.packed_by_input and k % PACK:
+            raise ValueError(f"{what}: {k} inputs per rank are not a multiple of 8 ({cfg.name.upper()} packs 8 inputs "
+                             "to a word); use a smaller tensor_parallel_size")
         self.offset = layer.tp_rank * k if row_split else 0   # this rank's first input
         k_full = k * layer.tp_size if row_split else k
         self.group = cfg.group_size or k_full
         self.own_groups = not cfg.desc_act and k % self.group == 0   # this rank's groups only
         groups = k // self.group if self.own_groups else -(-k_full // self.group)
-        group_dim = 0 if self.own_groups else None
+        return groups, 0 if self.own_groups else None
+
+    def create_weights(self, layer: LinearBase) -> None:
+        k, n = layer.input_size, layer.output_size
+        groups, group_dim = self._layout(layer)
         if self.gptq:
             layer.register_quant_param("qweight", torch.empty(k // PACK, n, dtype=torch.int32), output_dim=1,
                                        input_dim=0, packed_dim=0, pack_factor=PACK)
             g_idx = layer.register_quant_param("g_idx", torch.empty(k, dtype=torch.int32), output_dim=None,
                                                input_dim=0)
-            if cfg.desc_act and len(layer.output_shard_sizes) > 1:
+            if self.config.desc_act and len(layer.output_shard_sizes) > 1:
                 _same_order_for_every_part(g_idx)
         else:
             layer.register_quant_param("qweight", torch.empty(k, n // PACK, dtype=torch.int32), output_dim=1,
@@ -217,24 +227,29 @@ class Int4LinearMethod(LinearMethod):
         layer.register_quant_param("scales", torch.empty(groups, n, dtype=torch.float32), output_dim=1,
                                    input_dim=group_dim, full_precision=True)
 
-    def _group_index(self, layer: LinearBase, groups: int) -> torch.Tensor:
-        if self.config.desc_act:   # g_idx: this rank's inputs, global group numbers
-            index = layer.g_idx.data.long()
-            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= groups):
-                raise ValueError(f"GPTQ g_idx names groups outside 0..{groups - 1}")
-            return index
-        k = torch.arange(self.offset, self.offset + layer.input_size, device=layer.qweight.device)
-        first = self.offset // self.group if self.own_groups else 0
-        return k // self.group - first
-
-    def process_after_loading(self, layer: LinearBase) -> None:
-        scales = layer.scales.data
+    def checkpoint_tensors(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                               torch.Tensor | None]:
+        """(packed weight as the checkpoint packs it, zeros 0..15 [groups, N], fp32 scales
+        [groups, N], g_idx or None), taken off the layer."""
         zeros = (unpack_int4(layer.qzeros.data, 1, interleaved=not self.gptq) + self.config.zero_offset) & 15
-        index = self._group_index(layer, scales.shape[0])
-        qweight = layer.qweight.data
+        out = layer.qweight.data, zeros, layer.scales.data, layer.g_idx.data if self.config.desc_act else None
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             if hasattr(layer, name):
                 delattr(layer, name)
+        return out
+
+    def _group_index(self, g_idx: torch.Tensor | None, k: int, groups: int, device: torch.device) -> torch.Tensor:
+        if g_idx is not None:   # desc_act: this rank's inputs, global group numbers
+            index = g_idx.long()
+            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= groups):
+                raise ValueError(f"{self.config.name.upper()} g_idx names groups outside 0..{groups - 1}")
+            return index
+        first = self.offset // self.group if self.own_groups else 0
+        return torch.arange(self.offset, self.offset + k, device=device) // self.group - first
+
+    def process_after_loading(self, layer: LinearBase) -> None:
+        qweight, zeros, scales, g_idx = self.checkpoint_tensors(layer)
+        index = self._group_index(g_idx, layer.input_size, scales.shape[0], qweight.device)
         self.kernel_group: int | None = None
         if not self._keep_packed(qweight):
             w = dequantize(self._unpack(qweight), zeros, scales, index, layer.params_dtype)

@@ -1,0 +1,95 @@
+"""compressed-tensors checkpoints (`quant_method: compressed-tensors`, what llm-compressor writes:
+RedHatAI's `*-FP8-dynamic`, `*-FP8`, `*-quantized.w4a16` models and most FP8 / INT4 checkpoints on
+the Hub). The scheme is read by quantization/ct_scheme.py; the layers then run on the methods of
+the other formats, each reading the tensors as the library names and packs them:
+
+- FP8 (`float-quantized`): `weight` E4M3 and `weight_scale` per tensor ([1]) or per output channel
+  ([N, 1]): quantization/fp8.py's method; per block (`block_structure`, [N / bn, K / bk]): the
+  block-scaled method (quantization/fp8_block.py), its scales named `weight_scale` here. A static
+  `input_scale` is read and dropped (activations are scaled per token).
+- INT4 (`pack-quantized`): `weight_packed` int32 [N, K / 8], eight 4-bit values per word, low bits
+  first, along the inputs, each stored as value + 8; `weight_scale` [N, groups] (channel strategy:
+  one group); `weight_zero_point` int32 [N / 8, groups] packed the same way along the outputs when
+  the scheme is asymmetric (else the zero is 8); `weight_shape` (read, not needed). So
+  w[n, k] = (nibble - zero nibble) * scale: the INT4 method of quantization/int4.py takes it from
+  there (the CUDA W4A16 kernels, or dequantized on the CPU).
+- The LM head is quantized like the linears when `ignore` does not name it (untied heads only,
+  layers/vocab.py). MoE experts in this format are refused when the model is built."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardserve.layers.linear import LinearBase, LinearMethod
+from shardserve.quantization.ct_scheme import CtScheme, parse
+from shardserve.quantization.fp8 import Fp8LinearMethod
+from shardserve.quantization.fp8_block import Fp8BlockLinearMethod
+from shardserve.quantization.int4 import PACK, Int4Config, Int4LinearMethod, unpack_int4
+
+SYMMETRIC_ZERO = 8   # a symmetric scheme's values are stored as value + 8: zero is 8 in the nibbles
+
+
+class CompressedTensorsConfig:
+    name = "compressed-tensors"
+
+    def __init__(self, scheme: CtScheme) -> None:
+        self.scheme = scheme
+        self.lm_head = scheme.lm_head
+        self.block = scheme.block   # FP8 blocks: widened on GPUs without FP8 matmuls (config.check_device)
+        self.fp8 = scheme.weights == "fp8"
+
+    @classmethod
+    def from_quantization_config(cls, cfg: dict[str, Any]) -> "CompressedTensorsConfig":
+        return cls(parse(cfg))
+
+    def linear_method(self, layer: LinearBase) -> LinearMethod:
+        s = self.scheme
+        if s.weights == "fp8":
+            if s.block:
+                return Fp8BlockLinearMethod(s.block, scale_name="weight_scale")
+            return Fp8LinearMethod(from_checkpoint=True, per_channel=s.strategy == "channel")
+        config = Int4Config(s.group_size if s.strategy == "group" else None)
+        config.name = self.name
+        return CtInt4LinearMethod(config, s.symmetric)
+
+
+class CtInt4LinearMethod(Int4LinearMethod):
+    """pack-quantized INT4: the checkpoint's tensors (the module docstring) into the INT4 method's."""
+
+    def __init__(self, config: Int4Config, symmetric: bool) -> None:
+        super().__init__(config)
+        self.gptq = False
+        self.packed_by_input = True
+        self.symmetric = symmetric
+        self.zeros_by_output = not symmetric
+
+    def create_weights(self, layer: LinearBase) -> None:
+        k, n = layer.input_size, layer.output_size
+        groups, group_dim = self._layout(layer)
+        layer.register_quant_param("weight_packed", torch.empty(n, k // PACK, dtype=torch.int32), output_dim=0,
+                                   input_dim=1, packed_dim=1, pack_factor=PACK)
+        layer.register_quant_param("weight_scale", torch.empty(n, groups, dtype=torch.float32), output_dim=0,
+                                   input_dim=None if group_dim is None else 1, full_precision=True)
+        if not self.symmetric:
+            layer.register_quant_param("weight_zero_point", torch.empty(n // PACK, groups, dtype=torch.int32),
+                                       output_dim=0, input_dim=None if group_dim is None else 1, packed_dim=0,
+                                       pack_factor=PACK)
+        shape = layer.register_quant_param("weight_shape", torch.zeros(2, dtype=torch.int64), output_dim=None)
+        shape.weight_loader = lambda param, loaded, shard_id=None: None   # the other tensors' shapes say it
+
+    def checkpoint_tensors(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                               torch.Tensor | None]:
+        scales = layer.weight_scale.data.t().contiguous()
+        if self.symmetric:
+            zeros = torch.full_like(scales, SYMMETRIC_ZERO, dtype=torch.int32)
+        else:
+            zeros = unpack_int4(layer.weight_zero_point.data, 0).t().contiguous()
+        out = layer.weight_packed.data, zeros, scales, None
+        for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        return out
+
+    def _unpack(self, qweight: torch.Tensor) -> torch.Tensor:
+        return unpack_int4(qweight, 1).t().contiguous()   # [N, K] words along K -> values [K, N]

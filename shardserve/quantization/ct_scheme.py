@@ -1,0 +1,128 @@
+"""A compressed-tensors `quantization_config` (llm-compressor's checkpoints, `quant_method:
+compressed-tensors`) read into the one scheme its linear layers use, or refused naming what is not
+supported. No torch here: the planner reads it too (planner/memory.py).
+
+What the library writes (compressed-tensors 0.x `ModelCompressor.update_config`): `config_groups`,
+each with `targets` (module types or names, "re:" for a regex), `weights` and `input_activations`
+(`num_bits`, `type` int | float, `strategy` tensor | channel | group | block | token, `group_size`,
+`block_structure`, `symmetric`, `dynamic`, `actorder`) and a `format` (or one `format` for all);
+`ignore` (modules left in full precision); `quantization_status` ("compressed": weights stored
+quantized); `kv_cache_scheme`; `sparsity_config` and `transform_config`.
+
+Read here: one group targeting every `Linear`, with
+- FP8 weights (float, 8 bits, `float-quantized` or `naive-quantized`), strategy tensor, channel or
+  block; activations FP8 dynamic per token, static per tensor (its `input_scale` is read and not
+  used: activations are scaled per token here) or none (W8A16);
+- INT4 weights (int, 4 bits, `pack-quantized`), strategy group or channel, symmetric or not,
+  `actorder` none, "weight" or "static" (they change how the tool quantizes, not what it stores); no
+  activation quantization. `actorder: group` (inputs' groups in `weight_g_idx`, removed from the
+  library in 0.20) is refused.
+`ignore` may name the LM head (which otherwise is quantized with the rest, as the library does when
+it is not ignored) and MoE routers (`mlp.gate`, `shared_expert_gate`: full precision here anyway).
+Everything else (INT8 W8A8 / W8A16, other bit widths, NVFP4 / MXFP4, 2:4 sparsity, transforms,
+several groups, per-layer exceptions) is refused naming the key."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from shardserve.quantization.stored import names_lm_head
+
+_ROUTERS = re.compile(r"(^|[.*:])(gate|shared_expert_gate)\$?$")   # a MoE router's name, as ignore lists spell it
+
+
+@dataclass(frozen=True)
+class CtScheme:
+    weights: str                          # "fp8" or "int4"
+    strategy: str                         # tensor | channel | block (FP8); group | channel (INT4)
+    group_size: int | None = None         # INT4 group strategy: inputs per scale
+    symmetric: bool = True                # INT4: no stored zero points (zero 8 in the unsigned nibbles)
+    block: tuple[int, int] | None = None  # FP8 block strategy: [output rows, inputs] per scale
+    static_inputs: bool = False           # FP8: a static per-tensor `input_scale` is stored
+    lm_head: bool = False                 # the LM head is quantized too (not in `ignore`)
+
+
+def _refuse(what: str) -> ValueError:
+    return ValueError(f"compressed-tensors checkpoint: {what} is not supported; supported are FP8 weights "
+                      "(tensor, channel or block scales) and INT4 pack-quantized weights (group or channel scales) "
+                      "on every Linear layer")
+
+
+def _ignored_head(ignore: list[str]) -> bool:
+    """Whether `ignore` leaves the LM head in full precision; refuses entries other than it and routers."""
+    head = False
+    for name in ignore:
+        if names_lm_head(name):
+            head = True
+        elif not _ROUTERS.search(name):
+            raise _refuse(f"ignore entry {name!r} (layers left in full precision other than the LM head and MoE "
+                          "routers)")
+    return head
+
+
+def _fp8(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str) -> dict[str, Any]:
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise _refuse(f"FP8 weights in format {fmt!r}")
+    strategy = weights.get("strategy")
+    out: dict[str, Any] = {"weights": "fp8", "strategy": strategy}
+    if strategy == "block":
+        block = weights.get("block_structure")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise _refuse(f"FP8 block_structure {block!r}")
+        out["block"] = (block[0], block[1])
+    elif strategy not in ("tensor", "channel"):
+        raise _refuse(f"FP8 weight strategy {strategy!r}")
+    if inputs is not None:
+        if inputs.get("type") != "float" or inputs.get("num_bits") != 8:
+            raise _refuse(f"FP8 weights with {inputs.get('type')} {inputs.get('num_bits')}-bit activations")
+        out["static_inputs"] = not inputs.get("dynamic", False)
+    return out
+
+
+def _int4(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str) -> dict[str, Any]:
+    if inputs is not None:
+        raise _refuse(f"INT4 weights with {inputs.get('num_bits')}-bit activations (only weight-only W4A16 is)")
+    if fmt != "pack-quantized":
+        raise _refuse(f"INT4 weights in format {fmt!r}")
+    strategy = weights.get("strategy")
+    if weights.get("actorder") == "group":
+        raise _refuse("INT4 actorder 'group' (inputs' groups stored in weight_g_idx; re-export with actorder 'weight')")
+    out: dict[str, Any] = {"weights": "int4", "strategy": strategy, "symmetric": bool(weights.get("symmetric", True))}
+    if strategy == "group":
+        size = weights.get("group_size")
+        if not isinstance(size, int) or size <= 0:
+            raise _refuse(f"INT4 group_size {size!r}")
+        out["group_size"] = size
+    elif strategy != "channel":
+        raise _refuse(f"INT4 weight strategy {strategy!r}")
+    return out
+
+
+def parse(cfg: dict[str, Any]) -> CtScheme:
+    status = cfg.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise _refuse(f"quantization_status {status!r} (weights not stored quantized)")
+    for key in ("sparsity_config", "transform_config"):
+        if cfg.get(key):
+            raise _refuse(key)
+    groups = cfg.get("config_groups") or {}
+    if len(groups) != 1:
+        raise _refuse(f"{len(groups)} config_groups (one scheme for every Linear layer is)")
+    group = next(iter(groups.values()))
+    if group.get("targets") != ["Linear"]:
+        raise _refuse(f"targets {group.get('targets')!r} (['Linear'] is)")
+    weights, inputs = group.get("weights") or {}, group.get("input_activations")
+    if group.get("output_activations"):
+        raise _refuse("output_activations")
+    if weights.get("dynamic"):
+        raise _refuse("dynamic weight quantization")
+    fmt = group.get("format") or cfg.get("format") or ""
+    kind = (weights.get("type"), weights.get("num_bits"))
+    if kind == ("float", 8):
+        fields = _fp8(weights, inputs, fmt)
+    elif kind == ("int", 4):
+        fields = _int4(weights, inputs, fmt)
+    else:
+        raise _refuse(f"{kind[0]} {kind[1]}-bit weights")
+    return CtScheme(**fields, lm_head=not _ignored_head(cfg.get("ignore") or []))

@@ -1,0 +1,41 @@
+"""What a checkpoint's stored `quantization_config` says about its weights, without torch (the
+planner and the benchmarks read it): the linears' weight type and whether the LM head is quantized."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def _ct_weights(q: dict[str, Any]) -> dict[str, Any]:
+    """compressed-tensors: the first config group's weight arguments (quantization/ct_scheme.py)."""
+    groups = q.get("config_groups") or {}
+    return (next(iter(groups.values()), None) or {}).get("weights") or {}
+
+
+def weight_dtype(q: dict[str, Any] | None) -> str | None:
+    """"fp8", "int4" or "int8" for the linears of a quantized checkpoint; None for other formats."""
+    q = q or {}
+    method = str(q.get("quant_method", "")).lower()
+    if method == "fp8":
+        return "fp8"
+    bits = q.get("bits")
+    if method == "compressed-tensors":
+        w = _ct_weights(q)
+        if (w.get("type"), w.get("num_bits")) == ("float", 8):
+            return "fp8"
+        bits = w.get("num_bits") if w.get("type") == "int" else None
+    if method in ("gptq", "awq", "compressed-tensors") and bits in (4, 8):
+        return "int4" if bits == 4 else "int8"
+    return None
+
+
+def names_lm_head(entry: str) -> bool:
+    """A compressed-tensors `ignore` entry naming the LM head ("lm_head", "re:.*lm_head$")."""
+    return entry.removeprefix("re:").lstrip(".*").rstrip("$") == "lm_head"
+
+
+def head_quantized(q: dict[str, Any] | None) -> bool:
+    """GPTQ's `lm_head: true`; compressed-tensors: a head its `ignore` list does not name."""
+    q = q or {}
+    if str(q.get("quant_method", "")).lower() == "compressed-tensors":
+        return bool(_ct_weights(q)) and not any(names_lm_head(name) for name in q.get("ignore") or [])
+    return bool(q.get("lm_head"))

@@ -1,0 +1,77 @@
+"""compressed-tensors checkpoints written by the compressed-tensors library itself, as llm-compressor
+drives it (apply the scheme, set each layer's scales, compress, save, write the config), with
+min-max scales instead of calibration; and HF transformers' model of such a checkpoint, decompressed
+by the same library (the reference the tests compare against)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+
+def _minmax_qparams(module: torch.nn.Module) -> None:
+    """Scales (and zero points) from the weight's own range, per the module's weight strategy."""
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    args, w = module.quantization_scheme.weights, module.weight.data.float()
+    if args.strategy == "group":
+        v = w.unflatten(-1, (-1, args.group_size))
+        lo, hi = v.amin(-1), v.amax(-1)
+    elif args.strategy == "channel":
+        lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    elif args.strategy == "tensor":
+        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    else:   # block
+        bn, bk = args.block_structure
+        v = torch.nn.functional.pad(w, (0, -w.shape[1] % bk, 0, -w.shape[0] % bn))
+        v = v.unflatten(0, (-1, bn)).unflatten(-1, (-1, bk))
+        lo, hi = v.amin((1, 3)), v.amax((1, 3))
+    scale, zero = calculate_qparams(lo.clamp(max=0), hi.clamp(min=0), args)
+    module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+    if hasattr(module, "weight_zero_point"):
+        module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+
+
+def write_ct_checkpoint(src: str, dst: str, scheme: str | dict, fmt: str,
+                        ignore: tuple[str, ...] = ("lm_head",), dtype: torch.dtype = torch.bfloat16) -> str:
+    """`src` (an HF checkpoint) quantized with a compressed-tensors preset scheme ("FP8_DYNAMIC",
+    "W4A16", ...) or a scheme's fields, in `fmt` ("float-quantized", "pack-quantized")."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+    if isinstance(scheme, str):
+        scheme = preset_name_to_scheme(scheme, ["Linear"])
+    else:
+        scheme = QuantizationScheme(targets=["Linear"], **scheme)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "quantization_scheme", None) is not None:
+                _minmax_qparams(module)
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(dst)
+    compressor.update_config(dst)
+    for name in os.listdir(src):   # the tokenizer and chat template
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")) or name.endswith(".model"):
+            shutil.copy(os.path.join(src, name), dst)
+    return dst
+
+
+def hf_decompressed(path: str, dtype: torch.dtype = torch.float32):
+    """HF transformers' model of a compressed-tensors checkpoint, its weights decompressed by the
+    library into plain Linear layers."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    with warnings.catch_warnings():   # "the config's quantization_config is used": it is, with dequantize added
+        warnings.simplefilter("ignore", UserWarning)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
+    return model.eval()

@@ -1,0 +1,150 @@
+"""compressed-tensors checkpoints (llm-compressor's format), written by the compressed-tensors library
+and compared with HF transformers reading the same files (the library decompresses them)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardserve.llm import LLM
+from shardserve.quantization.ct_scheme import parse
+from shardserve.sampling_params import SamplingParams
+from tests.models.test_parity import assert_matches_hf, full_logprob_params, random_prompt
+from tests.quantization.checkpoints import ENGLISH_TEXT, smollm2_hf_checkpoint
+from tests.quantization.ct_checkpoints import hf_decompressed, write_ct_checkpoint
+from tests.tiny_models import make_tiny_checkpoint
+
+pytest.importorskip("compressed_tensors")
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+KW = dict(kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1, dtype="float32")
+
+
+def _int4(group: int | None, sym: bool = True) -> dict:
+    strategy = dict(strategy="group", group_size=group) if group else dict(strategy="channel")
+    return dict(weights=dict(num_bits=4, type="int", symmetric=sym, **strategy))
+
+
+FP8_BLOCK_32 = dict(weights=dict(num_bits=8, type="float", strategy="block", block_structure=[32, 32]),
+                    input_activations=dict(num_bits=8, type="float", strategy="group", group_size=32, dynamic=True))
+
+SCHEMES = {   # name -> (scheme, format); the tiny model's layers have 96 and 192 inputs
+    "fp8-channel-dynamic": ("FP8_DYNAMIC", "float-quantized"),
+    "fp8-tensor-static": ("FP8", "float-quantized"),
+    "fp8-block": (FP8_BLOCK_32, "float-quantized"),
+    "w4a16-group": (_int4(32), "pack-quantized"),
+    "w4a16-asym": (_int4(32, sym=False), "pack-quantized"),
+    "w4a16-channel": (_int4(None), "pack-quantized"),
+}
+
+
+@pytest.mark.parametrize("name,tp,head", [
+    ("fp8-channel-dynamic", 1, False), ("fp8-channel-dynamic", 2, True), ("fp8-tensor-static", 2, False),
+    ("fp8-block", 1, False), ("w4a16-group", 1, True), ("w4a16-group", 2, False), ("w4a16-asym", 2, False),
+    ("w4a16-channel", 1, False),
+])
+def test_checkpoint_matches_hf_reading_it(tmp_path, name, tp, head):
+    """At TP=2 the row-parallel layers' 48 inputs per rank cut the 32-input groups (every rank then
+    holds every group's scales); head: the LM head is quantized too (not in `ignore`)."""
+    scheme, fmt = SCHEMES[name]
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    path = write_ct_checkpoint(src, str(tmp_path / "ct"), scheme, fmt, ignore=() if head else ("lm_head",),
+                               dtype=torch.float32)
+    llm = LLM(path, tensor_parallel_size=tp, **KW)
+    try:
+        if head and tp == 1:   # (at TP=2 an unquantized head could not load the checkpoint's lm_head.weight_scale)
+            assert llm.engine.executor.worker.model_runner.model.lm_head.linear is not None
+        prompt = random_prompt(3, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf_decompressed(path), prompt)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("scheme,fmt,message", [
+    ("W8A8", "int-quantized", r"int 8-bit weights is not supported"),
+    (dict(weights=dict(num_bits=8, type="int", strategy="channel")), "pack-quantized",
+     r"int 8-bit weights is not supported"),
+    ({**_int4(32), "input_activations": dict(num_bits=8, type="int", strategy="token", dynamic=True)},
+     "int-quantized", r"INT4 weights with 8-bit activations"),
+])
+def test_unsupported_schemes_are_refused(tmp_path, scheme, fmt, message):
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    path = write_ct_checkpoint(src, str(tmp_path / "ct"), scheme, fmt, dtype=torch.float32)
+    with pytest.raises(ValueError, match=message):
+        LLM(path, **KW)
+
+
+def _config(**changes) -> dict:
+    cfg = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+           "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], **_int4(128)}}}
+    return {**cfg, **changes}
+
+
+def test_scheme_reading():
+    assert parse(_config()).weights == "int4" and not parse(_config()).lm_head
+    assert parse(_config(ignore=[])).lm_head
+    # MoE routers may be ignored (they are full precision here anyway); the head by regex too
+    assert not parse(_config(ignore=["re:.*lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"])).lm_head
+    refusals = {
+        "ignore entry 'model.layers.0.mlp.down_proj'": _config(ignore=["lm_head", "model.layers.0.mlp.down_proj"]),
+        "2 config_groups": _config(config_groups={"a": {"targets": ["Linear"], **_int4(128)},
+                                                  "b": {"targets": ["re:.*down_proj"], **_int4(64)}}),
+        "targets": _config(config_groups={"g": {"targets": ["re:.*self_attn.*"], **_int4(128)}}),
+        "quantization_status 'frozen'": _config(quantization_status="frozen"),
+        "sparsity_config": _config(sparsity_config={"format": "sparse-24-bitmask"}),
+        "actorder 'group'": _config(config_groups={"g": {"targets": ["Linear"], "weights": {
+            **_int4(128)["weights"], "actorder": "group"}}}),
+    }
+    for message, cfg in refusals.items():
+        with pytest.raises(ValueError, match=message):
+            parse(cfg)
+
+
+def test_quantization_flag_names_the_checkpoint_format(tmp_path):
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    path = write_ct_checkpoint(src, str(tmp_path / "ct"), "FP8_DYNAMIC", "float-quantized", dtype=torch.float32)
+    LLM(path, quantization="compressed-tensors", **KW).engine.shutdown()   # as vLLM command lines pass it
+    with pytest.raises(ValueError, match="does not match the checkpoint's 'compressed-tensors'"):
+        LLM(path, quantization="awq", **KW)
+    with pytest.raises(ValueError, match="names the format of an already quantized checkpoint"):
+        LLM(src, quantization="compressed-tensors", **KW)
+
+
+def _perplexity(llm: LLM) -> float:
+    out = llm.generate([ENGLISH_TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    lps = [row[t].logprob for row, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+    return float(torch.tensor(lps).neg().mean().exp())
+
+
+def test_smollm2_checkpoints_answer_and_keep_their_values(tmp_path):
+    """The real SmolLM2 as RedHatAI publishes Llamas: FP8-dynamic and W4A16 (symmetric, group 64: its
+    576 inputs are 4.5 groups of 128). Each answers, and its perplexity is that of the bf16 model
+    holding the values HF transformers decompresses from the same files. Scales are min-max (no
+    calibration), so the quality bounds against bf16 are loose for INT4: +25% here, where GPTQ's
+    calibration keeps it within 8% (tests/quantization/test_int4.py checks that on GPTQ / AWQ files)."""
+    from tests.quantization.moe_checkpoints import write_with_weights
+    smollm2 = smollm2_hf_checkpoint(str(tmp_path / "hf"))
+    with open(f"{smollm2}/config.json") as f:
+        assert json.load(f)["hidden_size"] == 576
+    kw = dict(max_model_len=1024, kv_cache_memory="64MiB", show_progress=False)
+    full = LLM(smollm2, **kw)
+    ppl_full = _perplexity(full)
+    full.engine.shutdown()
+    for name, scheme, fmt, budget in (("fp8", "FP8_DYNAMIC", "float-quantized", 0.02),
+                                      ("w4a16", _int4(64), "pack-quantized", 0.3)):
+        path = write_ct_checkpoint(smollm2, str(tmp_path / name), scheme, fmt)
+        values = {k: v for k, v in hf_decompressed(path, torch.bfloat16).state_dict().items() if "layers." in k}
+        same = LLM(write_with_weights(smollm2, str(tmp_path / f"{name}_values"), values), **kw)
+        ppl_values = _perplexity(same)
+        same.engine.shutdown()
+        llm = LLM(path, **kw)
+        try:
+            text = llm.chat(FRANCE, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
+            ppl = _perplexity(llm)
+        finally:
+            llm.engine.shutdown()
+        print(f"{name}: perplexity {ppl:.3f}, {ppl_values:.3f} on its values in bf16, {ppl_full:.3f} in bf16; {text!r}")
+        assert "Paris" in text, text
+        assert abs(ppl / ppl_values - 1) <= 0.005, f"{name} perplexity {ppl:.3f} vs {ppl_values:.3f} on its values"
+        assert abs(ppl / ppl_full - 1) <= budget, f"{name} perplexity {ppl:.3f} vs {ppl_full:.3f} in bf16"
