@@ -91,12 +91,13 @@ def write_quantized_checkpoint(src: str, dst: str, quantize, quantization_config
     return dequantized
 
 
-def _fp8_tensors(base: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _fp8_tensors(base: str, t: torch.Tensor, static: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     w = t.float()
     scale = w.abs().amax() / 448.0
     q = (w / scale).to(torch.float8_e4m3fn)
-    tensors = {f"{base}.weight": q, f"{base}.weight_scale": scale.reshape(()),
-               f"{base}.input_scale": torch.tensor(0.05)}
+    tensors = {f"{base}.weight": q, f"{base}.weight_scale": scale.reshape(())}
+    if static:
+        tensors[f"{base}.input_scale"] = torch.tensor(0.05)
     return tensors, q.float() * scale
 
 
@@ -127,10 +128,11 @@ def write_fp8_block_checkpoint(src: str, dst: str, block: tuple[int, int]) -> di
     return write_quantized_checkpoint(src, dst, lambda base, t: _fp8_block_tensors(base, t, block), config)
 
 
-def write_fp8_checkpoint(src: str, dst: str) -> dict[str, torch.Tensor]:
+def write_fp8_checkpoint(src: str, dst: str, static: bool = True) -> dict[str, torch.Tensor]:
     """An FP8 checkpoint as AutoFP8 / vLLM's `quant_method: fp8` write it: every decoder linear
-    E4M3 with one `weight_scale` per tensor and a static `input_scale`; the rest as it was."""
-    return write_quantized_checkpoint(src, dst, _fp8_tensors, {"quant_method": "fp8", "activation_scheme": "static"})
+    E4M3 with one `weight_scale` per tensor and (static: True) a static `input_scale`; the rest as it was."""
+    return write_quantized_checkpoint(src, dst, lambda base, t: _fp8_tensors(base, t, static),
+                                      {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic"})
 
 
 def hf_with_weights(path: str, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):

@@ -50,12 +50,13 @@ def test_online_fp8_matches_hf_on_the_rounded_weights(tmp_path, arch):
     llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_fp8_checkpoint_matches_hf_on_its_weights(tmp_path, tp):
+@pytest.mark.parametrize("tp,static", [(1, True), (2, True), (1, False)])
+def test_fp8_checkpoint_matches_hf_on_its_weights(tmp_path, tp, static):
     """q, k, v (and gate, up) carry different per-tensor scales and live in one fused matrix;
-    under TP each rank holds its rows of every part."""
+    under TP each rank holds its rows of every part. static False: `activation_scheme: dynamic`,
+    no input_scale tensors at all."""
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
-    dequantized = write_fp8_checkpoint(src, str(tmp_path / "fp8"))
+    dequantized = write_fp8_checkpoint(src, str(tmp_path / "fp8"), static)
     hf = hf_with_weights(src, dequantized)
     llm = LLM(str(tmp_path / "fp8"), kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1,
               tensor_parallel_size=tp)
