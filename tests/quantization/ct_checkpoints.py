@@ -67,11 +67,14 @@ def write_ct_checkpoint(src: str, dst: str, scheme: str | dict, fmt: str,
 def hf_decompressed(path: str, dtype: torch.dtype = torch.float32):
     """HF transformers' model of a compressed-tensors checkpoint, its weights decompressed by the
     library into plain Linear layers."""
+    import inspect
     import warnings
 
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    # transformers 5 says dequantize=True, 4.x run_compressed=False
+    dequantize = "dequantize" in inspect.signature(CompressedTensorsConfig.__init__).parameters
+    config = CompressedTensorsConfig(**({"dequantize": True} if dequantize else {"run_compressed": False}))
     with warnings.catch_warnings():   # "the config's quantization_config is used": it is, with dequantize added
         warnings.simplefilter("ignore", UserWarning)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=config)
     return model.eval()

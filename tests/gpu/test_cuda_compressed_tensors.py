@@ -1,0 +1,52 @@
+"""compressed-tensors checkpoints on CUDA: the weights stay FP8 / 4-bit on the GPU kernels (the LM
+head too where the checkpoint quantizes it), bf16 with CUDA graphs, against HF transformers reading
+the same files in fp32 (decompressed by the compressed-tensors library)."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from shardserve.llm import LLM
+from tests.models.test_parity import full_logprob_params, hf_logprobs, logprob_matrix, random_prompt
+from tests.quantization.ct_checkpoints import hf_decompressed, write_ct_checkpoint
+from tests.tiny_models import make_tiny_checkpoint
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytest.importorskip("compressed_tensors")
+
+W4A16_G64 = dict(weights=dict(num_bits=4, type="int", strategy="group", group_size=64, symmetric=True))
+
+
+@pytest.mark.parametrize("name,scheme,fmt,head", [
+    ("fp8", "FP8_DYNAMIC", "float-quantized", True),
+    ("fp8-static", "FP8", "float-quantized", False),
+    ("w4a16", W4A16_G64, "pack-quantized", True),
+])
+def test_model_on_cuda_tracks_hf(tmp_path, name, scheme, fmt, head):
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama", hidden_size=256, intermediate_size=512)
+    path = write_ct_checkpoint(src, str(tmp_path / name), scheme, fmt, ignore=() if head else ("lm_head",))
+    hf = hf_decompressed(path)
+    llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, show_progress=False, max_logprobs=-1)
+    try:
+        prompt = random_prompt(1, 40)
+        out = llm.generate([prompt], full_logprob_params(max_tokens=8), use_tqdm=False)[0]
+        ids = prompt + list(out.outputs[0].token_ids)
+        ref = hf_logprobs(hf, ids)
+        ours = torch.cat([logprob_matrix(out.prompt_logprobs[1:]), logprob_matrix(out.outputs[0].logprobs)])
+        diff = (ours - ref[:len(ids) - 1]).abs().max()
+        # bf16 against fp32 over the whole vocabulary, as tests/quantization/test_int4.py's CUDA test
+        assert diff < 0.15, f"{name} log-probs on CUDA are {diff:.3f} away from HF on the same checkpoint"
+        runner = llm.engine.executor.worker.model_runner
+        qkv = runner.model.model.layers[0].self_attn.qkv_proj
+        held = torch.int32 if fmt == "pack-quantized" else torch.float8_e4m3fn
+        assert (qkv.qweight if held == torch.int32 else qkv.weight).dtype == held and runner.wants_graphs()
+        if head:
+            linear = runner.model.lm_head.linear
+            assert (linear.qweight if held == torch.int32 else linear.weight).dtype == held
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
