@@ -30,6 +30,8 @@ def _minmax_qparams(module: torch.nn.Module) -> None:
     module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
     if hasattr(module, "weight_zero_point"):
         module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    if hasattr(module, "input_scale"):   # a static activation scale (a calibration's; read and unused here)
+        module.input_scale.data.fill_(0.05)
 
 
 def write_ct_checkpoint(src: str, dst: str, scheme: str | dict, fmt: str,

@@ -3,10 +3,8 @@ block tables (no gather), GQA-aware (one program per (request, KV head) serves a
 its group), online softmax in fp32. Shapes are static given the batch, so it runs inside CUDA graphs.
 Each loop iteration takes several pages (about 64 tokens): with few requests there are only a few
 programs, and each iteration's chain of dependent loads is the cost, so fewer, wider ones win.
-With few requests each request's keys are also split over several programs (flash-decoding); the
-split programs of a (request, KV head) store their partial results, take a ticket from its counter,
-and the one with the last ticket merges them all (kernels/quant/splitk.py's exchange: no second
-kernel, one launch fewer per layer). In decode-only steps the kernel also rotates q and the new
+With few requests each request's keys are also split over several programs (flash-decoding), and
+a small second kernel merges the splits. In decode-only steps the kernel also rotates q and the new
 k (rotary embedding) and stores the new K/V, which the split reading the new token's page does
 before it reads it: one launch fewer per layer than the rotary + K/V write kernel first.
 
@@ -24,13 +22,12 @@ import triton.language as tl
 
 from shardserve.kernels import pdl
 from shardserve.kernels.attention.triton_paged import load_pages, online_softmax_step, to_pool
-from shardserve.kernels.quant import splitk
 from shardserve.kernels.rope.triton_rope import rotate_whole
 
 
 # The arguments not specialised on change between steps.
 @triton.jit(do_not_specialize=["stride_tb", "window", "max_pages", "num_splits", "pool_slots"])
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr, cnt_ptr,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr,
                          stride_qt, stride_qh, stride_kh, stride_kb, stride_tb, stride_ot, stride_oh,
                          scale, window, max_pages, num_splits,
                          pos_ptr, new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, slots_ptr, stride_nk, stride_nv, pool_slots,
@@ -89,40 +86,31 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
     if num_splits == 1:
         tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUP)
-    else:   # unnormalised partial output and its (max, sum) per head; the last split merges them
-        first_row = (b * (tl.num_programs(0) * GROUP) + heads) * num_splits   # [batch, heads, splits]
-        row = first_row + split
+    else:   # unnormalised partial output and its (max, sum) per head, for _merge_splits_kernel
+        row = (b * (tl.num_programs(0) * GROUP) + heads) * num_splits + split   # [batch, heads, splits]
         tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g[:, None] < GROUP)
         tl.store(stats_ptr + row * 2, m_i, mask=g < GROUP)
         tl.store(stats_ptr + row * 2 + 1, l_i, mask=g < GROUP)
-        tl.debug_barrier()   # every thread's stores before the ticket
-        counter = cnt_ptr + b * tl.num_programs(0) + hk
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            _merge_splits(part_ptr, stats_ptr, out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                          first_row, num_splits, g < GROUP, HEAD_DIM)
-            tl.atomic_xchg(counter, 0)   # ready for the next call (a CUDA graph replays it)
 
 
-@triton.jit
-def _merge_splits(part_ptr, stats_ptr, out_ptrs, first_row, num_splits, ok, HEAD_DIM: tl.constexpr):
-    """The heads' splits (rows first_row + s, s < num_splits) rescaled to their common max and
-    summed in split order (the same sums whichever split merges), into out_ptrs [GROUP_PAD, D].
-    Read past L1 (`.cg`): other multiprocessors wrote them."""
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(part_ptr, stats_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+                         MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    """One (request, query head): rescale each split's partial output to the common max and sum."""
+    pdl.start(PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, MAX_SPLITS)
     d = tl.arange(0, HEAD_DIM)
-    m_all = tl.full(first_row.shape, float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        m_all = tl.maximum(m_all, tl.load(stats_ptr + (first_row + s) * 2, mask=ok, other=float("-inf"),
-                                          cache_modifier=".cg"))
-    out = tl.zeros([first_row.shape[0], HEAD_DIM], tl.float32)
-    total = tl.zeros(first_row.shape, tl.float32)
-    for s in range(0, num_splits):
-        row = first_row + s
-        m = tl.load(stats_ptr + row * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))   # a split with no keys weighs nothing
-        total += w * tl.load(stats_ptr + row * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        out += w[:, None] * tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0,
-                                    cache_modifier=".cg")
-    tl.store(out_ptrs, (out / total[:, None]).to(out_ptrs.dtype.element_ty), mask=ok[:, None])
+    row = (b * tl.num_programs(1) + h) * num_splits + s
+    ok = s < num_splits
+    m = tl.load(stats_ptr + row * 2, mask=ok, other=float("-inf"))
+    l = tl.load(stats_ptr + row * 2 + 1, mask=ok, other=0.0)
+    part = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))   # a split with no keys weighs nothing
+    out = tl.sum(part * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 MAX_SPLITS = 16
@@ -139,11 +127,6 @@ if FP8_KV_WIDEN not in ("fp16", "bf16"):
 @functools.cache
 def _unused_f32(device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.float32, device=device)
-
-
-@functools.cache
-def _unused_i32(device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.int32, device=device)
 
 
 @functools.cache
@@ -166,8 +149,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """q, out: [B, Hq, D] (head rows packed); caches [Hk, blocks, block_size, D] contiguous;
     block_tables [B, max_blocks] int32; seq_lens [B] int32 (tokens including the new one).
-    With several splits (flash-decoding), each split of a request's keys is one program and the
-    last of them to finish merges their partial results. rope: (positions [B], new k, new v [B, Hk, D]
+    With several splits (flash-decoding), each split of a request's keys is one program and a
+    second kernel merges their partial results. rope: (positions [B], new k, new v [B, Hk, D]
     (head rows packed), cos, sin [max_position, D / 2], slots [B]): q and the new k are not rotated
     yet and the new K/V not stored; the kernel does both (the rotation and the store of
     triton_rope.rotary_and_write_kv, bit for bit), one launch fewer per layer. k_scale, v_scale: an
@@ -190,14 +173,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Unused with one split, but of the same dtype: a pointer's dtype picks the compiled variant, and
     # a variant first met mid-run stalls that step while Triton compiles it.
     part = stats = _unused_f32(q.device)
-    counters = _unused_i32(q.device)
     if splits > 1:
         part = torch.empty(batch, hq, splits, dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device)
-        counters = splitk.buffers(q.device, 0, batch * hk)[1]
     positions, new_k, new_v, cos, sin, slots = rope or (seq_lens, q, q, q, q, seq_lens)   # unused without rope
     _paged_decode_kernel[(hk, batch, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part, stats, counters,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part, stats,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or 0, block_tables.shape[1], splits,
         positions, new_k, new_v, cos, sin, slots, new_k.stride(0), new_v.stride(0), k_cache.shape[1] * block_size,
@@ -205,6 +186,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, PAGES=pages,
         HEAD_DIM=dim, IEEE=q.dtype == torch.float32, ROPE=rope is not None, F16_KV=f16_kv, **pdl.launch_args(q),
         **tune)
+    if splits > 1:
+        _merge_splits_kernel[(batch, hq)](part, stats, out, out.stride(0), out.stride(1), splits,
+                                          MAX_SPLITS=MAX_SPLITS, HEAD_DIM=dim, **pdl.launch_args(q))
 
 
 def _scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
