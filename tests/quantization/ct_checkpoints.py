@@ -68,15 +68,24 @@ def write_ct_checkpoint(src: str, dst: str, scheme: str | dict, fmt: str,
 
 def hf_decompressed(path: str, dtype: torch.dtype = torch.float32):
     """HF transformers' model of a compressed-tensors checkpoint, its weights decompressed by the
-    library into plain Linear layers."""
+    library, in a plain model of the same config: the weights only, never the library's activation
+    quantization (which older transformers versions keep applying after decompressing)."""
     import inspect
     import warnings
 
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, CompressedTensorsConfig
     # transformers 5 says dequantize=True, 4.x run_compressed=False
     dequantize = "dequantize" in inspect.signature(CompressedTensorsConfig.__init__).parameters
     config = CompressedTensorsConfig(**({"dequantize": True} if dequantize else {"run_compressed": False}))
     with warnings.catch_warnings():   # "the config's quantization_config is used": it is, with dequantize added
         warnings.simplefilter("ignore", UserWarning)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=config)
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=config)
+    plain_config = AutoConfig.from_pretrained(path)
+    del plain_config.quantization_config
+    model = AutoModelForCausalLM.from_config(plain_config, dtype=dtype)
+    weights = loaded.state_dict()
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            tensor.copy_(weights[name])
     return model.eval()
