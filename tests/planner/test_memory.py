@@ -71,6 +71,24 @@ def test_gptq_quantized_lm_head_is_held_like_the_linears():
     assert plain.weight_bytes("int4", 1, range(80), True, False) == head.weight_bytes("int4", 1, range(80), True, False)
 
 
+def _compressed_tensors(weights: dict, ignore: list[str]) -> dict:
+    return {"quant_method": "compressed-tensors", "ignore": ignore,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+
+
+def test_compressed_tensors_checkpoints_say_their_dtype_and_head():
+    """llm-compressor's configs carry no top-level bits: the scheme's weights say FP8 or INT4, and a
+    head `ignore` leaves out is held like the linears."""
+    config = model_config("llama-3.1-70b")
+    fp8 = _compressed_tensors({"type": "float", "num_bits": 8, "strategy": "channel"}, ["lm_head"])
+    w4 = _compressed_tensors({"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128}, [])
+    assert config_dtype({**config, "quantization_config": fp8}) == "fp8"
+    assert config_dtype({**config, "quantization_config": w4}) == "int4"
+    assert not ModelShape({**config, "quantization_config": fp8}).head_quantized
+    assert ModelShape({**config, "quantization_config": w4}).head_quantized
+    assert not ModelShape({**config, "quantization_config": {**w4, "ignore": ["re:.*lm_head$"]}}).head_quantized
+
+
 def test_moe_total_and_active_qwen3_30b_a3b():
     m = ModelShape(model_config("qwen3-30b-a3b"))
     h = 2048
