@@ -14,7 +14,9 @@ the other formats, each reading the tensors as the library names and packs them:
   w[n, k] = (nibble - zero nibble) * scale: the INT4 method of quantization/int4.py takes it from
   there (the CUDA W4A16 kernels, or dequantized on the CPU).
 - The LM head is quantized like the linears when `ignore` does not name it (untied heads only,
-  layers/vocab.py). MoE experts in this format are refused when the model is built."""
+  layers/vocab.py). MoE experts in FP8 with tensor or channel scales are the FP8 MoE method's
+  (quantization/fp8_moe.py: the same per-expert `weight` / `weight_scale` names); INT4 and
+  block-scaled experts are refused when the model is built (quantization/config.py)."""
 from __future__ import annotations
 
 from typing import Any

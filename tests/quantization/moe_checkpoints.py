@@ -26,17 +26,30 @@ EXPERT = re.compile(r"\.experts\.\d+\.\w+\.weight$")
 EXPERT_NUMBER = re.compile(r"\.experts\.(\d+)\.")
 
 
-def _expert_fp8(base: str, t: torch.Tensor, per_channel: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+# llm-compressor's FP8-dynamic scheme: weights per output channel, activations per token at run time
+CT_FP8_DYNAMIC = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                  "quantization_status": "compressed", "ignore": ["lm_head", "re:.*mlp.gate$"],
+                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                      "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
+
+
+def _expert_fp8(base: str, t: torch.Tensor, per_channel: bool,
+                static: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     w = t.float()
     scale = (w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax()) / FP8_MAX
     q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    tensors = {f"{base}.weight": q, f"{base}.weight_scale": scale if per_channel else scale.reshape(()),
-               f"{base}.input_scale": torch.tensor(0.05)}
+    tensors = {f"{base}.weight": q, f"{base}.weight_scale": scale if per_channel else scale.reshape(())}
+    if static:
+        tensors[f"{base}.input_scale"] = torch.tensor(0.05)
     return tensors, q.float() * scale
 
 
-def write_fp8_moe_checkpoint(src: str, dst: str, per_channel: bool = False) -> dict[str, torch.Tensor]:
-    """`src` with every expert and decoder linear in FP8; returns the dequantized weights by name."""
+def write_fp8_moe_checkpoint(src: str, dst: str, per_channel: bool = False,
+                             compressed_tensors: bool = False) -> dict[str, torch.Tensor]:
+    """`src` with every expert and decoder linear in FP8; returns the dequantized weights by name.
+    compressed_tensors: as llm-compressor's FP8-dynamic writes it (every linear per channel, no
+    input scales, `CT_FP8_DYNAMIC`)."""
     from safetensors.torch import save_file
     os.makedirs(dst, exist_ok=True)
     for f in os.listdir(src):
@@ -45,15 +58,17 @@ def write_fp8_moe_checkpoint(src: str, dst: str, per_channel: bool = False) -> d
     out, dequantized = {}, {}
     for name, t in _state_dict(src).items():
         base = name[:-len(".weight")]
-        if EXPERT.search(name):
-            tensors, dequantized[name] = _expert_fp8(base, t, per_channel)
+        if EXPERT.search(name) or (compressed_tensors and is_quantized_linear(name)):
+            tensors, dequantized[name] = _expert_fp8(base, t, per_channel or compressed_tensors,
+                                                     static=not compressed_tensors)
         elif is_quantized_linear(name):
             tensors, dequantized[name] = _fp8_tensors(base, t)
         else:
             tensors = {name: t}
         out.update(tensors)
     save_file(out, os.path.join(dst, "model.safetensors"))
-    _set_quantization_config(dst, {"quant_method": "fp8", "activation_scheme": "static"})
+    _set_quantization_config(dst, CT_FP8_DYNAMIC if compressed_tensors else {"quant_method": "fp8",
+                                                                             "activation_scheme": "static"})
     return dequantized
 
 

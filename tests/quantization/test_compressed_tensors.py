@@ -101,6 +101,17 @@ def test_scheme_reading():
             parse(cfg)
 
 
+def test_int4_experts_are_refused_when_the_model_is_built(tmp_path):
+    """FP8 experts (tensor or channel scales) load on the FP8 MoE method (tests/quantization/
+    test_fp8_moe.py); INT4 pack-quantized experts have no method yet."""
+    path = make_tiny_checkpoint(str(tmp_path / "moe"), "qwen3_moe")
+    cfg = json.loads((tmp_path / "moe" / "config.json").read_text())
+    cfg["quantization_config"] = _config(ignore=["lm_head", "re:.*mlp.gate$"])
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="COMPRESSED-TENSORS weights for the experts of a mixture-of-experts layer"):
+        LLM(path, **KW)
+
+
 def test_quantization_flag_names_the_checkpoint_format(tmp_path):
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
     path = write_ct_checkpoint(src, str(tmp_path / "ct"), "FP8_DYNAMIC", "float-quantized", dtype=torch.float32)

@@ -47,10 +47,12 @@ def test_online_fp8_experts_match_hf_on_the_rounded_weights(tmp_path, arch):
     assert rel <= 2 ** -4, f"FP8 log-probs moved {rel:.3%} from full precision"
 
 
-@pytest.mark.parametrize("arch,per_channel", [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)])
-def test_fp8_moe_checkpoint_matches_hf_on_its_weights(tmp_path, arch, per_channel):
+@pytest.mark.parametrize("arch,per_channel,ct", [("qwen3_moe", False, False), ("qwen3_moe", True, False),
+                                                 ("mixtral", True, False), ("qwen3_moe", True, True)])
+def test_fp8_moe_checkpoint_matches_hf_on_its_weights(tmp_path, arch, per_channel, ct):
+    """ct: compressed-tensors' FP8-dynamic (llm-compressor; the same per-expert tensors, no input scales)."""
     src = make_tiny_checkpoint(str(tmp_path / "src"), arch)
-    dequantized = write_fp8_moe_checkpoint(src, str(tmp_path / "fp8"), per_channel)
+    dequantized = write_fp8_moe_checkpoint(src, str(tmp_path / "fp8"), per_channel, compressed_tensors=ct)
     hf = load_hf_model(write_with_weights(src, str(tmp_path / "dequantized"), dequantized))
     llm = LLM(str(tmp_path / "fp8"), max_logprobs=-1, **KW)
     layer = _experts(llm)[0]
