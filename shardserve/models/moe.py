@@ -12,7 +12,9 @@ checkpoints add per expert `...gate_proj.weight_scale` and `...gate_proj.input_s
 weight: they go to `w13_weight_scale` / `w13_input_scale` (w2_ for down) with the same shard id.
 GPTQ / AWQ checkpoints have per expert `...gate_proj.qweight`, `.qzeros`, `.scales` (and GPTQ's
 `.g_idx`) instead of `.weight`: they go to `w13_qweight` ... (quantization/int4_moe.py); AutoGPTQ
-may add a `.bias` of zeros per expert projection, read and checked there (`w13_bias`).
+may add a `.bias` of zeros per expert projection, read and checked there (`w13_bias`). compressed-tensors'
+INT4 experts have `.weight_packed`, `.weight_scale`, `.weight_zero_point`, `.weight_shape`
+(quantization/compressed_tensors.py).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import re
 from shardserve.models.llama import LlamaForCausalLM
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\."
-                         r"(weight|weight_scale|weight_scale_inv|input_scale|qweight|qzeros|scales|g_idx|bias)$")
+                         r"(weight|weight_scale|weight_scale_inv|input_scale|qweight|qzeros|scales|g_idx|bias"
+                         r"|weight_packed|weight_zero_point|weight_shape)$")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 _STACKED_KINDS = {"gate_up_proj": "gate_up", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 

@@ -14,20 +14,24 @@ the other formats, each reading the tensors as the library names and packs them:
   w[n, k] = (nibble - zero nibble) * scale: the INT4 method of quantization/int4.py takes it from
   there (the CUDA W4A16 kernels, or dequantized on the CPU).
 - The LM head is quantized like the linears when `ignore` does not name it (untied heads only,
-  layers/vocab.py). MoE experts in FP8 with tensor or channel scales are the FP8 MoE method's
-  (quantization/fp8_moe.py: the same per-expert `weight` / `weight_scale` names); INT4 and
-  block-scaled experts are refused when the model is built (quantization/config.py)."""
+  layers/vocab.py). MoE experts, stored per expert as the linears: FP8 with tensor or channel
+  scales are the FP8 MoE method's (quantization/fp8_moe.py: the same `weight` / `weight_scale`
+  names); INT4 ones `CtInt4MoEMethod`'s below; block-scaled ones are refused when the model is
+  built (quantization/config.py)."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch import nn
 
 from shardserve.layers.linear import LinearBase, LinearMethod
+from shardserve.layers.moe import FusedMoE
 from shardserve.quantization.ct_scheme import CtScheme, parse
 from shardserve.quantization.fp8 import Fp8LinearMethod
 from shardserve.quantization.fp8_block import Fp8BlockLinearMethod
 from shardserve.quantization.int4 import PACK, Int4Config, Int4LinearMethod, unpack_int4
+from shardserve.quantization.int4_moe import Int4MoEMethod
 
 SYMMETRIC_ZERO = 8   # a symmetric scheme's values are stored as value + 8: zero is 8 in the nibbles
 
@@ -51,9 +55,12 @@ class CompressedTensorsConfig:
             if s.block:
                 return Fp8BlockLinearMethod(s.block, scale_name="weight_scale")
             return Fp8LinearMethod(from_checkpoint=True, per_channel=s.strategy == "channel")
-        config = Int4Config(s.group_size if s.strategy == "group" else None)
+        return CtInt4LinearMethod(self.int4_config(), s.symmetric)
+
+    def int4_config(self) -> Int4Config:
+        config = Int4Config(self.scheme.group_size if self.scheme.strategy == "group" else None)
         config.name = self.name
-        return CtInt4LinearMethod(config, s.symmetric)
+        return config
 
 
 class CtInt4LinearMethod(Int4LinearMethod):
@@ -95,3 +102,40 @@ class CtInt4LinearMethod(Int4LinearMethod):
 
     def _unpack(self, qweight: torch.Tensor) -> torch.Tensor:
         return unpack_int4(qweight, 1).t().contiguous()   # [N, K] words along K -> values [K, N]
+
+
+SYMMETRIC_ZERO_WORD = int.from_bytes(bytes([0x88] * 4), "little", signed=True)   # eight zero points of 8
+
+
+class CtInt4MoEMethod(Int4MoEMethod):
+    """pack-quantized INT4 experts, stored per expert as the linears are: each tensor is GPTQ's
+    (gptq_v2: zeros as they are) transposed, so it is transposed as it loads and the INT4 MoE
+    method (quantization/int4_moe.py) slices and converts it as a GPTQ expert's."""
+
+    def __init__(self, config: Int4Config, symmetric: bool) -> None:
+        super().__init__(config)
+        self.gptq = True
+        self.symmetric = symmetric
+
+    def _register(self, layer: FusedMoE, part, field: str, data: torch.Tensor) -> None:
+        if field == "qzeros" and self.symmetric:   # none stored: every zero is 8
+            layer.register_buffer(f"{part.name}_qzeros", torch.full_like(data, SYMMETRIC_ZERO_WORD), persistent=False)
+            return
+        name = {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_zero_point"}[field]
+        param = layer.register_expert_param(f"{part.name}_{name}", data)
+        load = self._loader(layer, part, field)
+        param.weight_loader = lambda param, loaded, shard_id: load(param, loaded.t(), shard_id)
+        param.full_precision = field == "scales"
+        if field == "qweight":   # the original shape, read as nothing (the other tensors' shapes say it)
+            shape = torch.zeros(2, dtype=torch.int64)
+            layer.register_buffer(f"{part.name}_weight_shape", shape, persistent=False)
+            shape.weight_loader = lambda param, loaded, shard_id=None: None
+
+    def _convert(self, layer: FusedMoE, part) -> None:
+        for field, name in (("qweight", "weight_packed"), ("scales", "weight_scale"), ("qzeros", "weight_zero_point")):
+            stored = getattr(layer, f"{part.name}_{name}", None)
+            if stored is not None:
+                delattr(layer, f"{part.name}_{name}")
+                layer.register_parameter(f"{part.name}_{field}", nn.Parameter(stored.data, requires_grad=False))
+        delattr(layer, f"{part.name}_weight_shape")
+        super()._convert(layer, part)

@@ -10,7 +10,7 @@ from torch import nn
 from shardserve.layers.linear import LinearBase, LinearMethod
 from shardserve.layers.moe import FusedMoE, MoEMethod
 from shardserve.layers.vocab import ParallelLMHead
-from shardserve.quantization.compressed_tensors import CompressedTensorsConfig
+from shardserve.quantization.compressed_tensors import CompressedTensorsConfig, CtInt4MoEMethod
 from shardserve.quantization.fp8 import Fp8Config
 from shardserve.quantization.fp8_block_moe import Fp8BlockMoEMethod
 from shardserve.quantization.fp8_moe import Fp8MoEMethod
@@ -68,7 +68,7 @@ def check_device(config: QuantConfig | None, device: torch.device, dtype: torch.
 
 def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
     """The experts' method for a format: FP8, GPTQ / AWQ (INT4), GGUF and compressed-tensors' FP8 with
-    tensor or channel scales have one (GGUF experts of a type not kept arrive dequantized,
+    tensor or channel scales and INT4 have one (GGUF experts of a type not kept arrive dequantized,
     models/gguf_loader.py, and run unquantized). A format without
     one would be refused here, while the model is built, before any weight loads."""
     if config.name == "fp8":
@@ -79,6 +79,8 @@ def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
         return GgufMoEMethod()
     if config.name == "compressed-tensors" and config.fp8 and not config.block:   # per-expert weight + weight_scale
         return Fp8MoEMethod(from_checkpoint=True)
+    if config.name == "compressed-tensors" and not config.fp8:
+        return CtInt4MoEMethod(config.int4_config(), config.scheme.symmetric)
     raise ValueError(f"{config.name.upper()} weights for the experts of a mixture-of-experts layer "
                      f"({layer.prefix}) are not supported")
 

@@ -89,3 +89,46 @@ def hf_decompressed(path: str, dtype: torch.dtype = torch.float32):
         for name, tensor in state.items():
             tensor.copy_(weights[name])
     return model.eval()
+
+
+def write_ct_int4_moe_checkpoint(src: str, dst: str, group: int, symmetric: bool = True) -> dict[str, torch.Tensor]:
+    """`src` (a MoE checkpoint with per-expert tensors) with every expert projection and decoder
+    linear pack-quantized to INT4 by the compressed-tensors library's own quantize and pack functions,
+    tensor by tensor, as llm-compressor stores per-expert Linear layers (transformers 5 fuses the
+    experts, which the library's model-level path then leaves alone); the router stays full precision.
+    Returns the values each quantized tensor holds (the library's dequantize), by HF name."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from safetensors.torch import save_file
+
+    from tests.quantization.checkpoints import _state_dict, is_quantized_linear
+    from tests.quantization.moe_checkpoints import EXPERT, _set_quantization_config
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group, symmetric=symmetric)
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors") and f != "model.safetensors.index.json":
+            shutil.copy(os.path.join(src, f), dst)
+    out, values = {}, {}
+    for name, t in _state_dict(src).items():
+        if not (EXPERT.search(name) or is_quantized_linear(name)):
+            out[name] = t
+            continue
+        base, w = name[:-len(".weight")], t.float()
+        v = w.unflatten(-1, (-1, group))
+        scale, zero = calculate_qparams(v.amin(-1).clamp(max=0), v.amax(-1).clamp(min=0), args)
+        scale = scale.to(torch.bfloat16).float()   # as stored
+        q = quantize(x=w, scale=scale, zero_point=zero, args=args, dtype=torch.int8)
+        values[name] = dequantize(x_q=q, scale=scale, zero_point=zero, args=args).float()
+        out[f"{base}.weight_packed"] = pack_to_int32(q, 4)
+        out[f"{base}.weight_scale"] = scale.to(torch.bfloat16)
+        out[f"{base}.weight_shape"] = torch.tensor(w.shape)
+        if not symmetric:
+            out[f"{base}.weight_zero_point"] = pack_to_int32(zero.to(torch.int8), 4, packed_dim=0)
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    _set_quantization_config(dst, {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": symmetric}}}})
+    return values

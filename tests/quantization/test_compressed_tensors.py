@@ -101,12 +101,35 @@ def test_scheme_reading():
             parse(cfg)
 
 
-def test_int4_experts_are_refused_when_the_model_is_built(tmp_path):
-    """FP8 experts (tensor or channel scales) load on the FP8 MoE method (tests/quantization/
-    test_fp8_moe.py); INT4 pack-quantized experts have no method yet."""
+@pytest.mark.parametrize("arch,sym,tp", [("qwen3_moe", True, 1), ("qwen3_moe", False, 2), ("mixtral", True, 1)])
+def test_int4_moe_checkpoint_matches_hf_on_its_values(tmp_path, arch, sym, tp):
+    """Per-expert pack-quantized tensors (the library's own packing), kept 4-bit in the INT4 experts'
+    layout; at TP=2 each rank's 32 of down's 64 inputs are one group of 32 (FP8 experts:
+    tests/quantization/test_fp8_moe.py)."""
+    from tests.quantization.ct_checkpoints import write_ct_int4_moe_checkpoint
+    from tests.quantization.moe_checkpoints import write_with_weights
+    from tests.tiny_models import load_hf_model
+    src = make_tiny_checkpoint(str(tmp_path / "src"), arch)
+    values = write_ct_int4_moe_checkpoint(src, str(tmp_path / "ct"), 32, sym)
+    hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
+    llm = LLM(str(tmp_path / "ct"), tensor_parallel_size=tp, **KW)
+    try:
+        if tp == 1:
+            from shardserve.layers.moe import FusedMoE
+            model = llm.engine.executor.worker.model_runner.model
+            experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+            assert experts and all(m.w13_qweight.dtype == torch.int32 for m in experts)
+        prompt = random_prompt(5, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_block_scaled_experts_are_refused_when_the_model_is_built(tmp_path):
     path = make_tiny_checkpoint(str(tmp_path / "moe"), "qwen3_moe")
     cfg = json.loads((tmp_path / "moe" / "config.json").read_text())
-    cfg["quantization_config"] = _config(ignore=["lm_head", "re:.*mlp.gate$"])
+    cfg["quantization_config"] = {**_config(ignore=["lm_head", "re:.*mlp.gate$"], format="float-quantized"),
+                                  "config_groups": {"g": {"targets": ["Linear"], **FP8_BLOCK_32}}}
     (tmp_path / "moe" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="COMPRESSED-TENSORS weights for the experts of a mixture-of-experts layer"):
         LLM(path, **KW)
