@@ -36,6 +36,10 @@ from shardserve.quantization.int4_moe import Int4MoEMethod
 SYMMETRIC_ZERO = 8   # a symmetric scheme's values are stored as value + 8: zero is 8 in the nibbles
 
 
+def _read_as_nothing(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """`weight_shape`, the tensor's original shape: the other tensors' shapes say it already."""
+
+
 class CompressedTensorsConfig:
     name = "compressed-tensors"
 
@@ -85,7 +89,7 @@ class CtInt4LinearMethod(Int4LinearMethod):
                                        output_dim=0, input_dim=None if group_dim is None else 1, packed_dim=0,
                                        pack_factor=PACK)
         shape = layer.register_quant_param("weight_shape", torch.zeros(2, dtype=torch.int64), output_dim=None)
-        shape.weight_loader = lambda param, loaded, shard_id=None: None   # the other tensors' shapes say it
+        shape.weight_loader = _read_as_nothing
 
     def checkpoint_tensors(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                torch.Tensor | None]:
@@ -104,7 +108,7 @@ class CtInt4LinearMethod(Int4LinearMethod):
         return unpack_int4(qweight, 1).t().contiguous()   # [N, K] words along K -> values [K, N]
 
 
-SYMMETRIC_ZERO_WORD = int.from_bytes(bytes([0x88] * 4), "little", signed=True)   # eight zero points of 8
+SYMMETRIC_ZERO_WORD = int.from_bytes(bytes([0x88] * 4), "little", signed=True)   # eight zeros of 8 in one word
 
 
 class CtInt4MoEMethod(Int4MoEMethod):
@@ -126,10 +130,10 @@ class CtInt4MoEMethod(Int4MoEMethod):
         load = self._loader(layer, part, field)
         param.weight_loader = lambda param, loaded, shard_id: load(param, loaded.t(), shard_id)
         param.full_precision = field == "scales"
-        if field == "qweight":   # the original shape, read as nothing (the other tensors' shapes say it)
+        if field == "qweight":
             shape = torch.zeros(2, dtype=torch.int64)
             layer.register_buffer(f"{part.name}_weight_shape", shape, persistent=False)
-            shape.weight_loader = lambda param, loaded, shard_id=None: None
+            shape.weight_loader = _read_as_nothing
 
     def _convert(self, layer: FusedMoE, part) -> None:
         for field, name in (("qweight", "weight_packed"), ("scales", "weight_scale"), ("qzeros", "weight_zero_point")):

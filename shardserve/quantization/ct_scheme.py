@@ -39,7 +39,6 @@ class CtScheme:
     group_size: int | None = None         # INT4 group strategy: inputs per scale
     symmetric: bool = True                # INT4: no stored zero points (zero 8 in the unsigned nibbles)
     block: tuple[int, int] | None = None  # FP8 block strategy: [output rows, inputs] per scale
-    static_inputs: bool = False           # FP8: a static per-tensor `input_scale` is stored
     lm_head: bool = False                 # the LM head is quantized too (not in `ignore`)
 
 
@@ -73,10 +72,8 @@ def _fp8(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str) -> di
         out["block"] = (block[0], block[1])
     elif strategy not in ("tensor", "channel"):
         raise _refuse(f"FP8 weight strategy {strategy!r}")
-    if inputs is not None:
-        if inputs.get("type") != "float" or inputs.get("num_bits") != 8:
-            raise _refuse(f"FP8 weights with {inputs.get('type')} {inputs.get('num_bits')}-bit activations")
-        out["static_inputs"] = not inputs.get("dynamic", False)
+    if inputs is not None and (inputs.get("type") != "float" or inputs.get("num_bits") != 8):
+        raise _refuse(f"FP8 weights with {inputs.get('type')} {inputs.get('num_bits')}-bit activations")
     return out
 
 
