@@ -182,13 +182,11 @@ class AwqConfig(Int4Config):
 class Int4LinearMethod(LinearMethod):
     """One per layer: holds where this rank's inputs sit among the checkpoint's groups."""
 
-    packed_by_input = True    # 8 inputs to a word (GPTQ's qweight); AWQ packs outputs
-    zeros_by_output = True    # the zero points are packed 8 outputs to a word
-
     def __init__(self, config: Int4Config) -> None:
         self.config = config
         self.gptq = config.name == "gptq"
-        self.packed_by_input = self.gptq
+        self.packed_by_input = self.gptq   # the weight's words hold 8 inputs (GPTQ); AWQ's hold 8 outputs
+        self.zeros_by_output = True        # the zero points' words hold 8 outputs
 
     def _layout(self, layer: LinearBase) -> tuple[int, int | None]:
         """Checks the layer's shape against the packing; sets where this rank's inputs sit among the
