@@ -101,34 +101,25 @@ def write_ct_int4_moe_checkpoint(src: str, dst: str, group: int, symmetric: bool
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
-    from safetensors.torch import save_file
 
-    from tests.quantization.checkpoints import _state_dict, is_quantized_linear
-    from tests.quantization.moe_checkpoints import EXPERT, _set_quantization_config
+    from tests.quantization.checkpoints import is_quantized_linear, write_quantized_checkpoint
+    from tests.quantization.moe_checkpoints import EXPERT
     args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group, symmetric=symmetric)
-    os.makedirs(dst, exist_ok=True)
-    for f in os.listdir(src):
-        if not f.endswith(".safetensors") and f != "model.safetensors.index.json":
-            shutil.copy(os.path.join(src, f), dst)
-    out, values = {}, {}
-    for name, t in _state_dict(src).items():
-        if not (EXPERT.search(name) or is_quantized_linear(name)):
-            out[name] = t
-            continue
-        base, w = name[:-len(".weight")], t.float()
+
+    def pack(base: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        w = t.float()
         v = w.unflatten(-1, (-1, group))
         scale, zero = calculate_qparams(v.amin(-1).clamp(max=0), v.amax(-1).clamp(min=0), args)
         scale = scale.to(torch.bfloat16).float()   # as stored
         q = quantize(x=w, scale=scale, zero_point=zero, args=args, dtype=torch.int8)
-        values[name] = dequantize(x_q=q, scale=scale, zero_point=zero, args=args).float()
-        out[f"{base}.weight_packed"] = pack_to_int32(q, 4)
-        out[f"{base}.weight_scale"] = scale.to(torch.bfloat16)
-        out[f"{base}.weight_shape"] = torch.tensor(w.shape)
+        tensors = {f"{base}.weight_packed": pack_to_int32(q, 4), f"{base}.weight_scale": scale.to(torch.bfloat16),
+                   f"{base}.weight_shape": torch.tensor(w.shape)}
         if not symmetric:
-            out[f"{base}.weight_zero_point"] = pack_to_int32(zero.to(torch.int8), 4, packed_dim=0)
-    save_file(out, os.path.join(dst, "model.safetensors"))
-    _set_quantization_config(dst, {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": symmetric}}}})
-    return values
+            tensors[f"{base}.weight_zero_point"] = pack_to_int32(zero.to(torch.int8), 4, packed_dim=0)
+        return tensors, dequantize(x_q=q, scale=scale, zero_point=zero, args=args).float()
+
+    config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+              "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                  "num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": symmetric}}}}
+    return write_quantized_checkpoint(src, dst, pack, config,
+                                      select=lambda name: bool(EXPERT.search(name)) or is_quantized_linear(name))
