@@ -26,8 +26,8 @@ def _token_rounded(x: torch.Tensor) -> torch.Tensor:
 W4A16_G64 = dict(weights=dict(num_bits=4, type="int", strategy="group", group_size=64, symmetric=True))
 
 
-# (A static-activation scheme's reference would depend on the transformers version: 5.24 ignores the
-# checkpoint's input_scale as shardserve does, older ones apply it; tests/quantization covers it.)
+# (A static-activation scheme loads as FP8-dynamic does, its input_scale read and dropped, then runs the
+# per-tensor FP8 checkpoints' kernels; tests/quantization/test_compressed_tensors.py covers its loading.)
 @pytest.mark.parametrize("name,scheme,fmt,head", [
     ("fp8", "FP8_DYNAMIC", "float-quantized", True),
     ("fp8-block", "FP8_BLOCK", "float-quantized", False),
