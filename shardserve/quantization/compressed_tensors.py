@@ -16,8 +16,8 @@ the other formats, each reading the tensors as the library names and packs them:
 - The LM head is quantized like the linears when `ignore` does not name it (untied heads only,
   layers/vocab.py). MoE experts, stored per expert as the linears: FP8 with tensor or channel
   scales are the FP8 MoE method's (quantization/fp8_moe.py: the same `weight` / `weight_scale`
-  names); INT4 ones `CtInt4MoEMethod`'s below; block-scaled ones are refused when the model is
-  built (quantization/config.py)."""
+  names), block-scaled ones the block method's (quantization/fp8_block_moe.py, `weight_scale`
+  for its `weight_scale_inv`), INT4 ones `CtInt4MoEMethod`'s below (quantization/config.py picks)."""
 from __future__ import annotations
 
 from typing import Any

@@ -67,19 +67,18 @@ def check_device(config: QuantConfig | None, device: torch.device, dtype: torch.
 
 
 def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
-    """The experts' method for a format: FP8, GPTQ / AWQ (INT4), GGUF and compressed-tensors' FP8 with
-    tensor or channel scales and INT4 have one (GGUF experts of a type not kept arrive dequantized,
-    models/gguf_loader.py, and run unquantized). A format without
-    one would be refused here, while the model is built, before any weight loads."""
+    """The experts' method for a format: FP8, GPTQ / AWQ (INT4), GGUF and compressed-tensors have one
+    (GGUF experts of a type not kept arrive dequantized, models/gguf_loader.py, and run unquantized).
+    A format without one would be refused here, while the model is built, before any weight loads."""
     if config.name == "fp8":
         return Fp8BlockMoEMethod(config.block) if config.block else Fp8MoEMethod(config.from_checkpoint)
     if config.name in ("gptq", "awq"):
         return Int4MoEMethod(config)
     if config.name == "gguf":
         return GgufMoEMethod()
-    if config.name == "compressed-tensors" and config.fp8 and not config.block:   # per-expert weight + weight_scale
-        return Fp8MoEMethod(from_checkpoint=True)
-    if config.name == "compressed-tensors" and not config.fp8:
+    if config.name == "compressed-tensors" and config.fp8:   # per-expert weight + weight_scale
+        return Fp8BlockMoEMethod(config.block, scale_name="weight_scale") if config.block else Fp8MoEMethod(True)
+    if config.name == "compressed-tensors":
         return CtInt4MoEMethod(config.int4_config(), config.scheme.symmetric)
     raise ValueError(f"{config.name.upper()} weights for the experts of a mixture-of-experts layer "
                      f"({layer.prefix}) are not supported")

@@ -31,8 +31,9 @@ FP8 = torch.float8_e4m3fn
 
 
 class Fp8BlockMoEMethod(MoEMethod):
-    def __init__(self, block: tuple[int, int]) -> None:
+    def __init__(self, block: tuple[int, int], scale_name: str = "weight_scale_inv") -> None:
         self.block_n, self.block_k = block
+        self.scale_name = scale_name   # the checkpoint's name for the scales (compressed-tensors: weight_scale)
 
     def _gate_blocks(self, layer: FusedMoE) -> tuple[int, torch.Tensor]:
         """(first block row, each local gate row's block row counted from it) of this rank's gate
@@ -58,7 +59,7 @@ class Fp8BlockMoEMethod(MoEMethod):
         scales = {"w13": torch.ones(e, 2 * part_rows, cdiv(hidden, bk), dtype=torch.float32),
                   "w2": torch.ones(e, cdiv(hidden, bn), cdiv(inter, bk), dtype=torch.float32)}
         for name, data in scales.items():
-            param = layer.register_expert_param(f"{name}_weight_scale_inv", data)
+            param = layer.register_expert_param(f"{name}_{self.scale_name}", data)
             param.full_precision = True   # fp32 as they are; filled by `_load_scales`
             param.weight_loader = lambda p, loaded, shard_id: self._load_scales(layer, p, loaded, shard_id)
         layer.register_buffer("w13_scale_row", w13_rows)
@@ -71,7 +72,7 @@ class Fp8BlockMoEMethod(MoEMethod):
         expert, kind = shard_id
         if expert is None:
             raise ValueError(f"{layer.prefix}: block scales of all experts in one tensor are not read; expected one "
-                             "weight_scale_inv per expert")
+                             f"{self.scale_name} per expert")
         local = expert - layer.expert_start
         if not 0 <= local < layer.num_local_experts:
             return   # another expert-parallel rank's expert
@@ -81,7 +82,7 @@ class Fp8BlockMoEMethod(MoEMethod):
         full_inter, hidden = layer.intermediate_size * layer.inter_shards, layer.hidden_size
         rows, cols = (full_inter, hidden) if kind in ("gate", "up") else (hidden, full_inter)
         if tuple(loaded.shape) != (cdiv(rows, bn), cdiv(cols, bk)):
-            raise ValueError(f"{layer.prefix}: expert {expert}'s {kind} weight_scale_inv has shape "
+            raise ValueError(f"{layer.prefix}: expert {expert}'s {kind} {self.scale_name} has shape "
                              f"{tuple(loaded.shape)}; blocks of {[bn, bk]} over [{rows}, {cols}] need "
                              f"{[cdiv(rows, bn), cdiv(cols, bk)]}")
         if kind == "down":   # the inputs this rank holds (whole blocks: create_weights checked)
@@ -94,6 +95,11 @@ class Fp8BlockMoEMethod(MoEMethod):
         param.data[local, offset:offset + part_rows].copy_(loaded[first:first + part_rows])
 
     def process_after_loading(self, layer: FusedMoE) -> None:
+        for name in ("w13", "w2"):   # one name from here on, whatever the checkpoint's
+            if self.scale_name != "weight_scale_inv":
+                scales = getattr(layer, f"{name}_{self.scale_name}")
+                delattr(layer, f"{name}_{self.scale_name}")
+                layer.register_parameter(f"{name}_weight_scale_inv", scales)
         # How many consecutive rows of each part share a scale row (128 for 128-row blocks on block
         # boundaries): the kernel then loads one scale per tile of outputs.
         layer.w13_uniform_rows = uniform_rows(layer.w13_scale_row, 2)

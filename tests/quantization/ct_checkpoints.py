@@ -123,3 +123,21 @@ def write_ct_int4_moe_checkpoint(src: str, dst: str, group: int, symmetric: bool
                   "num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": symmetric}}}}
     return write_quantized_checkpoint(src, dst, pack, config,
                                       select=lambda name: bool(EXPERT.search(name)) or is_quantized_linear(name))
+
+
+def block_checkpoint_as_compressed_tensors(path: str, block: tuple[int, int]) -> str:
+    """A block-scaled FP8 checkpoint (tests/quantization/checkpoints.py's `write_fp8_block_checkpoint`)
+    renamed into llm-compressor's FP8_BLOCK layout: the same values, `weight_scale` for
+    `weight_scale_inv`, compressed-tensors' config (the block strategy, the router ignored)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.quantization.moe_checkpoints import _set_quantization_config
+    file = os.path.join(path, "model.safetensors")
+    save_file({name.removesuffix("_inv"): t for name, t in load_file(file).items()}, file)
+    _set_quantization_config(path, {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "block", "block_structure": list(block)},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": block[1],
+                                  "dynamic": True}}}})
+    return path

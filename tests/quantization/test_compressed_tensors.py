@@ -125,14 +125,25 @@ def test_int4_moe_checkpoint_matches_hf_on_its_values(tmp_path, arch, sym, tp):
         llm.engine.shutdown()
 
 
-def test_block_scaled_experts_are_refused_when_the_model_is_built(tmp_path):
-    path = make_tiny_checkpoint(str(tmp_path / "moe"), "qwen3_moe")
-    cfg = json.loads((tmp_path / "moe" / "config.json").read_text())
-    cfg["quantization_config"] = {**_config(ignore=["lm_head", "re:.*mlp.gate$"], format="float-quantized"),
-                                  "config_groups": {"g": {"targets": ["Linear"], **FP8_BLOCK_32}}}
-    (tmp_path / "moe" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="COMPRESSED-TENSORS weights for the experts of a mixture-of-experts layer"):
-        LLM(path, **KW)
+def test_block_scaled_fp8_moe_checkpoint_matches_hf_on_its_values(tmp_path):
+    """FP8_BLOCK experts and linears (scales named `weight_scale`), kept E4M3 with their block scales."""
+    from shardserve.layers.moe import FusedMoE
+    from tests.quantization.checkpoints import write_fp8_block_checkpoint
+    from tests.quantization.ct_checkpoints import block_checkpoint_as_compressed_tensors
+    from tests.quantization.moe_checkpoints import write_with_weights
+    from tests.tiny_models import load_hf_model
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
+    values = write_fp8_block_checkpoint(src, str(tmp_path / "ct"), (32, 32))
+    hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
+    llm = LLM(block_checkpoint_as_compressed_tensors(str(tmp_path / "ct"), (32, 32)), **KW)
+    try:
+        model = llm.engine.executor.worker.model_runner.model
+        layer = next(m for m in model.modules() if isinstance(m, FusedMoE))
+        assert layer.w13_weight.dtype == torch.float8_e4m3fn and layer.w13_weight_scale_inv.shape == (8, 4, 3)
+        prompt = random_prompt(6, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
+    finally:
+        llm.engine.shutdown()
 
 
 def test_quantization_flag_names_the_checkpoint_format(tmp_path):
