@@ -101,46 +101,38 @@ def test_scheme_reading():
             parse(cfg)
 
 
-@pytest.mark.parametrize("arch,sym,tp", [("qwen3_moe", True, 1), ("qwen3_moe", False, 2), ("mixtral", True, 1)])
-def test_int4_moe_checkpoint_matches_hf_on_its_values(tmp_path, arch, sym, tp):
-    """Per-expert pack-quantized tensors (the library's own packing), kept 4-bit in the INT4 experts'
-    layout; at TP=2 each rank's 32 of down's 64 inputs are one group of 32 (FP8 experts:
-    tests/quantization/test_fp8_moe.py)."""
-    from tests.quantization.ct_checkpoints import write_ct_int4_moe_checkpoint
+def _moe_checkpoint(src: str, dst: str, experts: str) -> dict[str, torch.Tensor]:
+    """`src` with compressed-tensors experts and linears: INT4 (the library's own packing) or FP8
+    32 x 32 blocks; returns the values they hold."""
+    from tests.quantization.checkpoints import write_fp8_block_checkpoint
+    from tests.quantization.ct_checkpoints import block_checkpoint_as_compressed_tensors, write_ct_int4_moe_checkpoint
+    if experts == "fp8-block":
+        values = write_fp8_block_checkpoint(src, dst, (32, 32))
+        block_checkpoint_as_compressed_tensors(dst, (32, 32))
+        return values
+    return write_ct_int4_moe_checkpoint(src, dst, 32, symmetric=experts == "int4")
+
+
+@pytest.mark.parametrize("arch,experts,tp", [("qwen3_moe", "int4", 1), ("qwen3_moe", "int4-asym", 2),
+                                             ("mixtral", "int4", 1), ("qwen3_moe", "fp8-block", 1)])
+def test_moe_checkpoint_matches_hf_on_its_values(tmp_path, arch, experts, tp):
+    """Per-expert tensors as llm-compressor stores them: INT4 kept 4-bit in the INT4 experts' layout
+    (at TP=2 each rank's 32 of down's 64 inputs are one group of 32), FP8 blocks kept E4M3 with
+    their block scales (`weight_scale`); FP8 experts per channel: tests/quantization/test_fp8_moe.py."""
+    from shardserve.layers.moe import FusedMoE
     from tests.quantization.moe_checkpoints import write_with_weights
     from tests.tiny_models import load_hf_model
     src = make_tiny_checkpoint(str(tmp_path / "src"), arch)
-    values = write_ct_int4_moe_checkpoint(src, str(tmp_path / "ct"), 32, sym)
+    values = _moe_checkpoint(src, str(tmp_path / "ct"), experts)
     hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
     llm = LLM(str(tmp_path / "ct"), tensor_parallel_size=tp, **KW)
     try:
         if tp == 1:
-            from shardserve.layers.moe import FusedMoE
             model = llm.engine.executor.worker.model_runner.model
-            experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
-            assert experts and all(m.w13_qweight.dtype == torch.int32 for m in experts)
+            layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+            held = [m.w13_weight.dtype if experts == "fp8-block" else m.w13_qweight.dtype for m in layers]
+            assert layers and set(held) == {torch.float8_e4m3fn if experts == "fp8-block" else torch.int32}
         prompt = random_prompt(5, 40)
-        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
-    finally:
-        llm.engine.shutdown()
-
-
-def test_block_scaled_fp8_moe_checkpoint_matches_hf_on_its_values(tmp_path):
-    """FP8_BLOCK experts and linears (scales named `weight_scale`), kept E4M3 with their block scales."""
-    from shardserve.layers.moe import FusedMoE
-    from tests.quantization.checkpoints import write_fp8_block_checkpoint
-    from tests.quantization.ct_checkpoints import block_checkpoint_as_compressed_tensors
-    from tests.quantization.moe_checkpoints import write_with_weights
-    from tests.tiny_models import load_hf_model
-    src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
-    values = write_fp8_block_checkpoint(src, str(tmp_path / "ct"), (32, 32))
-    hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
-    llm = LLM(block_checkpoint_as_compressed_tensors(str(tmp_path / "ct"), (32, 32)), **KW)
-    try:
-        model = llm.engine.executor.worker.model_runner.model
-        layer = next(m for m in model.modules() if isinstance(m, FusedMoE))
-        assert layer.w13_weight.dtype == torch.float8_e4m3fn and layer.w13_weight_scale_inv.shape == (8, 4, 3)
-        prompt = random_prompt(6, 40)
         assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
     finally:
         llm.engine.shutdown()
