@@ -3,7 +3,9 @@
 (`--profile`, shardserve/worker/profiler.py), the median duration of each kernel of a layer, the
 median gap from the previous kernel's end to its start (negative: it was launched early and
 waited), and their sum, the time the kernel really adds. Layers are found by the decode attention
-kernel; the table lists the most common layer's kernels in order.
+kernel; the table lists the most common layer's kernels in order. Where no norm kernel comes
+before the attention (tensor parallelism folds the norm into the all-reduce), a layer is counted
+from one attention kernel to the next.
 
     SHARDSERVE_TORCH_PROFILER_DIR=D SHARDSERVE_TORCH_PROFILER_WITH_STACK=0 python -m shardserve bench latency \\
         --random-weights llama-3-8b [-q fp8] --batch-size 1 --input-len 128 --output-len 24 --num-iters 2 --profile
@@ -30,13 +32,11 @@ def kernels(path: str) -> list[dict]:
 
 def layers(ks: list[dict]) -> list[list[tuple[dict, dict]]]:
     """Each decode layer as its (kernel, kernel before it) pairs, from the norm before its attention
-    to the kernel before the next layer's norm; only layers shaped like the most common one."""
-    starts = []
-    for i, k in enumerate(ks):
-        if k["name"] == ANCHOR:
-            j = max((n for n in range(max(0, i - 8), i) if ks[n]["name"] == NORM), default=None)
-            if j is not None and j > 0:
-                starts.append(j)
+    to the kernel before the next layer's norm (without norm kernels: from attention to attention);
+    only layers shaped like the most common one."""
+    anchors = [i for i, k in enumerate(ks) if k["name"] == ANCHOR and i > 0]
+    with_norm = [max((n for n in range(max(0, i - 8), i) if ks[n]["name"] == NORM), default=None) for i in anchors]
+    starts = [j for j in with_norm if j] if any(with_norm) else anchors
     spans = [[(ks[n], ks[n - 1]) for n in range(a, b)] for a, b in zip(starts, starts[1:])]
     shape = Counter(tuple(k["name"] for k, _ in span) for span in spans).most_common(1)
     return [span for span in spans if shape and tuple(k["name"] for k, _ in span) == shape[0][0]]
