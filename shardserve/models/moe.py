@@ -13,8 +13,8 @@ weight: they go to `w13_weight_scale` / `w13_input_scale` (w2_ for down) with th
 GPTQ / AWQ checkpoints have per expert `...gate_proj.qweight`, `.qzeros`, `.scales` (and GPTQ's
 `.g_idx`) instead of `.weight`: they go to `w13_qweight` ... (quantization/int4_moe.py); AutoGPTQ
 may add a `.bias` of zeros per expert projection, read and checked there (`w13_bias`). compressed-tensors'
-INT4 experts have `.weight_packed`, `.weight_scale`, `.weight_zero_point`, `.weight_shape`
-(quantization/compressed_tensors.py).
+INT4 experts have `.weight_packed`, `.weight_scale`, `.weight_zero_point`, `.weight_shape` (and
+`.weight_g_idx` with activation order; quantization/compressed_tensors.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from shardserve.models.llama import LlamaForCausalLM
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\."
                          r"(weight|weight_scale|weight_scale_inv|input_scale|qweight|qzeros|scales|g_idx|bias"
-                         r"|weight_packed|weight_zero_point|weight_shape)$")
+                         r"|weight_packed|weight_zero_point|weight_shape|weight_g_idx)$")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 _STACKED_KINDS = {"gate_up_proj": "gate_up", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 

@@ -10,9 +10,11 @@ the other formats, each reading the tensors as the library names and packs them:
 - INT4 (`pack-quantized`): `weight_packed` int32 [N, K / 8], eight 4-bit values per word, low bits
   first, along the inputs, each stored as value + 8; `weight_scale` [N, groups] (channel strategy:
   one group); `weight_zero_point` int32 [N / 8, groups] packed the same way along the outputs when
-  the scheme is asymmetric (else the zero is 8); `weight_shape` (read, not needed). So
-  w[n, k] = (nibble - zero nibble) * scale: the INT4 method of quantization/int4.py takes it from
-  there (the CUDA W4A16 kernels, or dequantized on the CPU).
+  the scheme is asymmetric (else the zero is 8); `weight_shape` (read, not needed); with `actorder:
+  group`, `weight_g_idx` int32 [K], each input's group (GPTQ's g_idx: the INT4 method's desc_act
+  path sorts the inputs by group for the kernels). So w[n, k] = (nibble - zero nibble) * scale of
+  k's group: the INT4 method of quantization/int4.py takes it from there (the CUDA W4A16 kernels,
+  or dequantized on the CPU).
 - The LM head is quantized like the linears when `ignore` does not name it (untied heads only,
   layers/vocab.py). MoE experts, stored per expert as the linears: FP8 with tensor or channel
   scales are the FP8 MoE method's (quantization/fp8_moe.py: the same `weight` / `weight_scale`
@@ -30,7 +32,7 @@ from shardserve.layers.moe import FusedMoE
 from shardserve.quantization.ct_scheme import CtScheme, parse
 from shardserve.quantization.fp8 import Fp8LinearMethod
 from shardserve.quantization.fp8_block import Fp8BlockLinearMethod
-from shardserve.quantization.int4 import PACK, Int4Config, Int4LinearMethod, unpack_int4
+from shardserve.quantization.int4 import PACK, Int4Config, Int4LinearMethod, same_order_for_every_part, unpack_int4
 from shardserve.quantization.int4_moe import Int4MoEMethod
 
 SYMMETRIC_ZERO = 8   # a symmetric scheme's values are stored as value + 8: zero is 8 in the nibbles
@@ -62,7 +64,8 @@ class CompressedTensorsConfig:
         return CtInt4LinearMethod(self.int4_config(), s.symmetric)
 
     def int4_config(self) -> Int4Config:
-        config = Int4Config(self.scheme.group_size if self.scheme.strategy == "group" else None)
+        config = Int4Config(self.scheme.group_size if self.scheme.strategy == "group" else None,
+                            desc_act=self.scheme.actorder_group)
         config.name = self.name
         return config
 
@@ -90,6 +93,11 @@ class CtInt4LinearMethod(Int4LinearMethod):
                                        pack_factor=PACK)
         shape = layer.register_quant_param("weight_shape", torch.zeros(2, dtype=torch.int64), output_dim=None)
         shape.weight_loader = _read_as_nothing
+        if self.config.desc_act:
+            g_idx = layer.register_quant_param("weight_g_idx", torch.empty(k, dtype=torch.int32), output_dim=None,
+                                               input_dim=0)
+            if len(layer.output_shard_sizes) > 1:
+                same_order_for_every_part(g_idx)
 
     def checkpoint_tensors(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                torch.Tensor | None]:
@@ -98,8 +106,9 @@ class CtInt4LinearMethod(Int4LinearMethod):
             zeros = torch.full_like(scales, SYMMETRIC_ZERO, dtype=torch.int32)
         else:
             zeros = unpack_int4(layer.weight_zero_point.data, 0).t().contiguous()
-        out = layer.weight_packed.data, zeros, scales, None
-        for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"):
+        g_idx = layer.weight_g_idx.data if self.config.desc_act else None
+        out = layer.weight_packed.data, zeros, scales, g_idx
+        for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"):
             if hasattr(layer, name):
                 delattr(layer, name)
         return out
@@ -120,6 +129,11 @@ class CtInt4MoEMethod(Int4MoEMethod):
         super().__init__(config)
         self.gptq = True
         self.symmetric = symmetric
+
+    def create_weights(self, layer: FusedMoE) -> None:
+        super().create_weights(layer)
+        for part in self.parts:   # the GPTQ method's g_idx, named as these checkpoints name it (actorder group)
+            _rename_buffer(layer, f"{part.name}_g_idx", f"{part.name}_weight_g_idx")
 
     def _register(self, layer: FusedMoE, part, field: str, data: torch.Tensor) -> None:
         if field == "qzeros" and self.symmetric:   # none stored: every zero is 8
@@ -142,4 +156,11 @@ class CtInt4MoEMethod(Int4MoEMethod):
                 delattr(layer, f"{part.name}_{name}")
                 layer.register_parameter(f"{part.name}_{field}", nn.Parameter(stored.data, requires_grad=False))
         delattr(layer, f"{part.name}_weight_shape")
+        _rename_buffer(layer, f"{part.name}_weight_g_idx", f"{part.name}_g_idx")
         super()._convert(layer, part)
+
+
+def _rename_buffer(layer: nn.Module, old: str, new: str) -> None:
+    buffer = getattr(layer, old)
+    delattr(layer, old)
+    layer.register_buffer(new, buffer, persistent=False)

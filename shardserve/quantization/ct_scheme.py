@@ -14,9 +14,9 @@ Read here: one group targeting every `Linear`, with
   block; activations FP8 dynamic per token, static per tensor (its `input_scale` is read and not
   used: activations are scaled per token here) or none (W8A16);
 - INT4 weights (int, 4 bits, `pack-quantized`), strategy group or channel, symmetric or not,
-  `actorder` none, "weight" or "static" (they change how the tool quantizes, not what it stores); no
-  activation quantization. `actorder: group` (inputs' groups in `weight_g_idx`, removed from the
-  library in 0.20) is refused.
+  `actorder` none, "weight" or "static" (they change how the tool quantizes, not what it stores), or
+  "group" (`true` in older configs: GPTQ's activation order, each input's group in `weight_g_idx`,
+  as GPTQ's `desc_act`; written by the library before 0.20); no activation quantization.
 `ignore` may name the LM head (which otherwise is quantized with the rest, as the library does when
 it is not ignored) and MoE routers (`mlp.gate`, `shared_expert_gate`: full precision here anyway).
 Everything else (INT8 W8A8 / W8A16, other bit widths, NVFP4 / MXFP4, 2:4 sparsity, transforms,
@@ -38,6 +38,7 @@ class CtScheme:
     strategy: str                         # tensor | channel | block (FP8); group | channel (INT4)
     group_size: int | None = None         # INT4 group strategy: inputs per scale
     symmetric: bool = True                # INT4: no stored zero points (zero 8 in the unsigned nibbles)
+    actorder_group: bool = False          # INT4 group strategy: inputs' groups in `weight_g_idx`
     block: tuple[int, int] | None = None  # FP8 block strategy: [output rows, inputs] per scale
     lm_head: bool = False                 # the LM head is quantized too (not in `ignore`)
 
@@ -83,9 +84,13 @@ def _int4(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str) -> d
     if fmt != "pack-quantized":
         raise _refuse(f"INT4 weights in format {fmt!r}")
     strategy = weights.get("strategy")
-    if weights.get("actorder") == "group":
-        raise _refuse("INT4 actorder 'group' (inputs' groups stored in weight_g_idx; re-export with actorder 'weight')")
-    out: dict[str, Any] = {"weights": "int4", "strategy": strategy, "symmetric": bool(weights.get("symmetric", True))}
+    actorder = weights.get("actorder")
+    if actorder not in (None, False, True, "group", "weight", "static"):
+        raise _refuse(f"INT4 actorder {actorder!r}")
+    out: dict[str, Any] = {"weights": "int4", "strategy": strategy, "symmetric": bool(weights.get("symmetric", True)),
+                           "actorder_group": actorder in (True, "group")}
+    if out["actorder_group"] and strategy != "group":
+        raise _refuse(f"INT4 actorder 'group' with strategy {strategy!r}")
     if strategy == "group":
         size = weights.get("group_size")
         if not isinstance(size, int) or size <= 0:

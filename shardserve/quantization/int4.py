@@ -109,15 +109,15 @@ def _group_size(cfg: dict[str, Any], fmt: str, *keys: str) -> int | None:
     return size
 
 
-def _same_order_for_every_part(g_idx: nn.Parameter) -> None:
+def same_order_for_every_part(g_idx: nn.Parameter) -> None:
     """Fused parts (q/k/v, gate/up) share one g_idx: they see the same inputs, so GPTQ orders them
     alike. Refuse a checkpoint whose parts disagree rather than run on the wrong groups."""
     load = g_idx.weight_loader
 
     def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if getattr(param, "int4_loaded", False) and not torch.equal(param.data, loaded.to(param.data)):
-            raise ValueError(f"GPTQ g_idx of part {shard_id!r} differs from the other fused parts' (desc_act with "
-                             "different input orders per part is not supported)")
+            raise ValueError(f"g_idx of part {shard_id!r} differs from the other fused parts' (activation order "
+                             "with different input orders per part is not supported)")
         load(param, loaded, shard_id)
         param.int4_loaded = True
 
@@ -216,7 +216,7 @@ class Int4LinearMethod(LinearMethod):
             g_idx = layer.register_quant_param("g_idx", torch.empty(k, dtype=torch.int32), output_dim=None,
                                                input_dim=0)
             if self.config.desc_act and len(layer.output_shard_sizes) > 1:
-                _same_order_for_every_part(g_idx)
+                same_order_for_every_part(g_idx)
         else:
             layer.register_quant_param("qweight", torch.empty(k, n // PACK, dtype=torch.int32), output_dim=1,
                                        input_dim=0, packed_dim=1, pack_factor=PACK)

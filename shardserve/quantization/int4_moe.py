@@ -137,7 +137,7 @@ class Int4MoEMethod(MoEMethod):
             dst = param.data[local]
             if field == "g_idx" and kind in ("gate", "up"):   # one input order for both (as dense fused parts)
                 if local in param.int4_loaded and not torch.equal(dst, src.to(dst.device, dst.dtype)):
-                    raise ValueError(f"{layer.prefix}: GPTQ g_idx of expert {expert}'s {kind} differs from its "
+                    raise ValueError(f"{layer.prefix}: g_idx of expert {expert}'s {kind} differs from its "
                                      "other projection's (desc_act with different input orders for gate and up is "
                                      "not supported)")
                 param.int4_loaded.add(local)
@@ -162,10 +162,11 @@ class Int4MoEMethod(MoEMethod):
         if self.config.desc_act:
             g_idx = getattr(layer, f"{part.name}_g_idx")
             if len(g_idx.int4_loaded) != e:
-                raise ValueError(f"{layer.prefix}: the GPTQ checkpoint has desc_act=true but no g_idx for some of "
-                                 f"its experts' {'gate/up' if part.name == 'w13' else 'down'} projections")
+                raise ValueError(f"{layer.prefix}: the checkpoint orders inputs by activation (GPTQ desc_act, "
+                                 "compressed-tensors actorder group) but has no g_idx for some of its experts' "
+                                 f"{'gate/up' if part.name == 'w13' else 'down'} projections")
             if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= part.groups):
-                raise ValueError(f"{layer.prefix}: GPTQ g_idx names groups outside 0..{part.groups - 1}")
+                raise ValueError(f"{layer.prefix}: g_idx names groups outside 0..{part.groups - 1}")
             return g_idx.contiguous()
         k = torch.arange(part.offset, part.offset + part.k, device=device)
         return (k // part.group - part.first_group).to(torch.int32).expand(e, part.k)   # one row, stride 0

@@ -76,24 +76,63 @@ def test_model_on_cuda_tracks_hf(tmp_path, name, scheme, fmt, head):
         torch.cuda.empty_cache()
 
 
-def test_int4_moe_experts_serve_on_gpu(tmp_path):
-    """A tiny Qwen3-MoE with compressed-tensors INT4 experts and linears on the GPU: the experts stay
-    4-bit in the INT4 MoE kernels' layout, and its prompt log-probs match the same checkpoint's CPU path
-    (checked against HF in tests/quantization) up to bf16, as test_cuda_moe_int4.py's GPTQ test."""
+def test_activation_order_on_cuda_tracks_hf(tmp_path):
+    """`actorder: group` W4A16 (inputs' groups in `weight_g_idx`): the inputs sorted by group once at
+    load, so the W4A16 kernels run it as a plain grouped layer, against HF on the checkpoint's values."""
+    from tests.quantization.ct_checkpoints import write_ct_int4_checkpoint
+    from tests.quantization.moe_checkpoints import write_with_weights
+    from tests.tiny_models import load_hf_model
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama", hidden_size=256, intermediate_size=512)
+    values = write_ct_int4_checkpoint(src, str(tmp_path / "ct"), 64, symmetric=False, actorder=True)
+    hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
+    llm = LLM(str(tmp_path / "ct"), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, show_progress=False,
+              max_logprobs=-1)
+    try:
+        prompt = random_prompt(2, 40)
+        out = llm.generate([prompt], full_logprob_params(max_tokens=8), use_tqdm=False)[0]
+        ids = prompt + list(out.outputs[0].token_ids)
+        ref = hf_logprobs(hf, ids)[:len(ids) - 1]
+        ours = torch.cat([logprob_matrix(out.prompt_logprobs[1:]), logprob_matrix(out.outputs[0].logprobs)])
+        diff = (ours - ref).abs().max()
+        assert diff < 0.15, f"actorder W4A16 log-probs on CUDA are {diff:.3f} away from HF on the same values"
+        qkv = llm.engine.executor.worker.model_runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.qweight.dtype == torch.int32 and qkv.int4_perm is not None
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("experts", ["int4", "int4-actorder", "fp8-block"])
+def test_moe_experts_serve_on_gpu(tmp_path, experts):
+    """A tiny Qwen3-MoE with compressed-tensors experts and linears on the GPU: INT4 experts stay 4-bit
+    in the INT4 MoE kernels' layout (with activation order too), FP8-block ones E4M3 with their
+    `weight_scale` blocks; its prompt log-probs match the same checkpoint's CPU path (checked against
+    HF in tests/quantization) up to bf16, as test_cuda_moe_int4.py's GPTQ test."""
     from shardserve import SamplingParams
     from shardserve.layers.moe import FusedMoE
-    from tests.quantization.ct_checkpoints import write_ct_int4_moe_checkpoint
+    from tests.quantization.checkpoints import write_fp8_block_checkpoint
+    from tests.quantization.ct_checkpoints import block_checkpoint_as_compressed_tensors, write_ct_int4_checkpoint
     src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
-    write_ct_int4_moe_checkpoint(src, str(tmp_path / "ct"), 32)
+    path = str(tmp_path / "ct")
+    if experts == "fp8-block":
+        write_fp8_block_checkpoint(src, path, (32, 32))
+        block_checkpoint_as_compressed_tensors(path, (32, 32))
+    else:
+        write_ct_int4_checkpoint(src, path, 32, actorder=experts == "int4-actorder", moe=True)
+    held = torch.float8_e4m3fn if experts == "fp8-block" else torch.int32
     prompt = list(range(3, 15))
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
     lps = []
     for device in ("cuda", "cpu"):
-        llm = LLM(str(tmp_path / "ct"), dtype="bfloat16", device=device, show_progress=False,
+        llm = LLM(path, dtype="bfloat16", device=device, show_progress=False,
                   **(dict(gpu_memory_utilization=0.3) if device == "cuda" else dict(kv_cache_memory="16MiB")))
         try:
             model = llm.engine.executor.worker.model_runner.model
-            assert all(m.w13_qweight.dtype == torch.int32 for m in model.modules() if isinstance(m, FusedMoE))
+            layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+            assert layers and all((m.w13_weight if experts == "fp8-block" else m.w13_qweight).dtype == held
+                                  for m in layers)
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             lps.append(torch.tensor([row[t].logprob for row, t in zip(out.prompt_logprobs[1:], prompt[1:])]))
         finally:
@@ -102,4 +141,4 @@ def test_int4_moe_experts_serve_on_gpu(tmp_path):
             gc.collect()
     torch.cuda.empty_cache()
     diff = (lps[0] - lps[1]).abs().max().item()
-    assert diff < 0.15, f"INT4 MoE prompt log-probs on CUDA are {diff:.3f} away from the CPU path's"
+    assert diff < 0.15, f"{experts} MoE prompt log-probs on CUDA are {diff:.3f} away from the CPU path's"

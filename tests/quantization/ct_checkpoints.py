@@ -91,38 +91,67 @@ def hf_decompressed(path: str, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
-def write_ct_int4_moe_checkpoint(src: str, dst: str, group: int, symmetric: bool = True) -> dict[str, torch.Tensor]:
-    """`src` (a MoE checkpoint with per-expert tensors) with every expert projection and decoder
-    linear pack-quantized to INT4 by the compressed-tensors library's own quantize and pack functions,
-    tensor by tensor, as llm-compressor stores per-expert Linear layers (transformers 5 fuses the
-    experts, which the library's model-level path then leaves alone); the router stays full precision.
-    Returns the values each quantized tensor holds (the library's dequantize), by HF name."""
+def _input_order(base: str, k: int) -> torch.Tensor:
+    """A stand-in for GPTQ's activation order: a permutation of the k inputs, the same for every
+    projection reading the same inputs (q / k / v, gate / up: GPTQ sorts by the inputs' Hessian)."""
+    import re
+    import zlib
+    reader = re.sub(r"\.(q_proj|k_proj|v_proj)$", ".qkv", re.sub(r"\.(gate_proj|up_proj|w1|w3)$", ".gate_up", base))
+    return torch.randperm(k, generator=torch.Generator().manual_seed(zlib.crc32(reader.encode())))
+
+
+def _int4_tensors(base: str, t: torch.Tensor, group: int, symmetric: bool,
+                  actorder: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One weight pack-quantized by the library's own quantize, dequantize and pack functions, group by
+    group (min-max scales); with `actorder`, input k is in group g_idx[k] of a shuffled order, as
+    llm-compressor's GPTQ with `actorder: group` stores it (`weight_g_idx`)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    args = QuantizationArgs(num_bits=4, type="int", strategy="channel", symmetric=symmetric)
+    w = t.float()
+    n, k = w.shape
+    g_idx = torch.arange(k) // group
+    if actorder:
+        g_idx = torch.empty_like(g_idx).index_copy_(0, _input_order(base, k), g_idx)
+    groups = -(-k // group)
+    q, values = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k)
+    scale, zero = torch.empty(n, groups), torch.empty(n, groups, dtype=torch.int8)
+    for g in range(groups):
+        cols = (g_idx == g).nonzero().squeeze(1)
+        v = w[:, cols]
+        s, z = calculate_qparams(v.amin(1, keepdim=True).clamp(max=0), v.amax(1, keepdim=True).clamp(min=0), args)
+        s = s.to(torch.bfloat16).float()   # as stored
+        q[:, cols] = quantize(x=v, scale=s, zero_point=z, args=args, dtype=torch.int8)
+        values[:, cols] = dequantize(x_q=q[:, cols], scale=s, zero_point=z, args=args).float()
+        scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
+    tensors = {f"{base}.weight_packed": pack_to_int32(q, 4), f"{base}.weight_scale": scale.to(torch.bfloat16),
+               f"{base}.weight_shape": torch.tensor(w.shape)}
+    if not symmetric:
+        tensors[f"{base}.weight_zero_point"] = pack_to_int32(zero, 4, packed_dim=0)
+    if actorder:
+        tensors[f"{base}.weight_g_idx"] = g_idx.to(torch.int32)
+    return tensors, values
 
+
+def write_ct_int4_checkpoint(src: str, dst: str, group: int, symmetric: bool = True, actorder: bool = False,
+                             moe: bool = False) -> dict[str, torch.Tensor]:
+    """`src` with every decoder linear (and with `moe` every expert projection, stored per expert as
+    llm-compressor stores per-expert Linear layers: transformers 5 fuses the experts, which the
+    library's model-level path then leaves alone) pack-quantized to INT4, tensor by tensor; the
+    router stays full precision. Returns the values each quantized tensor holds, by HF name."""
     from tests.quantization.checkpoints import is_quantized_linear, write_quantized_checkpoint
     from tests.quantization.moe_checkpoints import EXPERT
-    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group, symmetric=symmetric)
-
-    def pack(base: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        w = t.float()
-        v = w.unflatten(-1, (-1, group))
-        scale, zero = calculate_qparams(v.amin(-1).clamp(max=0), v.amax(-1).clamp(min=0), args)
-        scale = scale.to(torch.bfloat16).float()   # as stored
-        q = quantize(x=w, scale=scale, zero_point=zero, args=args, dtype=torch.int8)
-        tensors = {f"{base}.weight_packed": pack_to_int32(q, 4), f"{base}.weight_scale": scale.to(torch.bfloat16),
-                   f"{base}.weight_shape": torch.tensor(w.shape)}
-        if not symmetric:
-            tensors[f"{base}.weight_zero_point"] = pack_to_int32(zero.to(torch.int8), 4, packed_dim=0)
-        return tensors, dequantize(x_q=q, scale=scale, zero_point=zero, args=args).float()
-
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": symmetric}
+    if actorder:
+        weights["actorder"] = "group"
     config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-              "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                  "num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": symmetric}}}}
-    return write_quantized_checkpoint(src, dst, pack, config,
-                                      select=lambda name: bool(EXPERT.search(name)) or is_quantized_linear(name))
+              "ignore": ["lm_head", "re:.*mlp.gate$"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+    return write_quantized_checkpoint(src, dst, lambda base, t: _int4_tensors(base, t, group, symmetric, actorder),
+                                      config, select=lambda name: (moe and bool(EXPERT.search(name)))
+                                      or is_quantized_linear(name))
 
 
 def block_checkpoint_as_compressed_tensors(path: str, block: tuple[int, int]) -> str:

@@ -93,32 +93,58 @@ def test_scheme_reading():
         "targets": _config(config_groups={"g": {"targets": ["re:.*self_attn.*"], **_int4(128)}}),
         "quantization_status 'frozen'": _config(quantization_status="frozen"),
         "sparsity_config": _config(sparsity_config={"format": "sparse-24-bitmask"}),
-        "actorder 'group'": _config(config_groups={"g": {"targets": ["Linear"], "weights": {
-            **_int4(128)["weights"], "actorder": "group"}}}),
+        "actorder 'group' with strategy 'channel'": _config(config_groups={"g": {"targets": ["Linear"], "weights": {
+            **_int4(None)["weights"], "actorder": "group"}}}),
     }
+    for actorder, group in (("group", True), (True, True), ("weight", False), ("static", False), (None, False)):
+        cfg = _config(config_groups={"g": {"targets": ["Linear"], "weights": {**_int4(128)["weights"],
+                                                                               "actorder": actorder}}})
+        assert parse(cfg).actorder_group == group
     for message, cfg in refusals.items():
         with pytest.raises(ValueError, match=message):
             parse(cfg)
 
 
+@pytest.mark.parametrize("tp,sym", [(1, True), (2, False)])
+def test_activation_order_checkpoint_matches_hf_on_its_values(tmp_path, tp, sym):
+    """`actorder: group` (GPTQ's activation order, older llm-compressor output): each input's group in
+    `weight_g_idx`, groups of 32 over shuffled inputs, q / k / v and gate / up in one order. At TP=2
+    each row-parallel rank holds every group's scales and its inputs' g_idx."""
+    from tests.quantization.ct_checkpoints import write_ct_int4_checkpoint
+    from tests.quantization.moe_checkpoints import write_with_weights
+    from tests.tiny_models import load_hf_model
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    values = write_ct_int4_checkpoint(src, str(tmp_path / "ct"), 32, symmetric=sym, actorder=True)
+    hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
+    llm = LLM(str(tmp_path / "ct"), tensor_parallel_size=tp, **KW)
+    try:
+        prompt = random_prompt(4, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
+    finally:
+        llm.engine.shutdown()
+
+
 def _moe_checkpoint(src: str, dst: str, experts: str) -> dict[str, torch.Tensor]:
-    """`src` with compressed-tensors experts and linears: INT4 (the library's own packing) or FP8
-    32 x 32 blocks; returns the values they hold."""
+    """`src` with compressed-tensors experts and linears: INT4 (the library's own packing; "-actorder":
+    with `weight_g_idx`) or FP8 32 x 32 blocks; returns the values they hold."""
     from tests.quantization.checkpoints import write_fp8_block_checkpoint
-    from tests.quantization.ct_checkpoints import block_checkpoint_as_compressed_tensors, write_ct_int4_moe_checkpoint
+    from tests.quantization.ct_checkpoints import block_checkpoint_as_compressed_tensors, write_ct_int4_checkpoint
     if experts == "fp8-block":
         values = write_fp8_block_checkpoint(src, dst, (32, 32))
         block_checkpoint_as_compressed_tensors(dst, (32, 32))
         return values
-    return write_ct_int4_moe_checkpoint(src, dst, 32, symmetric=experts == "int4")
+    return write_ct_int4_checkpoint(src, dst, 32, symmetric="asym" not in experts, actorder="actorder" in experts,
+                                    moe=True)
 
 
 @pytest.mark.parametrize("arch,experts,tp", [("qwen3_moe", "int4", 1), ("qwen3_moe", "int4-asym", 2),
-                                             ("mixtral", "int4", 1), ("qwen3_moe", "fp8-block", 1)])
+                                             ("mixtral", "int4", 1), ("qwen3_moe", "int4-actorder", 2),
+                                             ("qwen3_moe", "fp8-block", 1)])
 def test_moe_checkpoint_matches_hf_on_its_values(tmp_path, arch, experts, tp):
     """Per-expert tensors as llm-compressor stores them: INT4 kept 4-bit in the INT4 experts' layout
-    (at TP=2 each rank's 32 of down's 64 inputs are one group of 32), FP8 blocks kept E4M3 with
-    their block scales (`weight_scale`); FP8 experts per channel: tests/quantization/test_fp8_moe.py."""
+    (at TP=2 each rank's 32 of down's 64 inputs are one group of 32; with activation order every
+    group and the inputs' g_idx), FP8 blocks kept E4M3 with their block scales (`weight_scale`);
+    FP8 experts per channel: tests/quantization/test_fp8_moe.py."""
     from shardserve.layers.moe import FusedMoE
     from tests.quantization.moe_checkpoints import write_with_weights
     from tests.tiny_models import load_hf_model
