@@ -23,6 +23,14 @@ def _token_rounded(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale).view(x.shape).to(x.dtype)
 
 
+def _logprobs_beside_hf(llm: LLM, hf, prompt: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """(the prompt and 8 generated tokens, our log-prob rows over the whole vocabulary for them, HF's)."""
+    out = llm.generate([prompt], full_logprob_params(max_tokens=8), use_tqdm=False)[0]
+    ids = prompt + list(out.outputs[0].token_ids)
+    ours = torch.cat([logprob_matrix(out.prompt_logprobs[1:]), logprob_matrix(out.outputs[0].logprobs)])
+    return ids, ours, hf_logprobs(hf, ids)[:len(ids) - 1]
+
+
 W4A16_G64 = dict(weights=dict(num_bits=4, type="int", strategy="group", group_size=64, symmetric=True))
 
 
@@ -41,10 +49,7 @@ def test_model_on_cuda_tracks_hf(tmp_path, name, scheme, fmt, head):
     llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, show_progress=False, max_logprobs=-1)
     try:
         prompt = random_prompt(1, 40)
-        out = llm.generate([prompt], full_logprob_params(max_tokens=8), use_tqdm=False)[0]
-        ids = prompt + list(out.outputs[0].token_ids)
-        ref = hf_logprobs(hf, ids)[:len(ids) - 1]
-        ours = torch.cat([logprob_matrix(out.prompt_logprobs[1:]), logprob_matrix(out.outputs[0].logprobs)])
+        ids, ours, ref = _logprobs_beside_hf(llm, hf, prompt)
         if name == "fp8":
             # Prefill rounds the activations to FP8 per token (W8A8), and decode reads the K/V it wrote:
             # ours strays from HF on the checkpoint's weights no further than HF's own with that rounding
@@ -88,11 +93,7 @@ def test_activation_order_on_cuda_tracks_hf(tmp_path):
     llm = LLM(str(tmp_path / "ct"), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, show_progress=False,
               max_logprobs=-1)
     try:
-        prompt = random_prompt(2, 40)
-        out = llm.generate([prompt], full_logprob_params(max_tokens=8), use_tqdm=False)[0]
-        ids = prompt + list(out.outputs[0].token_ids)
-        ref = hf_logprobs(hf, ids)[:len(ids) - 1]
-        ours = torch.cat([logprob_matrix(out.prompt_logprobs[1:]), logprob_matrix(out.outputs[0].logprobs)])
+        _, ours, ref = _logprobs_beside_hf(llm, hf, random_prompt(2, 40))
         diff = (ours - ref).abs().max()
         assert diff < 0.15, f"actorder W4A16 log-probs on CUDA are {diff:.3f} away from HF on the same values"
         qkv = llm.engine.executor.worker.model_runner.model.model.layers[0].self_attn.qkv_proj
