@@ -107,7 +107,7 @@ def test_fp8_runs_gemv_matches_dequantized_reference(rows, n, k, gated, bias):
     want = reference.matmul(x.float(), reference.fp8_weight(w, scale, torch.float32),
                             b.float() if b is not None else None, gated)
     for tiles in (None, ("runs", 16, 128, 1, 3, 3), ("runs", 64, 64, 4, 3, 2), ("runs8", 32, 64, 2, 3, 1),
-                  ("runs8", 16, 64, 1, 4, 2)):
+                  ("runs8", 16, 64, 1, 4, 2), ("runs8", 16, 128, 1, 3, 2)):
         for _ in range(2):
             _close(triton_fp8_gemv.gemv(x, w, scale, b, gated, tiles=tiles), want, rows, n)
 
