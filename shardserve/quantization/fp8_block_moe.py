@@ -95,8 +95,8 @@ class Fp8BlockMoEMethod(MoEMethod):
         param.data[local, offset:offset + part_rows].copy_(loaded[first:first + part_rows])
 
     def process_after_loading(self, layer: FusedMoE) -> None:
-        for name in ("w13", "w2"):   # one name from here on, whatever the checkpoint's
-            if self.scale_name != "weight_scale_inv":
+        if self.scale_name != "weight_scale_inv":   # one name from here on, whatever the checkpoint's
+            for name in ("w13", "w2"):
                 scales = getattr(layer, f"{name}_{self.scale_name}")
                 delattr(layer, f"{name}_{self.scale_name}")
                 layer.register_parameter(f"{name}_weight_scale_inv", scales)
