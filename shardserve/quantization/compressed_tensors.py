@@ -1,5 +1,5 @@
 """compressed-tensors checkpoints (`quant_method: compressed-tensors`, what llm-compressor writes:
-RedHatAI's `*-FP8-dynamic`, `*-FP8`, `*-quantized.w4a16` models and most FP8 / INT4 checkpoints on
+RedHatAI's `*-FP8-dynamic`, `*-FP8`, `*-quantized.w4a16`, `*-quantized.w8a8` models and most FP8 / INT4 checkpoints on
 the Hub). The scheme is read by quantization/ct_scheme.py; the layers then run on the methods of
 the other formats, each reading the tensors as the library names and packs them:
 
@@ -15,6 +15,8 @@ the other formats, each reading the tensors as the library names and packs them:
   path sorts the inputs by group for the kernels). So w[n, k] = (nibble - zero nibble) * scale of
   k's group: the INT4 method of quantization/int4.py takes it from there (the CUDA W4A16 kernels,
   or dequantized on the CPU).
+- INT8 (`int-quantized`: `weight` int8; `pack-quantized`: four values per int32 word): widened at load,
+  quantization/int8.py (its docstring has the tensors). MoE experts in INT8 are refused.
 - The LM head is quantized like the linears when `ignore` does not name it (untied heads only,
   layers/vocab.py). MoE experts, stored per expert as the linears: FP8 with tensor or channel
   scales are the FP8 MoE method's (quantization/fp8_moe.py: the same `weight` / `weight_scale`
@@ -34,6 +36,7 @@ from shardserve.quantization.fp8 import Fp8LinearMethod
 from shardserve.quantization.fp8_block import Fp8BlockLinearMethod
 from shardserve.quantization.int4 import PACK, Int4Config, Int4LinearMethod, same_order_for_every_part, unpack_int4
 from shardserve.quantization.int4_moe import Int4MoEMethod
+from shardserve.quantization.int8 import Int8LinearMethod
 
 SYMMETRIC_ZERO = 8   # a symmetric scheme's values are stored as value + 8: zero is 8 in the nibbles
 
@@ -61,6 +64,8 @@ class CompressedTensorsConfig:
             if s.block:
                 return Fp8BlockLinearMethod(s.block, scale_name="weight_scale")
             return Fp8LinearMethod(from_checkpoint=True, per_channel=s.strategy == "channel")
+        if s.weights == "int8":
+            return Int8LinearMethod(s.strategy, s.symmetric, s.packed, s.group_size)
         return CtInt4LinearMethod(self.int4_config(), s.symmetric)
 
     def int4_config(self) -> Int4Config:

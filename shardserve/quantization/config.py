@@ -78,9 +78,11 @@ def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
         return GgufMoEMethod()
     if config.name == "compressed-tensors" and config.fp8:   # per-expert weight + weight_scale
         return Fp8BlockMoEMethod(config.block, scale_name="weight_scale") if config.block else Fp8MoEMethod(True)
-    if config.name == "compressed-tensors":
+    if config.name == "compressed-tensors" and config.scheme.weights == "int4":
         return CtInt4MoEMethod(config.int4_config(), config.scheme.symmetric)
-    raise ValueError(f"{config.name.upper()} weights for the experts of a mixture-of-experts layer "
+    what = f"compressed-tensors {config.scheme.weights.upper()}" if config.name == "compressed-tensors" else \
+        config.name.upper()
+    raise ValueError(f"{what} weights for the experts of a mixture-of-experts layer "
                      f"({layer.prefix}) are not supported")
 
 

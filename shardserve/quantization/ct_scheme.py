@@ -17,10 +17,13 @@ Read here: one group targeting every `Linear`, with
   `actorder` none, "weight" or "static" (they change how the tool quantizes, not what it stores), or
   "group" (`true` in older configs: GPTQ's activation order, each input's group in `weight_g_idx`,
   as GPTQ's `desc_act`; written by the library before 0.20); no activation quantization.
+- INT8 weights (int, 8 bits): `int-quantized` (symmetric or not) or `pack-quantized` (symmetric: the
+  W8A16 preset), strategy tensor, channel or group, INT8 activations per token (dynamic) or per
+  tensor (static: `input_scale` read, not used) or none. Weights widened at load (quantization/int8.py).
 `ignore` may name the LM head (which otherwise is quantized with the rest, as the library does when
 it is not ignored) and MoE routers (`mlp.gate`, `shared_expert_gate`: full precision here anyway).
-Everything else (INT8 W8A8 / W8A16, other bit widths, NVFP4 / MXFP4, 2:4 sparsity, transforms,
-several groups, per-layer exceptions) is refused naming the key."""
+Everything else (other bit widths or layouts, NVFP4 / MXFP4, 2:4 sparsity, transforms, several groups,
+per-layer exceptions) is refused naming the key."""
 from __future__ import annotations
 
 import re
@@ -34,10 +37,11 @@ _ROUTERS = re.compile(r"(^|[.*:])(gate|shared_expert_gate)\$?$")   # a MoE route
 
 @dataclass(frozen=True)
 class CtScheme:
-    weights: str                          # "fp8" or "int4"
-    strategy: str                         # tensor | channel | block (FP8); group | channel (INT4)
-    group_size: int | None = None         # INT4 group strategy: inputs per scale
-    symmetric: bool = True                # INT4: no stored zero points (zero 8 in the unsigned nibbles)
+    weights: str                          # "fp8", "int4" or "int8"
+    strategy: str                         # tensor | channel | block (FP8); group | channel (INT4); + tensor (INT8)
+    group_size: int | None = None         # INT4 / INT8 group strategy: inputs per scale
+    symmetric: bool = True                # INT4 / INT8: no stored zero points
+    packed: bool = False                  # INT8 pack-quantized (else int-quantized)
     actorder_group: bool = False          # INT4 group strategy: inputs' groups in `weight_g_idx`
     block: tuple[int, int] | None = None  # FP8 block strategy: [output rows, inputs] per scale
     lm_head: bool = False                 # the LM head is quantized too (not in `ignore`)
@@ -45,7 +49,8 @@ class CtScheme:
 
 def _refuse(what: str) -> ValueError:
     return ValueError(f"compressed-tensors checkpoint: {what} is not supported; supported are FP8 weights "
-                      "(tensor, channel or block scales) and INT4 pack-quantized weights (group or channel scales) "
+                      "(tensor, channel or block scales), INT4 pack-quantized weights (group or channel scales) and "
+                      "INT8 weights (int-quantized, or pack-quantized symmetric; tensor, channel or group scales) "
                       "on every Linear layer")
 
 
@@ -101,6 +106,27 @@ def _int4(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str) -> d
     return out
 
 
+def _int8(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str) -> dict[str, Any]:
+    if inputs is not None and (inputs.get("type") != "int" or inputs.get("num_bits") != 8):
+        raise _refuse(f"INT8 weights with {inputs.get('type')} {inputs.get('num_bits')}-bit activations")
+    strategy, symmetric = weights.get("strategy"), bool(weights.get("symmetric", True))
+    if fmt not in ("int-quantized", "pack-quantized"):
+        raise _refuse(f"INT8 weights in format {fmt!r}")
+    if fmt == "pack-quantized" and not symmetric:   # (zero points packed four to a word: not read)
+        raise _refuse("INT8 pack-quantized asymmetric weights")
+    if weights.get("actorder") in (True, "group"):
+        raise _refuse("INT8 actorder 'group'")
+    out = {"weights": "int8", "strategy": strategy, "symmetric": symmetric, "packed": fmt == "pack-quantized"}
+    if strategy == "group":
+        size = weights.get("group_size")
+        if not isinstance(size, int) or size <= 0:
+            raise _refuse(f"INT8 group_size {size!r}")
+        out["group_size"] = size
+    elif strategy not in ("tensor", "channel"):
+        raise _refuse(f"INT8 weight strategy {strategy!r}")
+    return out
+
+
 def parse(cfg: dict[str, Any]) -> CtScheme:
     status = cfg.get("quantization_status", "compressed")
     if status != "compressed":
@@ -125,6 +151,8 @@ def parse(cfg: dict[str, Any]) -> CtScheme:
         fields = _fp8(weights, inputs, fmt)
     elif kind == ("int", 4):
         fields = _int4(weights, inputs, fmt)
+    elif kind == ("int", 8):
+        fields = _int8(weights, inputs, fmt)
     else:
         raise _refuse(f"{kind[0]} {kind[1]}-bit weights")
     return CtScheme(**fields, lm_head=not _ignored_head(cfg.get("ignore") or []))
