@@ -31,6 +31,26 @@ def _logprobs_beside_hf(llm: LLM, hf, prompt: list[int]) -> tuple[list[int], tor
     return ids, ours, hf_logprobs(hf, ids)[:len(ids) - 1]
 
 
+def test_int8_checkpoint_on_cuda_tracks_hf(tmp_path):
+    """W8A8 INT8 per channel with its head (widened to bf16 at load, CUDA graphs on): the prompt and
+    decode rows over the whole vocabulary within bf16's distance of HF reading the files in fp32."""
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama", hidden_size=256, intermediate_size=512)
+    path = write_ct_checkpoint(src, str(tmp_path / "w8a8"), "W8A8", "int-quantized", ignore=())
+    llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, show_progress=False, max_logprobs=-1)
+    try:
+        ids, ours, ref = _logprobs_beside_hf(llm, hf_decompressed(path), random_prompt(1, 40))
+        diff = (ours - ref).abs().max()
+        assert diff < 0.15, f"INT8 log-probs on CUDA are {diff:.3f} away from HF on the same checkpoint"
+        runner = llm.engine.executor.worker.model_runner
+        assert runner.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+        assert runner.model.lm_head.linear.weight.dtype == torch.bfloat16 and runner.wants_graphs()
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 W4A16_G64 = dict(weights=dict(num_bits=4, type="int", strategy="group", group_size=64, symmetric=True))
 
 
