@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardserve.kernels.cpu.decoder_stack import StackLinear, panels_linear
 from shardserve.kernels.matmul import triton_skinny
 from shardserve.kernels.quant import triton_fp8_gemv, triton_fp8_quant
 from shardserve.layers.linear import LinearBase, LinearMethod, linear
@@ -134,6 +135,12 @@ class Fp8LinearMethod(LinearMethod):
             layer.weight_scale = nn.Parameter(scale.float(), requires_grad=False)
         else:   # widened once into the dtype the layer was built in (the compute dtype)
             layer.weight = nn.Parameter((weight.float() * scale[:, None]).to(layer.params_dtype), requires_grad=False)
+
+    def stack_linear(self, layer: LinearBase, gated: bool) -> StackLinear | None:
+        """Widened on the CPU, the layer is a plain one to the one-call decoder stack."""
+        if gated or layer.weight.dtype == FP8:
+            return None
+        return panels_linear(layer.weight, layer.output_size, layer.input_size, layer.bias)
 
     def takes_fp8_rows(self, layer: LinearBase, x: torch.Tensor) -> bool:
         return (FUSED_QUANT and layer.weight.dtype == FP8 and triton_fp8_quant.handles(x)

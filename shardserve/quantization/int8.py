@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardserve.kernels.cpu.decoder_stack import StackLinear, panels_linear
 from shardserve.layers.linear import LinearBase, LinearMethod, RowParallelLinear, linear
 
 PACK = 4            # 8-bit values per int32 word (pack-quantized)
@@ -102,3 +103,7 @@ class Int8LinearMethod(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, layer.weight, bias)
+
+    def stack_linear(self, layer: LinearBase, gated: bool) -> StackLinear | None:
+        """Widened, the layer is a plain one to the CPU's one-call decoder stack."""
+        return None if gated else panels_linear(layer.weight, layer.output_size, layer.input_size, layer.bias)

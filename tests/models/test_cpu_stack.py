@@ -1,9 +1,10 @@
 """The decoder layers as one native call (models/cpu_stack.py, kernels/cpu/csrc/decoder_stack.c)
 give the very bits of the per-module path (SHARDSERVE_CPU_DECODER_STACK=0): prompt log-probs over
 the whole vocabulary and greedy tokens, with chunked prefills beside decodes, for each kind of
-layer and matmul it takes (packed fp32 and bf16 panels, GGUF blocks with int8 and fp32
-activations, fused layers of two GGUF types, fp8 and bf16 KV pools, sliding windows, QKV bias,
-per-head q/k norms, MoE layers with GGUF experts); and it steps aside where it does not apply."""
+layer and matmul it takes (packed fp32 and bf16 panels, FP8 / INT8 weights widened at load, GGUF
+blocks with int8 and fp32 activations, fused layers of two GGUF types, fp8 and bf16 KV pools,
+sliding windows, QKV bias, per-head q/k norms, MoE layers with GGUF experts); and it steps aside
+where it does not apply."""
 from __future__ import annotations
 
 import pytest
@@ -68,6 +69,19 @@ def _assert_same_bits(path: str, monkeypatch, inspect=None, **kwargs) -> None:
 def test_stack_gives_the_module_path_bits(tmp_path, monkeypatch, arch, overrides, dtype, kv):
     path = make_tiny_checkpoint(str(tmp_path / arch), arch, **overrides)
     _assert_same_bits(path, monkeypatch, dtype=dtype, kv_cache_dtype=kv)
+
+
+@pytest.mark.parametrize("quant", ["fp8", "int8"])
+def test_stack_takes_weights_widened_at_load(tmp_path, monkeypatch, quant):
+    """`-q fp8` and a compressed-tensors INT8 checkpoint, widened after loading on the CPU, run as
+    plain packed layers in the stack."""
+    path = make_tiny_checkpoint(str(tmp_path / "llama"), "llama")
+    kwargs = {"quantization": "fp8"} if quant == "fp8" else {}
+    if quant == "int8":
+        pytest.importorskip("compressed_tensors")
+        from tests.quantization.ct_checkpoints import write_ct_checkpoint
+        path = write_ct_checkpoint(path, str(tmp_path / "w8a8"), "W8A8", "int-quantized", dtype=torch.float32)
+    _assert_same_bits(path, monkeypatch, dtype="float32", **kwargs)
 
 
 @pytest.mark.skipif(not quant_ops.available(), reason="GGUF CPU kernels unavailable")
