@@ -222,7 +222,9 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
         scheme = parse(config["quantization_config"])
         if scheme.weights == "fp8":
             return 1.0, f" fp8 weights (compressed-tensors, {scheme.strategy} scales)"
-        if scheme.weights == "int8":   # widened at load (quantization/int8.py)
+        if scheme.weights == "int8":   # kept INT8 on GPUs where symmetric per channel / tensor (quantization/int8.py)
+            if scheme.symmetric and scheme.strategy != "group":
+                return 1.0, f" int8 weights (compressed-tensors, {scheme.strategy} scales)"
             return float(elem), " int8 weights widened at load (compressed-tensors)"
         group = scheme.group_size or -1
         return held_bytes_per_weight(group, config["hidden_size"]), f" int4 weights (compressed-tensors, group {group})"

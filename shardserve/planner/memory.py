@@ -14,7 +14,7 @@ from shardserve.quantization.stored import head_quantized, weight_dtype
 
 # Bytes per weight. int4 adds, per group of 128 weights (GPTQ/AWQ's usual group), the fp16 scale
 # and uint8 zero point the CUDA kernels hold (kernels/quant/int4_layout.py).
-WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 0.5 + 3 / 128}
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 3 / 128}
 KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
                   "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
@@ -211,7 +211,7 @@ class ModelShape:
 def config_dtype(config: dict[str, Any]) -> str:
     """The dtype a checkpoint's weights are stored in: its quantization, else torch_dtype."""
     stored = weight_dtype(config.get("quantization_config"))
-    if stored and stored != "int8":   # INT8 is widened at load to the 16-bit compute dtype (quantization/int8.py)
+    if stored:
         return stored
     name = norm_dtype(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"))
     return "bf16" if name == "fp32" else name   # served in 16 bits, as the engine does on GPUs

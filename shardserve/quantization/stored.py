@@ -12,7 +12,8 @@ def _ct_weights(q: dict[str, Any]) -> dict[str, Any]:
 
 
 def weight_dtype(q: dict[str, Any] | None) -> str | None:
-    """"fp8", "int4" or "int8" for the linears of a quantized checkpoint; None for other formats."""
+    """"fp8", "int4" or "int8" for the linears of a quantized checkpoint as a GPU holds them; None for
+    other formats (and for INT8 layouts widened at load)."""
     q = q or {}
     method = str(q.get("quant_method", "")).lower()
     if method == "fp8":
@@ -22,6 +23,9 @@ def weight_dtype(q: dict[str, Any] | None) -> str | None:
         w = _ct_weights(q)
         if (w.get("type"), w.get("num_bits")) == ("float", 8):
             return "fp8"
+        if (w.get("type"), w.get("num_bits")) == ("int", 8):   # held INT8 on GPUs only symmetric per channel
+            # or tensor; else widened to the compute dtype at load (quantization/int8.py)
+            return "int8" if w.get("symmetric", True) and w.get("strategy") in ("tensor", "channel") else None
         bits = w.get("num_bits") if w.get("type") == "int" else None
     if method in ("gptq", "awq", "compressed-tensors") and bits in (4, 8):
         return "int4" if bits == 4 else "int8"

@@ -55,6 +55,30 @@ def test_fp8_gemv_matches_dequantized_reference(rows, n, k, gated, bias):
     assert not triton_fp8_gemv.handles(torch.randn(17, k, device="cuda", dtype=torch.bfloat16), w)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 300])
+@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (14336, 4096, True), (1000, 904, False)])
+def test_int8_weights_match_dequantized_reference(rows, n, k, gated):
+    """INT8 weights kept on the GPU (quantization/int8.py): up to 16 rows through the FP8 GEMV's loops
+    (W8A16) against dequantize-then-matmul; more rows rounded to INT8 per token on the INT8 tensor
+    cores (W8A8) against the same rounding in fp32."""
+    from shardserve.kernels.quant import triton_fp8_gemv
+    from shardserve.quantization.int8 import int8_matmul
+    torch.manual_seed(rows + k)
+    w = torch.randint(-127, 128, (2 * n if gated else n, k), dtype=torch.int8, device="cuda")
+    scale = torch.rand(w.shape[0], device="cuda") * 1e-3 + 1e-4
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    wf = w.float() * scale[:, None]
+    if rows <= triton_fp8_gemv.MAX_ROWS:
+        assert triton_fp8_gemv.handles(x, w, gated)
+        _close(triton_fp8_gemv.gemv(x, w, scale, gated=gated), reference.matmul(x.float(), wf, None, gated), rows, n)
+        return
+    if gated:
+        return   # (more rows: the plain matmul, then SiLU-and-mul)
+    xs = (x.float().abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
+    want = ((x.float() / xs).round().clamp(-127, 127) * xs) @ wf.t()
+    _close(int8_matmul(x, w, scale, None), want, rows, n)
+
+
 def _int4_weight(n: int, k: int, group: int, run: int) -> tuple[torch.Tensor, ...]:
     groups = -(-k // group)
     q = torch.randint(0, 16, (k, n), dtype=torch.int32, device="cuda")

@@ -77,15 +77,18 @@ def _compressed_tensors(weights: dict, ignore: list[str]) -> dict:
 
 
 def test_compressed_tensors_checkpoints_say_their_dtype_and_head():
-    """llm-compressor's configs carry no top-level bits: the scheme's weights say FP8 or INT4 (INT8 is
-    held in 16 bits: widened at load), and a head `ignore` leaves out is held like the linears."""
+    """llm-compressor's configs carry no top-level bits: the scheme's weights say FP8, INT4 or INT8
+    (group-scaled INT8 is widened at load: 16 bits), and a head `ignore` leaves out is held like the
+    linears."""
     config = model_config("llama-3.1-70b")
     fp8 = _compressed_tensors({"type": "float", "num_bits": 8, "strategy": "channel"}, ["lm_head"])
     w4 = _compressed_tensors({"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128}, [])
     assert config_dtype({**config, "quantization_config": fp8}) == "fp8"
     assert config_dtype({**config, "quantization_config": w4}) == "int4"
     w8 = _compressed_tensors({"type": "int", "num_bits": 8, "strategy": "channel"}, ["lm_head"])
-    assert config_dtype({**config, "quantization_config": w8}) == "bf16"   # INT8 is widened at load
+    assert config_dtype({**config, "quantization_config": w8}) == "int8"
+    w8_groups = _compressed_tensors({"type": "int", "num_bits": 8, "strategy": "group", "group_size": 128}, [])
+    assert config_dtype({**config, "quantization_config": w8_groups}) == "bf16"   # widened at load
     assert not ModelShape({**config, "quantization_config": fp8}).head_quantized
     assert ModelShape({**config, "quantization_config": w4}).head_quantized
     assert not ModelShape({**config, "quantization_config": {**w4, "ignore": ["re:.*lm_head$"]}}).head_quantized

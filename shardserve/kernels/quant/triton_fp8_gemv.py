@@ -1,5 +1,5 @@
 """FP8 (E4M3) weights with a scale per output channel, times a few bf16/fp16 activation rows (a
-decode batch, 1-16 rows), in Triton for CUDA.
+decode batch, 1-16 rows), in Triton for CUDA; INT8 weights (quantization/int8.py) run the same loops.
 
 As kernels/gemv/triton_gemv.py does for bf16: each program owns a strip of output features and
 streams their weight rows once, start to end (no split-K, no partial sums in memory), at one byte
@@ -259,16 +259,21 @@ if triton is not None:
 
 
 MODES = {"fma": 0, "dot": 1, "dot16": 2}
+# E4M3, or INT8 (compressed-tensors W8A8, quantization/int8.py): both widen exactly to fp16 in
+# registers, so the same loops and the FP8 tile settings (the same bytes per weight) serve both.
+WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 RUNS_ROWS = 4   # the "runs" loop: up to 4 rows (32 columns)
 
 
 def handles(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """A CUDA bf16/fp16 activation of 1-16 rows against a contiguous E4M3 weight, unless this GPU's
+    """A CUDA bf16/fp16 activation of 1-16 rows against a contiguous E4M3 or INT8 weight, unless this GPU's
     tuned settings say `torch._scaled_mm` was faster for this shape and row count."""
     if not (tuned.ENABLED and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
-            and weight.dtype == torch.float8_e4m3fn and weight.is_contiguous()):
+            and weight.dtype in WEIGHT_DTYPES and weight.is_contiguous()):
         return False
+    if weight.dtype == torch.int8:   # (INT8 has no `_scaled_mm` to prefer)
+        return True
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     return tuned.lookup("fp8", n, weight.shape[1], gated, x.shape[0], x.device) != ["scaled_mm"]
 
@@ -277,7 +282,7 @@ def _tiles(x: torch.Tensor, n: int, k: int, gated: bool) -> tuple:
     """(loop, BLOCK_N, BLOCK_K, warps, stages), or for "runs" / "runs8" (loop, BLOCK_N, run length,
     warps, stages, SPLIT): tuned for this GPU and shape, else a default."""
     found = tuned.lookup("fp8", n, k, gated, x.shape[0], x.device)
-    if found:
+    if found and found != ["scaled_mm"]:
         return tuple(found)
     if x.shape[0] <= RUNS_ROWS:   # 16 rows a warp: the tensor-core tile's height
         return "runs", 32, 64, 2, 3, 1 if n >= 8192 else 2
