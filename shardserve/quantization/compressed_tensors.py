@@ -15,8 +15,9 @@ the other formats, each reading the tensors as the library names and packs them:
   path sorts the inputs by group for the kernels). So w[n, k] = (nibble - zero nibble) * scale of
   k's group: the INT4 method of quantization/int4.py takes it from there (the CUDA W4A16 kernels,
   or dequantized on the CPU).
-- INT8 (`int-quantized`: `weight` int8; `pack-quantized`: four values per int32 word): widened at load,
-  quantization/int8.py (its docstring has the tensors). MoE experts in INT8 are refused.
+- INT8 (`int-quantized`: `weight` int8; `pack-quantized`: four values per int32 word): quantization/
+  int8.py's method (its docstring has the tensors): kept INT8 on CUDA where symmetric per channel or
+  tensor, else widened at load. MoE experts in INT8 are refused.
 - The LM head is quantized like the linears when `ignore` does not name it (untied heads only,
   layers/vocab.py). MoE experts, stored per expert as the linears: FP8 with tensor or channel
   scales are the FP8 MoE method's (quantization/fp8_moe.py: the same `weight` / `weight_scale`

@@ -19,7 +19,8 @@ Read here: one group targeting every `Linear`, with
   as GPTQ's `desc_act`; written by the library before 0.20); no activation quantization.
 - INT8 weights (int, 8 bits): `int-quantized` (symmetric or not) or `pack-quantized` (symmetric: the
   W8A16 preset), strategy tensor, channel or group, INT8 activations per token (dynamic) or per
-  tensor (static: `input_scale` read, not used) or none. Weights widened at load (quantization/int8.py).
+  tensor (static: `input_scale` read, not used) or none (quantization/int8.py: kept INT8 on CUDA where
+  symmetric per channel or tensor, else widened at load).
 `ignore` may name the LM head (which otherwise is quantized with the rest, as the library does when
 it is not ignored) and MoE routers (`mlp.gate`, `shared_expert_gate`: full precision here anyway).
 Everything else (other bit widths or layouts, NVFP4 / MXFP4, 2:4 sparsity, transforms, several groups,

@@ -31,6 +31,23 @@ def _logprobs_beside_hf(llm: LLM, hf, prompt: list[int]) -> tuple[list[int], tor
     return ids, ours, hf_logprobs(hf, ids)[:len(ids) - 1]
 
 
+def _assert_within_rounded_hf(path: str, ids: list[int], ours: torch.Tensor, ref: torch.Tensor, prompt_len: int,
+                              rounding, head: bool, name: str) -> None:
+    """Prefill rounds the activations per token (W8A8), and decode reads the K/V it wrote: ours strays
+    from HF on the checkpoint's weights (ref) no further than HF's own with that rounding of every
+    linear's input (and the head's, where quantized), prompt rows and generated rows apart (as
+    tests/gpu/test_cuda_fp8.py's tests; the first generated token's row is a prefill row)."""
+    rounded = hf_decompressed(path)
+    for module_name, module in rounded.named_modules():
+        if module_name.endswith("_proj") or (head and module_name == "lm_head"):
+            module.register_forward_pre_hook(lambda _, args: (rounding(args[0]),))
+    bound_rows = hf_logprobs(rounded, ids)[:len(ids) - 1]
+    for part in (slice(0, prompt_len), slice(prompt_len, None)):
+        stray = (ours[part] - ref[part]).abs().mean()
+        bound = (bound_rows[part] - ref[part]).abs().mean()
+        assert stray < 1.25 * bound + 0.03, f"{name} strays {stray:.3f} nats from HF, HF rounded {bound:.3f}"
+
+
 def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
     """x with each token rounded to INT8 at its own scale (what the INT8 prefill matmul multiplies)."""
     flat = x.reshape(-1, x.shape[-1]).float()
@@ -56,15 +73,7 @@ def test_int8_checkpoint_on_cuda_tracks_hf(tmp_path, name, scheme, fmt):
         prompt = random_prompt(1, 40)
         ids, ours, ref = _logprobs_beside_hf(llm, hf_decompressed(path), prompt)
         if kept:
-            rounded = hf_decompressed(path)
-            for module_name, module in rounded.named_modules():
-                if module_name.endswith("_proj") or module_name == "lm_head":
-                    module.register_forward_pre_hook(lambda _, args: (_int8_rounded(args[0]),))
-            bound_rows = hf_logprobs(rounded, ids)[:len(ids) - 1]
-            for part in (slice(0, len(prompt)), slice(len(prompt), None)):
-                stray = (ours[part] - ref[part]).abs().mean()
-                bound = (bound_rows[part] - ref[part]).abs().mean()
-                assert stray < 1.25 * bound + 0.03, f"INT8 strays {stray:.3f} nats from HF, HF rounded {bound:.3f}"
+            _assert_within_rounded_hf(path, ids, ours, ref, len(prompt), _int8_rounded, True, name)
         else:
             diff = (ours - ref).abs().max()
             assert diff < 0.15, f"INT8 log-probs on CUDA are {diff:.3f} away from HF on the same checkpoint"
@@ -99,18 +108,7 @@ def test_model_on_cuda_tracks_hf(tmp_path, name, scheme, fmt, head):
         prompt = random_prompt(1, 40)
         ids, ours, ref = _logprobs_beside_hf(llm, hf, prompt)
         if name == "fp8":
-            # Prefill rounds the activations to FP8 per token (W8A8), and decode reads the K/V it wrote:
-            # ours strays from HF on the checkpoint's weights no further than HF's own with that rounding
-            # (as tests/gpu/test_cuda_fp8.py's tests; the first generated token's row is a prefill row)
-            rounded = hf_decompressed(path)
-            for module_name, module in rounded.named_modules():
-                if module_name.endswith("_proj") or (head and module_name == "lm_head"):
-                    module.register_forward_pre_hook(lambda _, args: (_token_rounded(args[0]),))
-            bound_rows = hf_logprobs(rounded, ids)[:len(ids) - 1]
-            for part in (slice(0, len(prompt)), slice(len(prompt), None)):
-                stray = (ours[part] - ref[part]).abs().mean()
-                bound = (bound_rows[part] - ref[part]).abs().mean()
-                assert stray < 1.25 * bound + 0.03, f"{name} strays {stray:.3f} nats from HF, HF rounded {bound:.3f}"
+            _assert_within_rounded_hf(path, ids, ours, ref, len(prompt), _token_rounded, head, name)
         else:   # W4A16, FP8 blocks' decode rows (W8A16; their prefill rounds activations on down_proj only at
             # this size): bf16 against fp32 over the whole vocabulary, as tests/quantization/test_int4.py's CUDA test
             rows = slice(len(prompt), None) if held == torch.float8_e4m3fn else slice(None)
