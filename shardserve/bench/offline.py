@@ -39,7 +39,7 @@ from shardserve.bench.shapes import (
     shape_config,
     write_shape_dir,
 )
-from shardserve.quantization.stored import head_quantized
+from shardserve.quantization.stored import head_quantized, weight_dtype
 from shardserve.worker.profiler import require_profiler_dir
 
 
@@ -222,8 +222,8 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
         scheme = parse(config["quantization_config"])
         if scheme.weights == "fp8":
             return 1.0, f" fp8 weights (compressed-tensors, {scheme.strategy} scales)"
-        if scheme.weights == "int8":   # kept INT8 on GPUs where symmetric per channel / tensor (quantization/int8.py)
-            if scheme.symmetric and scheme.strategy != "group":
+        if scheme.weights == "int8":   # kept INT8 on GPUs only in some layouts (quantization/int8.py)
+            if weight_dtype(config["quantization_config"]) == "int8":
                 return 1.0, f" int8 weights (compressed-tensors, {scheme.strategy} scales)"
             return float(elem), " int8 weights widened at load (compressed-tensors)"
         group = scheme.group_size or -1

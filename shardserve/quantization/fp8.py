@@ -85,6 +85,15 @@ class Fp8Config:
         return Fp8BlockLinearMethod(self.block) if self.block else Fp8LinearMethod(self.from_checkpoint)
 
 
+def register_optional_input_scale(layer: LinearBase) -> None:
+    """A static `input_scale` per fused part: optional (a dynamic-scheme checkpoint has none), read and
+    dropped (activations are scaled per token). Buffers with a weight_loader are what models/loader.py
+    fills when present."""
+    buf = torch.ones(len(layer.output_shard_sizes), dtype=torch.float32)
+    layer.register_buffer("input_scale", buf, persistent=False)
+    buf.weight_loader, buf.per_part, buf.output_dim, buf.full_precision = layer.weight_loader, True, None, True
+
+
 def _scaled_matmul(layer: LinearBase, xq: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None,
                    dtype: torch.dtype) -> torch.Tensor:
     """FP8 rows [M, K] with their scales [M, 1] times the layer's FP8 weight: the Triton tiles where
@@ -113,11 +122,7 @@ class Fp8LinearMethod(LinearMethod):
         else:   # one per fused part (q, k, v / gate, up)
             layer.register_quant_param("weight_scale", torch.ones(parts, dtype=torch.float32), output_dim=None,
                                        per_part=True, full_precision=True)
-        # A static input_scale per part: optional (a dynamic-scheme checkpoint has none), read and dropped.
-        # Buffers with a weight_loader are what models/loader.py fills when present.
-        buf = torch.ones(parts, dtype=torch.float32)
-        layer.register_buffer("input_scale", buf, persistent=False)
-        buf.weight_loader, buf.per_part, buf.output_dim, buf.full_precision = layer.weight_loader, True, None, True
+        register_optional_input_scale(layer)
 
     def process_after_loading(self, layer: LinearBase) -> None:
         if self.from_checkpoint:   # per-part scales spread over each part's rows

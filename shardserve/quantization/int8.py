@@ -30,6 +30,7 @@ from torch import nn
 from shardserve.kernels.cpu.decoder_stack import StackLinear, panels_linear
 from shardserve.kernels.quant import triton_fp8_gemv
 from shardserve.layers.linear import LinearBase, LinearMethod, RowParallelLinear, linear
+from shardserve.quantization.fp8 import register_optional_input_scale
 
 PACK = 4            # 8-bit values per int32 word (pack-quantized)
 PACKED_OFFSET = 128  # pack-quantized stores value + 128 (unsigned bytes)
@@ -95,10 +96,7 @@ class Int8LinearMethod(LinearMethod):
             else:
                 layer.register_quant_param(name, torch.zeros(parts, dtype=dtype), output_dim=None, per_part=True,
                                            full_precision=True)
-        # A static input_scale per part: optional (dynamic schemes carry none), read and dropped.
-        buf = torch.ones(parts, dtype=torch.float32)
-        layer.register_buffer("input_scale", buf, persistent=False)
-        buf.weight_loader, buf.per_part, buf.output_dim, buf.full_precision = layer.weight_loader, True, None, True
+        register_optional_input_scale(layer)
 
     def _per_weight(self, layer: LinearBase, t: torch.Tensor) -> torch.Tensor:
         """A scale or zero point per weight, broadcastable to [N, K]: a per-part one spread over its
@@ -113,7 +111,8 @@ class Int8LinearMethod(LinearMethod):
         return t.float()[:, (first + torch.arange(k, device=t.device)) // self.group_size]
 
     def kept(self, device: torch.device) -> bool:
-        """Whether the weights stay INT8 on `device` (the module docstring)."""
+        """Whether the weights stay INT8 on `device` (the module docstring; quantization/stored.py's
+        weight_dtype says the same to the planner)."""
         return device.type == "cuda" and self.symmetric and self.strategy != "group"
 
     def process_after_loading(self, layer: LinearBase) -> None:
