@@ -4,12 +4,10 @@
 - CUDA, symmetric weights with per-channel or per-tensor scales (the W8A8 presets): kept INT8 with
   an fp32 scale per output row. 1-16 rows (decode) run the FP8 decode GEMV's loops, which widen INT8
   to fp16 in registers exactly as they do E4M3 (kernels/quant/triton_fp8_gemv.py; W8A16); more rows
-  are rounded to INT8 per token and multiplied on the INT8 tensor cores (`torch._int_mm`, int32 sums),
-  both scales applied to the fp32 result (W8A8, as the checkpoint's dynamic per-token scheme says; a
-  static `input_scale` is read and not used: a per-token scale is never less accurate).
-  Half of bf16's memory, but not yet its speed: on an H100 (8B shape, batch 1) the decode step is
-  6.48 ms against bf16's 5.58, the 128-token prefill 13.4 ms against 8.3 (the GEMV's INT8 widening
-  costs a conversion per weight where E4M3's costs one per two; the per-token rounding is torch ops).
+  are rounded to INT8 per token and multiplied on the INT8 tensor cores (kernels/quant/triton_int8.py:
+  one Triton pass rounds, `torch._int_mm` sums in int32, one Triton pass applies both scales; W8A8, as
+  the checkpoint's dynamic per-token scheme says; a static `input_scale` is read and not used: a
+  per-token scale is never less accurate).
 - Elsewhere (the CPU; group scales or zero points on a GPU): widened once after loading into an
   ordinary weight of the compute dtype, so the checkpoint serves with its INT8 values' accuracy, not
   INT8's memory saving, on the unquantized kernels (the CPU's one-call decoder stack too).
@@ -28,7 +26,7 @@ import torch
 from torch import nn
 
 from shardserve.kernels.cpu.decoder_stack import StackLinear, panels_linear
-from shardserve.kernels.quant import triton_fp8_gemv
+from shardserve.kernels.quant import triton_fp8_gemv, triton_int8
 from shardserve.layers.linear import LinearBase, LinearMethod, RowParallelLinear, linear
 from shardserve.quantization.fp8 import register_optional_input_scale
 
@@ -46,15 +44,12 @@ def unpack_int8(words: torch.Tensor) -> torch.Tensor:
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """W8A8: x [M, K] rounded to INT8 per token, times the INT8 weight [N, K] in int32 (the INT8 tensor
-    cores through `torch._int_mm` where its shapes allow: more than 16 rows, K and N multiples of 8),
-    the token and row scales (and the bias) applied in fp32 before the one rounding."""
+    """W8A8 in torch ops (the reference of kernels/quant/triton_int8.py, and the shapes it does not
+    take): x [M, K] rounded to INT8 per token, times the INT8 weight [N, K], the token and row scales
+    (and the bias) applied in fp32 before the one rounding."""
     x_scale = (x.float().abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
-    xq = (x.float() / x_scale).round().clamp(-127, 127).to(torch.int8)
-    if x.is_cuda and xq.shape[0] > 16 and xq.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0:
-        sums = torch._int_mm(xq, weight.t()).float()
-    else:
-        sums = xq.float() @ weight.float().t()   # (exact in fp32 up to K ~ 1000, rounded beyond)
+    xq = (x.float() / x_scale).round().clamp(-127, 127)
+    sums = xq @ weight.float().t()   # (exact in fp32 up to K ~ 1000, rounded beyond)
     out = sums * x_scale * scale
     if bias is not None:
         out += bias.float()
@@ -143,6 +138,8 @@ class Int8LinearMethod(LinearMethod):
         x2 = x.reshape(-1, shape[-1])
         if triton_fp8_gemv.handles(x2, layer.weight):   # a decode batch
             out = triton_fp8_gemv.gemv(x2, layer.weight, layer.weight_scale, bias)
+        elif triton_int8.handles(x2, layer.weight):
+            out = triton_int8.matmul(x2, layer.weight, layer.weight_scale, bias)
         else:
             out = int8_matmul(x2, layer.weight, layer.weight_scale, bias)
         return out.view(*shape[:-1], out.shape[-1])

@@ -59,12 +59,13 @@ def test_fp8_gemv_matches_dequantized_reference(rows, n, k, gated, bias):
 @pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (14336, 4096, True), (1000, 904, False)])
 def test_int8_weights_match_dequantized_reference(rows, n, k, gated):
     """INT8 weights kept on the GPU (quantization/int8.py): up to 16 rows through the FP8 GEMV's loops
-    (W8A16) against dequantize-then-matmul; more rows rounded to INT8 per token on the INT8 tensor
-    cores (W8A8) against the same rounding in fp32."""
-    from shardserve.kernels.quant import triton_fp8_gemv
-    from shardserve.quantization.int8 import int8_matmul
+    (W8A16, INT8 widened by the byte trick) against dequantize-then-matmul; more rows rounded to INT8
+    per token on the INT8 tensor cores (W8A8, kernels/quant/triton_int8.py) bit for bit against the
+    same roundings in torch with exact sums, and near the dequantized reference."""
+    from shardserve.kernels.quant import triton_fp8_gemv, triton_int8
     torch.manual_seed(rows + k)
     w = torch.randint(-127, 128, (2 * n if gated else n, k), dtype=torch.int8, device="cuda")
+    w[0, :8] = torch.tensor([-128, -127, -1, 0, 1, 126, 127, -64], dtype=torch.int8)   # every byte class
     scale = torch.rand(w.shape[0], device="cuda") * 1e-3 + 1e-4
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     wf = w.float() * scale[:, None]
@@ -75,8 +76,12 @@ def test_int8_weights_match_dequantized_reference(rows, n, k, gated):
     if gated:
         return   # (more rows: the plain matmul, then SiLU-and-mul)
     xs = (x.float().abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
-    want = ((x.float() / xs).round().clamp(-127, 127) * xs) @ wf.t()
-    _close(int8_matmul(x, w, scale, None), want, rows, n)
+    xq = (x.float() / xs).round().clamp(-127, 127)
+    exact = (xq.double() @ w.double().t()).float() * xs * scale
+    assert triton_int8.handles(x, w)
+    got = triton_int8.matmul(x, w, scale, None)
+    assert torch.equal(got, exact.to(torch.bfloat16))
+    _close(got, (xq * xs) @ wf.t(), rows, n)
 
 
 def _int4_weight(n: int, k: int, group: int, run: int) -> tuple[torch.Tensor, ...]:

@@ -8,6 +8,9 @@ than the FP8 matmul saves over bf16 at decode-sized batches.
 activation blocks, for the block-scaled `_scaled_mm` of kernels/quant/triton_fp8_block.py), the
 rows padded with zeros to a multiple of 4 and the scales stored group-major, as cuBLAS takes them.
 
+`quantize_tokens(x, torch.int8)`: the same pass rounding to INT8 (scale amax / 127, round half to even)
+for the W8A8 INT8 matmul of quantization/int8.py.
+
 `store_quantized_row` is the per-token rounding as a piece other kernels end with: the RMSNorm and
 SiLU-and-mul kernels quantize their own output for the FP8 matmul that takes it next, one pass over
 the activations fewer (they hand over `Fp8Rows`)."""
@@ -25,6 +28,7 @@ except ImportError:   # CPU-only installs launch no Triton kernels
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INT8_MAX = 127.0
 MIN_SCALE = 1e-12   # a row of zeros gets this scale (and zeros), as the torch reference does
 
 
@@ -47,14 +51,37 @@ if triton is not None:
 
     # The rounding of quantize_tokens, in pieces other kernels use (the module docstring).
     @triton.jit
+    def row_scale_to(amax, QMAX: tl.constexpr):
+        """A row's scale from its (elementwise) absolute maxima, for values saturating at QMAX."""
+        return tl.maximum(tl.max(amax, axis=0) / QMAX, _MIN_SCALE)
+
+    @triton.jit
     def row_scale(amax):
-        """A row's scale from its (elementwise) absolute maxima."""
-        return tl.maximum(tl.max(amax, axis=0) / _MAX, _MIN_SCALE)
+        return row_scale_to(amax, _MAX)
+
+    @triton.jit
+    def round_half_even(q):
+        """torch.round's rule, exactly: |q|'s fraction (exact: floor(a) is 0 or at least a / 2) decides,
+        a tie going to the even neighbour. (libdevice's rint has no form under Triton's interpreter.)"""
+        a = tl.abs(q)
+        r = tl.floor(a)
+        frac = a - r
+        up = (frac > 0.5) | ((frac == 0.5) & ((r.to(tl.int32) & 1) == 1))
+        r = tl.where(up, r + 1.0, r)
+        return tl.where(q < 0, -r, r)
+
+    @triton.jit
+    def to_quantized(y, scale, q_ptrs, mask, QMAX: tl.constexpr):
+        """Stores y / scale (fp32, torch's division, saturated at QMAX) as q_ptrs' type: E4M3, or INT8
+        rounded half to even."""
+        q = tl.math.div_rn(y, scale)
+        if q_ptrs.dtype.element_ty == tl.int8:
+            q = round_half_even(q)
+        tl.store(q_ptrs, tl.clamp(q, -QMAX, QMAX).to(q_ptrs.dtype.element_ty), mask=mask)
 
     @triton.jit
     def to_e4m3(y, scale, q_ptrs, mask):
-        """Stores y / scale (fp32, torch's division, saturated) as E4M3."""
-        tl.store(q_ptrs, tl.clamp(tl.math.div_rn(y, scale), -_MAX, _MAX).to(q_ptrs.dtype.element_ty), mask=mask)
+        to_quantized(y, scale, q_ptrs, mask, _MAX)
 
     @triton.jit
     def store_quantized_row(y, q_row, s_ptr, cols, mask):
@@ -65,25 +92,27 @@ if triton is not None:
 
     @triton.jit
     def quant_rows_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q,
-                          BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+                          BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, QMAX: tl.constexpr):
         row = tl.program_id(0)
         x_row = x_ptr + row.to(tl.int64) * stride_x
         q_row = q_ptr + row.to(tl.int64) * stride_q
         if ONE_PASS:   # the row fits one block: read it once
             cols = tl.arange(0, BLOCK_K)
             x = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
-            store_quantized_row(x, q_row, s_ptr + row, cols, cols < k)
+            scale = row_scale_to(tl.abs(x), QMAX)
+            to_quantized(x, scale, q_row + cols, cols < k, QMAX)
         else:          # two passes over a long row; the second read comes from L2
             amax = tl.zeros([BLOCK_K], tl.float32)
             for k0 in range(0, k, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = row_scale(amax)
+            scale = row_scale_to(amax, QMAX)
             for k0 in range(0, k, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
-                to_e4m3(tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32), scale, q_row + cols, cols < k)
-            tl.store(s_ptr + row, scale)
+                x = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
+                to_quantized(x, scale, q_row + cols, cols < k, QMAX)
+        tl.store(s_ptr + row, scale)
 
     @triton.jit
     def quant_groups_kernel(x_ptr, q_ptr, s_ptr, m, k, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
@@ -103,13 +132,15 @@ def handles(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0
 
 
-def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations [M, K] -> (E4M3 [M, K], fp32 scales [M, 1]), one scale per token."""
+def quantize_tokens(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] -> (E4M3 or INT8 [M, K], fp32 scales [M, 1]), one scale per token."""
     m, k = x.shape
-    q, scale, _ = empty_rows(m, k, x.dtype, x.device)
+    q = torch.empty((m, k), dtype=dtype, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     one_pass = k <= 8192
     block = triton.next_power_of_2(k) if one_pass else 4096
     quant_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=block, ONE_PASS=one_pass,
+                            QMAX=INT8_MAX if dtype == torch.int8 else FP8_MAX,
                             num_warps=8 if block >= 4096 else 4)
     return q, scale
 
