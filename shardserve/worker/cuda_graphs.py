@@ -42,15 +42,22 @@ class StaticTokens:
 
     def __init__(self, n: int, scratch_slot: int, device: torch.device) -> None:
         self.scratch_slot = scratch_slot
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
+        # The three as rows of one buffer: a step's inputs, rows of one tensor too (StepInputs.token_columns),
+        # come in one copy (each copy between two replays costs the batch-1 step 2-3 us).
+        self.columns = torch.zeros(3, n, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slots = self.columns
+        self.slots.fill_(scratch_slot)
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, size: int) -> None:
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, size: int,
+             columns: torch.Tensor | None = None) -> None:
+        """columns: the three as the rows of one [3, t] tensor, when they are."""
         t = input_ids.shape[0]
-        self.input_ids[:t].copy_(input_ids, non_blocking=True)
-        self.positions[:t].copy_(positions, non_blocking=True)
-        self.slots[:t].copy_(slots, non_blocking=True)
+        if columns is not None:
+            self.columns[:, :t].copy_(columns, non_blocking=True)
+        else:
+            self.input_ids[:t].copy_(input_ids, non_blocking=True)
+            self.positions[:t].copy_(positions, non_blocking=True)
+            self.slots[:t].copy_(slots, non_blocking=True)
         self.slots[t:size].fill_(self.scratch_slot)
 
     def forward(self, model: torch.nn.Module, size: int, ctx: AttentionContext) -> torch.Tensor:
@@ -99,11 +106,11 @@ class DecodeGraphs:
         return batch <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Hidden states of a decode-only batch (one token per request)."""
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states of a decode-only batch (one token per request). columns: StaticTokens.load's."""
         b = input_ids.shape[0]
         batch = next(s for s in self.sizes if s >= b)
-        self.tokens.load(input_ids, positions, slots, batch)
+        self.tokens.load(input_ids, positions, slots, batch, columns)
         self.block_tables[:batch].zero_()
         self.block_tables[:b, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         self.seq_lens[:b].copy_(seq_lens, non_blocking=True)

@@ -60,6 +60,10 @@ class StepInputs:
     outputs_before_sample: list[int]  # per sampled request: output tokens before the one drawn now
     placeholders: list[tuple[int, str]]   # (flat index, request): input is the previous step's sample
     seq_lens: torch.Tensor           # per request: tokens in its KV cache once this step ran
+    # input_ids, positions and the slot mapping as the rows of one [3, tokens] view (graphs take them
+    # in one copy), and whether every token is sampled, in order (sample_indices is then 0..T-1).
+    token_columns: torch.Tensor | None = None
+    samples_every_row: bool = False
     # Speculative decoding: per sampled request, the drafts its rows verify ([] for plain rows). A
     # request with d drafts has d + 1 consecutive rows in sample_indices.
     spec_drafts: list[list[int]] | None = None
@@ -146,6 +150,8 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
         num_decodes=num_decodes, query_lens=query_lens, context_lens=context_lens,
         block_tables=to_device(block_tables, torch.int32, device),
         slot_mapping=on_device[2 * t_col:2 * t_col + total], block_size=block_size)
-    return StepInputs(req_ids, on_device[:total], on_device[t_col:t_col + total], attn, offsets, sample_req_ids,
+    columns = on_device[:3 * t_col].view(3, t_col)[:, :total]
+    return StepInputs(req_ids, columns[0], columns[1], attn, offsets, sample_req_ids,
                       on_device[samples:end], outputs_before, placeholders,
-                      on_device[3 * t_col:3 * t_col + num_reqs], spec_drafts)
+                      on_device[3 * t_col:3 * t_col + num_reqs], token_columns=columns, spec_drafts=spec_drafts,
+                      samples_every_row=len(sample_idx) == total)   # (sample_idx increases)

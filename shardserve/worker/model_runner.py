@@ -39,6 +39,10 @@ def _rows_to_lists(ids: torch.Tensor, lps: torch.Tensor, ranks: torch.Tensor, k:
     return ids[:width].tolist(), lps[:width].tolist(), ranks[:width].tolist()
 
 
+def _consecutive(values: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(values, values[1:]))
+
+
 class PendingOutput:
     """A step's output that may still be on its way from the device: get() waits (once) for it."""
 
@@ -232,7 +236,8 @@ class ModelRunner:
         if not inputs.sample_req_ids:
             return PendingOutput(out)
         states = [self.states[r] for r in inputs.sample_req_ids]
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])   # a TP collective
+        rows = hidden if inputs.samples_every_row else hidden[inputs.sample_indices]   # (a decode step: no gather)
+        logits = self.model.compute_logits(rows)   # a TP collective
         tp = get_tp_group()
         if tp.rank != 0:   # only the driver samples; the scheduler (or the driver's broadcast) brings the tokens
             if self.broadcast_samples:
@@ -290,7 +295,12 @@ class ModelRunner:
         except KeyError as e:
             raise RuntimeError(f"request {e.args[0]} needs a token from the previous step, which did not "
                                "sample for it") from None
-        flat, rows = to_device([[i for i, _ in inputs.placeholders], rows], torch.long, self.device)   # one copy
+        flat = [i for i, _ in inputs.placeholders]
+        if _consecutive(flat) and _consecutive(rows):   # a decode batch in the previous step's order: one copy
+            tokens = self.prev_sampled[rows[0]:rows[0] + len(rows)]
+            inputs.input_ids[flat[0]:flat[0] + len(flat)].copy_(tokens)
+            return tokens
+        flat, rows = to_device([flat, rows], torch.long, self.device)   # one copy
         tokens = self.prev_sampled.index_select(0, rows)
         inputs.input_ids.index_copy_(0, flat, tokens)
         return tokens
