@@ -21,7 +21,7 @@ from shardserve.layers.sampler import Sampler, compute_logprobs
 from shardserve.models.loader import load_model
 from shardserve.spec_decode.rejection_sampler import accept_drafts
 from shardserve.structured.bitmask import GrammarBitmask
-from shardserve.transfer import to_device
+from shardserve.transfer import copy_stream, to_device
 from shardserve.worker import kv_sizing
 from shardserve.worker.draft_proposer import DraftProposer
 from shardserve.worker.input_batch import CachedRequestState, StepInputs, prepare_inputs, update_states
@@ -319,10 +319,17 @@ class ModelRunner:
         """Copy the results to the host behind the step's work and fill `out` once they are there."""
         event = None
         if self.device.type == "cuda":   # non-blocking copies to the host land in pinned memory
-            sampled = sampled.to("cpu", non_blocking=True)
-            lp_rows = None if lp_rows is None else tuple(t.to("cpu", non_blocking=True) for t in lp_rows)
-            event = torch.cuda.Event()
-            event.record()
+            # on a side stream: the next step's work queues right behind this one's sampling
+            side = copy_stream(self.device, "out")
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            on_device = [sampled, *(lp_rows or ())]
+            with torch.cuda.stream(side):
+                sampled = sampled.to("cpu", non_blocking=True)
+                lp_rows = None if lp_rows is None else tuple(t.to("cpu", non_blocking=True) for t in lp_rows)
+                event = torch.cuda.Event()
+                event.record(side)
+            for t in on_device:   # not reused before the copies read them
+                t.record_stream(side)
 
         def finish() -> None:
             if event is not None:
