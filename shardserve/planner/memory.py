@@ -40,10 +40,11 @@ class ModelShape:
         c = self.config = config
         # Per dtype, bytes per weight of the (non-expert) linears, of the token embedding and of the
         # routed experts where they are not the dtype's: a GGUF file's, kept in blocks
-        # (catalog.gguf_linear_bytes / _embedding_bytes / _expert_bytes).
+        # (catalog.gguf_linear_bytes / _embedding_bytes / _expert_bytes). INT8 experts are widened to
+        # 16 bits at load on GPUs (quantization/int8.Int8MoEMethod).
         self.linear_bytes = linear_bytes or {}
         self.embed_bytes = embed_bytes or {}
-        self.expert_bytes = expert_bytes or {}
+        self.expert_bytes = {"int8": 2.0, **(expert_bytes or {})}
         try:
             self.hidden, self.layers, self.heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
             self.vocab = c["vocab_size"]

@@ -17,12 +17,13 @@ the other formats, each reading the tensors as the library names and packs them:
   or dequantized on the CPU).
 - INT8 (`int-quantized`: `weight` int8; `pack-quantized`: four values per int32 word): quantization/
   int8.py's method (its docstring has the tensors): kept INT8 on CUDA where symmetric per channel or
-  tensor, else widened at load. MoE experts in INT8 are refused.
+  tensor, else widened at load.
 - The LM head is quantized like the linears when `ignore` does not name it (untied heads only,
   layers/vocab.py). MoE experts, stored per expert as the linears: FP8 with tensor or channel
   scales are the FP8 MoE method's (quantization/fp8_moe.py: the same `weight` / `weight_scale`
   names), block-scaled ones the block method's (quantization/fp8_block_moe.py, `weight_scale`
-  for its `weight_scale_inv`), INT4 ones `CtInt4MoEMethod`'s below (quantization/config.py picks)."""
+  for its `weight_scale_inv`), INT4 ones `CtInt4MoEMethod`'s below, INT8 ones (symmetric, channel or
+  tensor scales) quantization/int8.Int8MoEMethod's (quantization/config.py picks)."""
 from __future__ import annotations
 
 from typing import Any

@@ -18,6 +18,7 @@ from shardserve.quantization.gguf import GgufConfig
 from shardserve.quantization.gguf_moe import GgufMoEMethod
 from shardserve.quantization.int4 import AwqConfig, GptqConfig
 from shardserve.quantization.int4_moe import Int4MoEMethod
+from shardserve.quantization.int8 import Int8MoEMethod
 
 QUANTIZATION_METHODS = ("fp8",)   # quantize a full-precision checkpoint at load
 _FROM_CHECKPOINT = {"fp8": Fp8Config, "gptq": GptqConfig, "awq": AwqConfig, "gguf": GgufConfig,
@@ -80,8 +81,15 @@ def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
         return Fp8BlockMoEMethod(config.block, scale_name="weight_scale") if config.block else Fp8MoEMethod(True)
     if config.name == "compressed-tensors" and config.scheme.weights == "int4":
         return CtInt4MoEMethod(config.int4_config(), config.scheme.symmetric)
-    what = f"compressed-tensors {config.scheme.weights.upper()}" if config.name == "compressed-tensors" else \
-        config.name.upper()
+    scheme = config.scheme if config.name == "compressed-tensors" else None
+    if scheme is not None and scheme.weights == "int8":
+        if scheme.symmetric and not scheme.packed and scheme.strategy in ("channel", "tensor"):
+            return Int8MoEMethod()
+        raise ValueError(f"compressed-tensors INT8 weights for the experts of a mixture-of-experts layer "
+                         f"({layer.prefix}) are supported symmetric, per channel or per tensor, "
+                         f"`int-quantized` (the W8A8 presets); not {scheme.strategy} scales"
+                         f"{'' if scheme.symmetric else ', asymmetric'}{', pack-quantized' if scheme.packed else ''}")
+    what = f"compressed-tensors {scheme.weights.upper()}" if scheme is not None else config.name.upper()
     raise ValueError(f"{what} weights for the experts of a mixture-of-experts layer "
                      f"({layer.prefix}) are not supported")
 

@@ -30,12 +30,14 @@ from shardserve.quantization.fp8 import FP8, quantize_rows
 
 
 class Fp8MoEMethod(MoEMethod):
+    checkpoint_dtype = FP8   # the experts' type in a checkpoint (INT8's subclass, quantization/int8.py)
+
     def __init__(self, from_checkpoint: bool) -> None:
         self.from_checkpoint = from_checkpoint   # experts stored as FP8 (else quantized after loading)
 
     def create_weights(self, layer: FusedMoE) -> None:
         e, inter, hidden = layer.num_local_experts, layer.intermediate_size, layer.hidden_size
-        dtype = FP8 if self.from_checkpoint else torch.get_default_dtype()
+        dtype = self.checkpoint_dtype if self.from_checkpoint else torch.get_default_dtype()
         layer.register_expert_param("w13_weight", torch.empty(e, 2 * inter, hidden, dtype=dtype))
         layer.register_expert_param("w2_weight", torch.empty(e, hidden, inter, dtype=dtype))
         if not self.from_checkpoint:

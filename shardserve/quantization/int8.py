@@ -28,7 +28,9 @@ from torch import nn
 from shardserve.kernels.cpu.decoder_stack import StackLinear, panels_linear
 from shardserve.kernels.quant import triton_fp8_gemv, triton_int8
 from shardserve.layers.linear import LinearBase, LinearMethod, RowParallelLinear, linear
+from shardserve.layers.moe import FusedMoE
 from shardserve.quantization.fp8 import register_optional_input_scale
+from shardserve.quantization.fp8_moe import Fp8MoEMethod
 
 PACK = 4            # 8-bit values per int32 word (pack-quantized)
 PACKED_OFFSET = 128  # pack-quantized stores value + 128 (unsigned bytes)
@@ -152,3 +154,35 @@ class Int8LinearMethod(LinearMethod):
     def stack_linear(self, layer: LinearBase, gated: bool) -> StackLinear | None:
         """Widened, the layer is a plain one to the CPU's one-call decoder stack."""
         return None if gated else panels_linear(layer.weight, layer.output_size, layer.input_size, layer.bias)
+
+
+class Int8MoEMethod(Fp8MoEMethod):
+    """MoE experts in INT8, symmetric with per-channel or per-tensor scales (the W8A8 presets; other
+    INT8 expert layouts are refused, quantization/config.moe_method), stored per expert as the linears
+    are (`experts.N.gate_proj.weight` int8, `weight_scale`, an optional `input_scale`): read as the FP8
+    experts are (quantization/fp8_moe.py: a tensor's scale spread over its rows, `input_scale` dropped).
+    - CPU: kept INT8 (half of bf16's memory), each picked expert widened for its own matmul with its
+      row scales on the output (kernels/moe/torch_moe.py), exact like FP8's.
+    - CUDA: widened once after loading into the compute dtype, one expert at a time, for the fused
+      Triton MoE kernel, which takes no INT8 experts yet (and the torch path's host syncs would break
+      CUDA graphs): the checkpoint's values, not its memory saving."""
+    checkpoint_dtype = torch.int8
+
+    def __init__(self) -> None:
+        super().__init__(from_checkpoint=True)
+
+    def create_weights(self, layer: FusedMoE) -> None:
+        self.compute_dtype = torch.get_default_dtype()
+        super().create_weights(layer)
+
+    def process_after_loading(self, layer: FusedMoE) -> None:
+        super().process_after_loading(layer)
+        if not layer.w13_weight.is_cuda:
+            return
+        for name in ("w13_weight", "w2_weight"):
+            q, scale = getattr(layer, name).data, getattr(layer, f"{name}_scale").data
+            wide = torch.empty(q.shape, dtype=self.compute_dtype, device=q.device)
+            for expert in range(q.shape[0]):   # the fp32 temporaries stay one expert's size
+                wide[expert] = (q[expert].float() * scale[expert][:, None]).to(self.compute_dtype)
+            setattr(layer, name, nn.Parameter(wide, requires_grad=False))
+            setattr(layer, f"{name}_scale", None)   # (apply then runs them as plain experts)

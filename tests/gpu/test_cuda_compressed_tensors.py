@@ -151,24 +151,32 @@ def test_activation_order_on_cuda_tracks_hf(tmp_path):
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("experts", ["int4", "int4-actorder", "fp8-block"])
+@pytest.mark.parametrize("experts", ["int4", "int4-actorder", "fp8-block", "int8"])
 def test_moe_experts_serve_on_gpu(tmp_path, experts):
     """A tiny Qwen3-MoE with compressed-tensors experts and linears on the GPU: INT4 experts stay 4-bit
     in the INT4 MoE kernels' layout (with activation order too), FP8-block ones E4M3 with their
-    `weight_scale` blocks; its prompt log-probs match the same checkpoint's CPU path (checked against
-    HF in tests/quantization) up to bf16, as test_cuda_moe_int4.py's GPTQ test."""
+    `weight_scale` blocks, INT8 (W8A8) ones widened to bf16 (INT8 on the CPU); its prompt log-probs
+    match the same checkpoint's CPU path (checked against HF in tests/quantization) up to bf16, as
+    test_cuda_moe_int4.py's GPTQ test."""
     from shardserve import SamplingParams
     from shardserve.layers.moe import FusedMoE
     from tests.quantization.checkpoints import write_fp8_block_checkpoint
-    from tests.quantization.ct_checkpoints import block_checkpoint_as_compressed_tensors, write_ct_int4_checkpoint
+    from tests.quantization.ct_checkpoints import (
+        block_checkpoint_as_compressed_tensors,
+        write_ct_int4_checkpoint,
+        write_ct_int8_moe_checkpoint,
+    )
     src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
     path = str(tmp_path / "ct")
     if experts == "fp8-block":
         write_fp8_block_checkpoint(src, path, (32, 32))
         block_checkpoint_as_compressed_tensors(path, (32, 32))
+    elif experts == "int8":
+        write_ct_int8_moe_checkpoint(src, path)
     else:
         write_ct_int4_checkpoint(src, path, 32, actorder=experts == "int4-actorder", moe=True)
-    held = torch.float8_e4m3fn if experts == "fp8-block" else torch.int32
+    held = {"fp8-block": {"cuda": torch.float8_e4m3fn, "cpu": torch.float8_e4m3fn},
+            "int8": {"cuda": torch.bfloat16, "cpu": torch.int8}}.get(experts, {"cuda": torch.int32, "cpu": torch.int32})
     prompt = list(range(3, 15))
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
     lps = []
@@ -178,7 +186,7 @@ def test_moe_experts_serve_on_gpu(tmp_path, experts):
         try:
             model = llm.engine.executor.worker.model_runner.model
             layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
-            assert layers and all((m.w13_weight if experts == "fp8-block" else m.w13_qweight).dtype == held
+            assert layers and all((m.w13_qweight if experts.startswith("int4") else m.w13_weight).dtype == held[device]
                                   for m in layers)
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             lps.append(torch.tensor([row[t].logprob for row, t in zip(out.prompt_logprobs[1:], prompt[1:])]))

@@ -94,6 +94,18 @@ def test_compressed_tensors_checkpoints_say_their_dtype_and_head():
     assert not ModelShape({**config, "quantization_config": {**w4, "ignore": ["re:.*lm_head$"]}}).head_quantized
 
 
+def test_int8_experts_count_16_bits():
+    """INT8 experts are widened at load on GPUs: at `int8` a MoE model's experts count 2 bytes a weight,
+    its other linears 1; a dense model's linears 1."""
+    moe, dense = ModelShape(model_config("qwen3-30b-a3b")), ModelShape(model_config("llama-3.1-8b"))
+
+    def size(m: ModelShape, dtype: str) -> float:
+        return m.weight_bytes(dtype, 1, range(m.layers), True, True)
+    experts = moe.experts * 3 * moe.hidden * moe.moe_intermediate * moe.layers
+    assert size(moe, "int8") - size(moe, "fp8") == pytest.approx(experts)
+    assert size(dense, "int8") == pytest.approx(size(dense, "fp8"))
+
+
 def test_moe_total_and_active_qwen3_30b_a3b():
     m = ModelShape(model_config("qwen3-30b-a3b"))
     h = 2048

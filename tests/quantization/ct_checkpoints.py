@@ -154,6 +154,33 @@ def write_ct_int4_checkpoint(src: str, dst: str, group: int, symmetric: bool = T
                                       or is_quantized_linear(name))
 
 
+def _int8_tensors(base: str, t: torch.Tensor, per_channel: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One weight as llm-compressor's W8A8 stores it (`int-quantized`, symmetric): min-max scales per
+    output channel ([N, 1]) or per tensor ([1]), in bf16 as stored, and int8 values."""
+    w = t.float()
+    scale = ((w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)) / 127)
+    scale = scale.to(torch.bfloat16).float()
+    q = (w / scale).round().clamp(-127, 127).to(torch.int8)
+    return {f"{base}.weight": q, f"{base}.weight_scale": scale.to(torch.bfloat16)}, q.float() * scale
+
+
+def write_ct_int8_moe_checkpoint(src: str, dst: str, per_channel: bool = True) -> dict[str, torch.Tensor]:
+    """`src` with every decoder linear and expert projection (stored per expert, as in
+    write_ct_int4_checkpoint) in INT8 W8A8 (dynamic INT8 activations per token); the router and the
+    LM head stay full precision. Returns the values each quantized tensor holds, by HF name."""
+    from tests.quantization.checkpoints import is_quantized_linear, write_quantized_checkpoint
+    from tests.quantization.moe_checkpoints import EXPERT
+    config = {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+              "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"group_0": {
+                  "targets": ["Linear"],
+                  "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                              "strategy": "channel" if per_channel else "tensor"},
+                  "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                        "dynamic": True}}}}
+    return write_quantized_checkpoint(src, dst, lambda base, t: _int8_tensors(base, t, per_channel), config,
+                                      select=lambda name: bool(EXPERT.search(name)) or is_quantized_linear(name))
+
+
 def block_checkpoint_as_compressed_tensors(path: str, block: tuple[int, int]) -> str:
     """A block-scaled FP8 checkpoint (tests/quantization/checkpoints.py's `write_fp8_block_checkpoint`)
     renamed into llm-compressor's FP8_BLOCK layout: the same values, `weight_scale` for

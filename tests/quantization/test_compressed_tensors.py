@@ -85,17 +85,21 @@ def test_unsupported_schemes_are_refused(tmp_path, scheme, fmt, message):
         LLM(path, **KW)
 
 
-def test_int8_experts_are_refused(tmp_path):
-    """INT8 experts have no method (INT8 linears are widened at load; experts are not): refused while
-    the model is built, naming the format."""
+@pytest.mark.parametrize("weights,message", [
+    (dict(num_bits=8, type="int", strategy="channel", symmetric=False), "not channel scales, asymmetric"),
+    (dict(num_bits=8, type="int", strategy="group", group_size=32), "not group scales"),
+])
+def test_other_int8_expert_layouts_are_refused(tmp_path, weights, message):
+    """INT8 experts other than the W8A8 presets' (symmetric, channel or tensor scales): refused while
+    the model is built, naming what is supported."""
     path = make_tiny_checkpoint(str(tmp_path / "moe"), "qwen3_moe")
     with open(f"{path}/config.json") as f:
         config = json.load(f)
     config["quantization_config"] = _config(format="int-quantized", config_groups={"g": {
-        "targets": ["Linear"], "weights": dict(num_bits=8, type="int", strategy="channel")}})
+        "targets": ["Linear"], "weights": weights}})
     with open(f"{path}/config.json", "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match="compressed-tensors INT8 weights for the experts"):
+    with pytest.raises(ValueError, match=f"INT8 weights for the experts.*supported symmetric.*{message}"):
         LLM(path, **KW)
 
 
@@ -150,24 +154,33 @@ def test_activation_order_checkpoint_matches_hf_on_its_values(tmp_path, tp, sym)
 
 def _moe_checkpoint(src: str, dst: str, experts: str) -> dict[str, torch.Tensor]:
     """`src` with compressed-tensors experts and linears: INT4 (the library's own packing; "-actorder":
-    with `weight_g_idx`) or FP8 32 x 32 blocks; returns the values they hold."""
+    with `weight_g_idx`), FP8 32 x 32 blocks or INT8 W8A8 ("int8-channel" / "int8-tensor"); returns the
+    values they hold."""
     from tests.quantization.checkpoints import write_fp8_block_checkpoint
-    from tests.quantization.ct_checkpoints import block_checkpoint_as_compressed_tensors, write_ct_int4_checkpoint
+    from tests.quantization.ct_checkpoints import (
+        block_checkpoint_as_compressed_tensors,
+        write_ct_int4_checkpoint,
+        write_ct_int8_moe_checkpoint,
+    )
     if experts == "fp8-block":
         values = write_fp8_block_checkpoint(src, dst, (32, 32))
         block_checkpoint_as_compressed_tensors(dst, (32, 32))
         return values
+    if experts.startswith("int8"):
+        return write_ct_int8_moe_checkpoint(src, dst, per_channel=experts == "int8-channel")
     return write_ct_int4_checkpoint(src, dst, 32, symmetric="asym" not in experts, actorder="actorder" in experts,
                                     moe=True)
 
 
 @pytest.mark.parametrize("arch,experts,tp", [("qwen3_moe", "int4", 1), ("qwen3_moe", "int4-asym", 2),
                                              ("mixtral", "int4", 1), ("qwen3_moe", "int4-actorder", 2),
-                                             ("qwen3_moe", "fp8-block", 1)])
+                                             ("qwen3_moe", "fp8-block", 1), ("qwen3_moe", "int8-channel", 1),
+                                             ("mixtral", "int8-tensor", 2)])
 def test_moe_checkpoint_matches_hf_on_its_values(tmp_path, arch, experts, tp):
     """Per-expert tensors as llm-compressor stores them: INT4 kept 4-bit in the INT4 experts' layout
     (at TP=2 each rank's 32 of down's 64 inputs are one group of 32; with activation order every
-    group and the inputs' g_idx), FP8 blocks kept E4M3 with their block scales (`weight_scale`);
+    group and the inputs' g_idx), FP8 blocks kept E4M3 with their block scales (`weight_scale`),
+    INT8 (W8A8, per channel, or per tensor: gate and up each with its own scale) kept INT8 on the CPU;
     FP8 experts per channel: tests/quantization/test_fp8_moe.py."""
     from shardserve.layers.moe import FusedMoE
     from tests.quantization.moe_checkpoints import write_with_weights
@@ -180,8 +193,9 @@ def test_moe_checkpoint_matches_hf_on_its_values(tmp_path, arch, experts, tp):
         if tp == 1:
             model = llm.engine.executor.worker.model_runner.model
             layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
-            held = [m.w13_weight.dtype if experts == "fp8-block" else m.w13_qweight.dtype for m in layers]
-            assert layers and set(held) == {torch.float8_e4m3fn if experts == "fp8-block" else torch.int32}
+            held = [m.w13_qweight.dtype if experts.startswith("int4") else m.w13_weight.dtype for m in layers]
+            want = {"fp8-block": torch.float8_e4m3fn, "int8-channel": torch.int8}.get(experts, torch.int32)
+            assert layers and set(held) == {want}
         prompt = random_prompt(5, 40)
         assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
     finally:
