@@ -253,7 +253,9 @@ def run_latency(ns) -> dict[str, Any]:
         for _ in tqdm(range(ns.num_iters_warmup), desc="Warm-up"):
             once(ns.output_len)
         e2e = [once(ns.output_len) for _ in tqdm(range(ns.num_iters), desc="Profiling")]
-        prefill = float(np.median([once(1) for _ in range(max(1, ns.num_iters // 3))]))
+        # At least five one-token runs (each one prefill): with fewer, one slow prefill moved the decode
+        # step figure derived from it by 0.1 ms at batch 1 (BENCHMARKS.md, session 31).
+        prefill = float(np.median([once(1) for _ in range(max(5, ns.num_iters))]))
         if ns.profile:   # one more batch under the profiler, after (and outside) the timed ones
             llm.start_profile()
             once(ns.output_len)
