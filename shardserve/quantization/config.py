@@ -11,6 +11,7 @@ from shardserve.layers.linear import LinearBase, LinearMethod
 from shardserve.layers.moe import FusedMoE, MoEMethod
 from shardserve.layers.vocab import ParallelLMHead
 from shardserve.quantization.compressed_tensors import CompressedTensorsConfig, CtInt4MoEMethod
+from shardserve.quantization.ct_scheme import sparsity_only
 from shardserve.quantization.fp8 import Fp8Config
 from shardserve.quantization.fp8_block_moe import Fp8BlockMoEMethod
 from shardserve.quantization.fp8_moe import Fp8MoEMethod
@@ -40,6 +41,8 @@ def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> Qu
         if requested not in (None, method):
             raise ValueError(f"--quantization {requested} does not match the checkpoint's {method!r} weights; "
                              "drop the flag or give a full-precision checkpoint")
+        if method == "compressed-tensors" and sparsity_only(stored):   # pruned, stored dense, not quantized
+            return None
         return _FROM_CHECKPOINT[method].from_quantization_config(stored)
     if requested is None:
         return None

@@ -23,8 +23,12 @@ Read here: one group targeting every `Linear`, with
   symmetric per channel or tensor, else widened at load).
 `ignore` may name the LM head (which otherwise is quantized with the rest, as the library does when
 it is not ignored) and MoE routers (`mlp.gate`, `shared_expert_gate`: full precision here anyway).
-Everything else (other bit widths or layouts, NVFP4 / MXFP4, 2:4 sparsity, transforms, several groups,
-per-layer exceptions) is refused naming the key."""
+A `sparsity_config` whose `format` is "dense" (pruned weights, 2:4 or unstructured, stored as
+ordinary tensors with their zeros: RedHatAI's `Sparse-*` models) is read as a plain checkpoint: the
+kernels are dense, so the zeros cost what any weight costs; with no `config_groups` beside it the
+model is full precision (`sparsity_only`). Everything else (other bit widths or layouts, NVFP4 /
+MXFP4, sparsity stored compressed: `sparse-24-bitmask`, `sparse-bitmask`, `marlin-24`; transforms,
+several groups, per-layer exceptions) is refused naming the key."""
 from __future__ import annotations
 
 import re
@@ -128,13 +132,29 @@ def _int8(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str) -> d
     return out
 
 
+def _check_sparsity_and_transforms(cfg: dict[str, Any]) -> None:
+    sparsity = cfg.get("sparsity_config") or {}
+    if sparsity and sparsity.get("format", "dense") != "dense":
+        raise _refuse(f"sparsity_config format {sparsity.get('format')!r} (weights stored compressed by their "
+                      "sparsity; 'dense', the weights stored whole with their zeros, is read)")
+    if cfg.get("transform_config"):
+        raise _refuse("transform_config")
+
+
+def sparsity_only(cfg: dict[str, Any]) -> bool:
+    """A config with no quantization (no `config_groups`), only a dense `sparsity_config`: the model
+    loads as a full-precision one. Refuses compressed sparsity formats and transforms."""
+    if cfg.get("config_groups"):
+        return False
+    _check_sparsity_and_transforms(cfg)
+    return bool(cfg.get("sparsity_config"))
+
+
 def parse(cfg: dict[str, Any]) -> CtScheme:
     status = cfg.get("quantization_status", "compressed")
     if status != "compressed":
         raise _refuse(f"quantization_status {status!r} (weights not stored quantized)")
-    for key in ("sparsity_config", "transform_config"):
-        if cfg.get(key):
-            raise _refuse(key)
+    _check_sparsity_and_transforms(cfg)
     groups = cfg.get("config_groups") or {}
     if len(groups) != 1:
         raise _refuse(f"{len(groups)} config_groups (one scheme for every Linear layer is)")

@@ -3,6 +3,7 @@ and compared with HF transformers reading the same files (the library decompress
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -101,6 +102,45 @@ def test_other_int8_expert_layouts_are_refused(tmp_path, weights, message):
         json.dump(config, f)
     with pytest.raises(ValueError, match=f"INT8 weights for the experts.*supported symmetric.*{message}"):
         LLM(path, **KW)
+
+
+DENSE_24 = {"format": "dense", "sparsity_structure": "2:4", "global_sparsity": 0.5, "targets": ["Linear"],
+            "ignore": ["lm_head"], "registry_requires_subclass": False}
+
+
+def test_sparse_checkpoint_stored_dense_serves_as_written(tmp_path):
+    """A 2:4-pruned model as llm-compressor stores it uncompressed (`sparsity_config` format "dense",
+    no quantization: RedHatAI's `Sparse-*` models) loads as the full-precision model it is: HF's tokens
+    on the same weights. With a quantization scheme beside it, the scheme is read as without it;
+    sparsity stored compressed is refused naming its format."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny_models import load_hf_model
+    path = make_tiny_checkpoint(str(tmp_path / "sparse"), "llama")
+    for name in [f for f in os.listdir(path) if f.endswith(".safetensors")]:
+        tensors = load_file(f"{path}/{name}")
+        for key, t in tensors.items():
+            if key.endswith("_proj.weight"):   # keep the 2 largest of every 4 inputs
+                groups = t.reshape(t.shape[0], -1, 4)
+                keep = groups.abs().topk(2, dim=-1).indices
+                tensors[key] = torch.zeros_like(groups).scatter(-1, keep, groups.gather(-1, keep)).reshape(t.shape)
+        save_file(tensors, f"{path}/{name}", metadata={"format": "pt"})
+    hf = load_hf_model(path)
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense",
+                                     "quantization_status": "compressed", "sparsity_config": DENSE_24}
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    llm = LLM(path, **KW)
+    try:
+        prompt = random_prompt(4, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
+    finally:
+        llm.engine.shutdown()
+    assert parse(_config(sparsity_config=DENSE_24)) == parse(_config())
+    with pytest.raises(ValueError, match="sparsity_config format 'sparse-24-bitmask'"):
+        parse(_config(sparsity_config={**DENSE_24, "format": "sparse-24-bitmask"}))
 
 
 def _config(**changes) -> dict:
