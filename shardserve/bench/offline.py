@@ -217,8 +217,10 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
         group = cfg.get("group_size", cfg.get("q_group_size", 128))
         return held_bytes_per_weight(group, config["hidden_size"]), f" int4 weights ({stored}, group {group})"
     if stored == "compressed-tensors":
-        from shardserve.quantization.ct_scheme import parse
+        from shardserve.quantization.ct_scheme import parse, sparsity_only
         from shardserve.quantization.int4 import held_bytes_per_weight
+        if sparsity_only(config["quantization_config"]):   # pruned, stored dense, full precision
+            return float(elem), ""
         scheme = parse(config["quantization_config"])
         if scheme.weights == "fp8":
             return 1.0, f" fp8 weights (compressed-tensors, {scheme.strategy} scales)"
