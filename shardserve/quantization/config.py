@@ -77,6 +77,9 @@ def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
     if config.name == "fp8":
         return Fp8BlockMoEMethod(config.block) if config.block else Fp8MoEMethod(config.from_checkpoint)
     if config.name in ("gptq", "awq"):
+        if config.bits != 4:
+            raise ValueError(f"{config.bits}-bit GPTQ weights for the experts of a mixture-of-experts layer "
+                             f"({layer.prefix}) are not supported; 4-bit ones are")
         return Int4MoEMethod(config)
     if config.name == "gguf":
         return GgufMoEMethod()

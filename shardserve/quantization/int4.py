@@ -1,5 +1,8 @@
 """INT4 weight-only (W4A16) checkpoints: GPTQ and AWQ, read as the tools write them
-(`quantization_config.quant_method: gptq | awq`). Nothing here quantizes a full-precision model.
+(`quantization_config.quant_method: gptq | awq`); and 8-bit GPTQ (`bits: 8`: Qwen's `*-GPTQ-Int8`),
+read the same way with four 8-bit values per word (zeros v1: stored + 1 modulo 256) and dequantized
+once after loading on every device (the 4-bit kernels do not take them: INT8's accuracy, not its
+memory saving). Nothing here quantizes a full-precision model.
 
 Both store, per linear layer with K inputs and N outputs, 4-bit values q with a zero point z and a
 scale s per group of `group_size` inputs and per output: w[n, k] = (q[k, n] - z[g, n]) * s[g, n].
@@ -39,10 +42,10 @@ call (graph-safe, slow).
 GPTQ's `lm_head: true` (GPTQModel, AutoRound): the LM head is one more INT4 layer, column-parallel
 over the vocabulary (layers/vocab.py); a tied embedding cannot share it and is refused.
 
-Refused at start-up, naming the key: bits other than 4; GPTQ checkpoint_format other than gptq and
-gptq_v2 (marlin repacks), per-module `dynamic` overrides; AWQ versions other than
-gemm (gemv packs differently), zero_point false, modules_to_not_convert other than MoE routers
-(`gate`). MoE experts in INT4 are quantization/int4_moe.py's.
+Refused at start-up, naming the key: bits other than 4 (GPTQ: 4 or 8); 8-bit MoE experts; GPTQ
+checkpoint_format other than gptq and gptq_v2 (marlin repacks), per-module `dynamic` overrides; AWQ
+versions other than gemm (gemv packs differently), zero_point false, modules_to_not_convert other
+than MoE routers (`gate`). MoE experts in INT4 are quantization/int4_moe.py's.
 """
 from __future__ import annotations
 
@@ -60,17 +63,19 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # nibble i of an AWQ word holds output
 DOT_MAX_ROWS = 16                         # more rows: dequantize into bf16, then cuBLAS
 
 
-def unpack_int4(packed: torch.Tensor, dim: int, interleaved: bool = False) -> torch.Tensor:
+def unpack_int4(packed: torch.Tensor, dim: int, interleaved: bool = False, bits: int = 4) -> torch.Tensor:
     """int32 words -> their eight 4-bit values (0..15, low bits first) along `dim` (0 or 1), as
-    int32 of 8x that size. interleaved: AWQ's order within each word (along dim 1)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    int32 of 8x that size (bits=8: four 8-bit values, 0..255). interleaved: AWQ's order within each
+    word (along dim 1, 4-bit)."""
+    per_word, mask = 32 // bits, (1 << bits) - 1
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
     if dim == 0:
-        values = (packed.unsqueeze(1) >> shifts.view(1, PACK, 1)) & 15    # [R, 8, C]
-        return values.reshape(packed.shape[0] * PACK, packed.shape[1])
-    values = (packed.unsqueeze(2) >> shifts) & 15                         # [R, C, 8]
+        values = (packed.unsqueeze(1) >> shifts.view(1, per_word, 1)) & mask    # [R, 8, C]
+        return values.reshape(packed.shape[0] * per_word, packed.shape[1])
+    values = (packed.unsqueeze(2) >> shifts) & mask                             # [R, C, 8]
     if interleaved:   # nibbles 0-3 hold the even outputs, 4-7 the odd ones: output 2m + h is nibble 4h + m
         values = values.view(*values.shape[:2], 2, 4).transpose(2, 3)
-    return values.reshape(packed.shape[0], packed.shape[1] * PACK)
+    return values.reshape(packed.shape[0], packed.shape[1] * per_word)
 
 
 def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_index: torch.Tensor,
@@ -88,13 +93,13 @@ def held_bytes_per_weight(group_size: int, k: int) -> float:
     return 0.5 + 3 / (k if group_size == -1 else group_size)
 
 
-def _bits(cfg: dict[str, Any], fmt: str, *keys: str) -> None:
+def _bits(cfg: dict[str, Any], fmt: str, *keys: str, allowed: tuple[int, ...] = (4,)) -> int:
     for key in keys:
         if key in cfg:
-            if cfg[key] != 4:
+            if cfg[key] not in allowed:
                 raise ValueError(f"{fmt} checkpoints with quantization_config.{key}={cfg[key]} are not supported; "
-                                 "only 4-bit ones are")
-            return
+                                 f"only {' and '.join(f'{b}-bit' for b in allowed)} ones are")
+            return cfg[key]
     raise ValueError(f"{fmt} quantization_config has no 'bits' key")
 
 
@@ -128,10 +133,11 @@ class Int4Config:
     name = "int4"
     lm_head = False   # GPTQ's lm_head: true quantizes the LM head too
 
-    def __init__(self, group_size: int | None, desc_act: bool = False, zero_offset: int = 0) -> None:
+    def __init__(self, group_size: int | None, desc_act: bool = False, zero_offset: int = 0, bits: int = 4) -> None:
         self.group_size = group_size     # None: one group over all inputs
         self.desc_act = desc_act         # GPTQ activation order: inputs' groups from g_idx
         self.zero_offset = zero_offset   # GPTQ v1 stores zero - 1
+        self.bits = bits                 # 8: GPTQ only, dequantized after loading
 
     def linear_method(self, layer: LinearBase) -> LinearMethod | None:
         return Int4LinearMethod(self)
@@ -142,7 +148,7 @@ class GptqConfig(Int4Config):
 
     @classmethod
     def from_quantization_config(cls, cfg: dict[str, Any]) -> "GptqConfig":
-        _bits(cfg, "GPTQ", "bits")
+        bits = _bits(cfg, "GPTQ", "bits", allowed=(4, 8))
         fmt = cfg.get("checkpoint_format") or "gptq"
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ quantization_config.checkpoint_format={fmt!r} is not supported; "
@@ -154,7 +160,7 @@ class GptqConfig(Int4Config):
             raise ValueError("GPTQ checkpoints with per-module overrides (quantization_config.dynamic) are not "
                              "supported")
         config = cls(_group_size(cfg, "GPTQ", "group_size"), bool(cfg.get("desc_act", False)),
-                     zero_offset=1 if fmt == "gptq" else 0)
+                     zero_offset=1 if fmt == "gptq" else 0, bits=bits)
         config.lm_head = bool(cfg.get("lm_head", False))
         return config
 
@@ -187,19 +193,23 @@ class Int4LinearMethod(LinearMethod):
         self.gptq = config.name == "gptq"
         self.packed_by_input = self.gptq   # the weight's words hold 8 inputs (GPTQ); AWQ's hold 8 outputs
         self.zeros_by_output = True        # the zero points' words hold 8 outputs
+        self.bits = config.bits
+        self.pack = 32 // config.bits      # values per word: 8 (4-bit), 4 (8-bit GPTQ)
 
     def _layout(self, layer: LinearBase) -> tuple[int, int | None]:
         """Checks the layer's shape against the packing; sets where this rank's inputs sit among the
         checkpoint's groups. Returns (groups held, their dim: 0 where this rank holds its own only)."""
         cfg, k = self.config, layer.input_size
         what = f"{cfg.name.upper()} {type(layer).__name__}"
-        if self.zeros_by_output and any(size % PACK for size in layer.output_shard_sizes):
-            raise ValueError(f"{what}: output rows per rank {layer.output_shard_sizes} must be multiples of 8 (the "
-                             "4-bit zero points are packed 8 outputs to a word); use a smaller tensor_parallel_size")
+        p = self.pack
+        if self.zeros_by_output and any(size % p for size in layer.output_shard_sizes):
+            raise ValueError(f"{what}: output rows per rank {layer.output_shard_sizes} must be multiples of {p} (the "
+                             f"{self.bits}-bit zero points are packed {p} outputs to a word); use a smaller "
+                             "tensor_parallel_size")
         row_split = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
-        if self.packed_by_input and k % PACK:
-            raise ValueError(f"{what}: {k} inputs per rank are not a multiple of 8 ({cfg.name.upper()} packs 8 inputs "
-                             "to a word); use a smaller tensor_parallel_size")
+        if self.packed_by_input and k % p:
+            raise ValueError(f"{what}: {k} inputs per rank are not a multiple of {p} ({cfg.name.upper()} packs {p} "
+                             "inputs to a word); use a smaller tensor_parallel_size")
         self.offset = layer.tp_rank * k if row_split else 0   # this rank's first input
         k_full = k * layer.tp_size if row_split else k
         self.group = cfg.group_size or k_full
@@ -211,8 +221,8 @@ class Int4LinearMethod(LinearMethod):
         k, n = layer.input_size, layer.output_size
         groups, group_dim = self._layout(layer)
         if self.gptq:
-            layer.register_quant_param("qweight", torch.empty(k // PACK, n, dtype=torch.int32), output_dim=1,
-                                       input_dim=0, packed_dim=0, pack_factor=PACK)
+            layer.register_quant_param("qweight", torch.empty(k // self.pack, n, dtype=torch.int32), output_dim=1,
+                                       input_dim=0, packed_dim=0, pack_factor=self.pack)
             g_idx = layer.register_quant_param("g_idx", torch.empty(k, dtype=torch.int32), output_dim=None,
                                                input_dim=0)
             if self.config.desc_act and len(layer.output_shard_sizes) > 1:
@@ -220,16 +230,17 @@ class Int4LinearMethod(LinearMethod):
         else:
             layer.register_quant_param("qweight", torch.empty(k, n // PACK, dtype=torch.int32), output_dim=1,
                                        input_dim=0, packed_dim=1, pack_factor=PACK)
-        layer.register_quant_param("qzeros", torch.empty(groups, n // PACK, dtype=torch.int32), output_dim=1,
-                                   input_dim=group_dim, packed_dim=1, pack_factor=PACK)
+        layer.register_quant_param("qzeros", torch.empty(groups, n // self.pack, dtype=torch.int32), output_dim=1,
+                                   input_dim=group_dim, packed_dim=1, pack_factor=self.pack)
         layer.register_quant_param("scales", torch.empty(groups, n, dtype=torch.float32), output_dim=1,
                                    input_dim=group_dim, full_precision=True)
 
     def checkpoint_tensors(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                torch.Tensor | None]:
-        """(packed weight as the checkpoint packs it, zeros 0..15 [groups, N], fp32 scales
-        [groups, N], g_idx or None), taken off the layer."""
-        zeros = (unpack_int4(layer.qzeros.data, 1, interleaved=not self.gptq) + self.config.zero_offset) & 15
+        """(packed weight as the checkpoint packs it, zeros 0..15 (8-bit: 0..255) [groups, N], fp32
+        scales [groups, N], g_idx or None), taken off the layer."""
+        zeros = unpack_int4(layer.qzeros.data, 1, interleaved=not self.gptq, bits=self.bits)
+        zeros = (zeros + self.config.zero_offset) & ((1 << self.bits) - 1)
         out = layer.qweight.data, zeros, layer.scales.data, layer.g_idx.data if self.config.desc_act else None
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             if hasattr(layer, name):
@@ -249,7 +260,7 @@ class Int4LinearMethod(LinearMethod):
         qweight, zeros, scales, g_idx = self.checkpoint_tensors(layer)
         index = self._group_index(g_idx, layer.input_size, scales.shape[0], qweight.device)
         self.kernel_group: int | None = None
-        if not self._keep_packed(qweight):
+        if self.bits != 4 or not self._keep_packed(qweight):
             w = dequantize(self._unpack(qweight), zeros, scales, index, layer.params_dtype)
             layer.weight = nn.Parameter(w.contiguous(), requires_grad=False)
             return
@@ -292,7 +303,7 @@ class Int4LinearMethod(LinearMethod):
         return qweight.is_cuda
 
     def _unpack(self, qweight: torch.Tensor) -> torch.Tensor:
-        return unpack_int4(qweight, 0) if self.gptq else unpack_int4(qweight, 1, interleaved=True)
+        return unpack_int4(qweight, 0, bits=self.bits) if self.gptq else unpack_int4(qweight, 1, interleaved=True)
 
     def _kernel_input(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])

@@ -27,9 +27,9 @@ def weight_dtype(q: dict[str, Any] | None) -> str | None:
             # or tensor; else widened to the compute dtype at load (quantization/int8.py)
             return "int8" if w.get("symmetric", True) and w.get("strategy") in ("tensor", "channel") else None
         bits = w.get("num_bits") if w.get("type") == "int" else None
-    if method in ("gptq", "awq", "compressed-tensors") and bits in (4, 8):
-        return "int4" if bits == 4 else "int8"
-    return None
+    if method in ("gptq", "awq", "compressed-tensors") and bits == 4:
+        return "int4"
+    return None   # (8-bit GPTQ is dequantized at load, quantization/int4.py)
 
 
 def names_lm_head(entry: str) -> bool:

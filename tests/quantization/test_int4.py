@@ -1,6 +1,7 @@
-"""GPTQ and AWQ 4-bit checkpoints on the CPU path: the unpacking against hand-packed words, tiny
-models against HF transformers on the same dequantized weights (TP=1 and 2, activation order), the
-real SmolLM2 in INT4 still answering with its perplexity near bf16, and unsupported variants refused."""
+"""GPTQ and AWQ 4-bit checkpoints (and 8-bit GPTQ) on the CPU path: the unpacking against hand-packed
+words, tiny models against HF transformers on the same dequantized weights (TP=1 and 2, activation
+order), the real SmolLM2 in INT4 (and 8-bit GPTQ) still answering with its perplexity near bf16, and
+unsupported variants refused."""
 from __future__ import annotations
 
 import json
@@ -34,6 +35,11 @@ def test_unpacking_known_words():
     values = torch.randint(0, 16, (16, 24))
     assert torch.equal(unpack_int4(pack_int4(values, 0), 0), values.int())
     assert torch.equal(unpack_int4(pack_int4(values, 1, awq_order=True), 1, interleaved=True), values.int())
+    # 8-bit GPTQ: four bytes a word, low byte first.
+    assert unpack_int4(torch.tensor([[0x04030201, -0x01]], dtype=torch.int32), 1, bits=8).tolist() == \
+        [[1, 2, 3, 4, 255, 255, 255, 255]]
+    values = torch.randint(0, 256, (16, 24))
+    assert torch.equal(unpack_int4(pack_int4(values, 0, bits=8), 0, bits=8), values.int())
 
 
 def test_dequantize_known_groups():
@@ -55,19 +61,22 @@ def test_rtn_quantization_error_is_bounded():
     assert err.max() <= 1 and err.mean() < 0.3
 
 
-@pytest.mark.parametrize("fmt,tp,desc_act,sym", [
-    ("gptq", 1, False, True),    # the Hub's usual GPTQ: symmetric, every stored zero 7 (v1) meaning 8
-    ("gptq_v2", 1, False, False),
-    ("awq", 1, False, False),
-    ("gptq", 2, True, False),
-    ("awq", 2, False, False),
+@pytest.mark.parametrize("fmt,tp,desc_act,sym,bits", [
+    ("gptq", 1, False, True, 4),    # the Hub's usual GPTQ: symmetric, every stored zero 7 (v1) meaning 8
+    ("gptq_v2", 1, False, False, 4),
+    ("awq", 1, False, False, 4),
+    ("gptq", 2, True, False, 4),
+    ("awq", 2, False, False, 4),
+    ("gptq", 1, False, True, 8),    # Qwen's GPTQ-Int8: symmetric, stored zero 127 (v1) meaning 128
+    ("gptq", 2, True, False, 8),
 ])
-def test_int4_checkpoint_matches_hf_on_its_weights(tmp_path, fmt, tp, desc_act, sym):
+def test_int4_checkpoint_matches_hf_on_its_weights(tmp_path, fmt, tp, desc_act, sym, bits):
     """Group 32 (the tiny models have 96 and 192 inputs). Under TP=2 o_proj's 48 inputs per rank
     split a group, so each rank holds every group's scales there, and its own groups in down_proj;
-    with desc_act every row-parallel rank picks its inputs' groups through g_idx."""
+    with desc_act every row-parallel rank picks its inputs' groups through g_idx. 8-bit GPTQ: four
+    values a word, dequantized after loading."""
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
-    dequantized = write_int4_checkpoint(src, str(tmp_path / fmt), fmt, 32, desc_act=desc_act, sym=sym)
+    dequantized = write_int4_checkpoint(src, str(tmp_path / fmt), fmt, 32, desc_act=desc_act, sym=sym, bits=bits)
     hf = hf_with_weights(src, dequantized)
     llm = LLM(str(tmp_path / fmt), tensor_parallel_size=tp, **KW)
     prompt = random_prompt(3, 40)
@@ -153,17 +162,36 @@ def test_gptq_quantized_lm_head_tied_to_the_embedding_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("fmt,override,message", [
-    ("gptq", {"bits": 8}, r"quantization_config.bits=8 are not supported"),
+    ("gptq", {"bits": 3}, r"quantization_config.bits=3 are not supported; only 4-bit and 8-bit ones are"),
     ("gptq", {"checkpoint_format": "marlin"}, r"checkpoint_format='marlin' is not supported"),
     ("awq", {"version": "gemv"}, r"version='gemv' is not supported; only 'gemm'"),
-    ("awq", {"bits": 3}, r"quantization_config.bits=3 are not supported"),
+    ("awq", {"bits": 8}, r"quantization_config.bits=8 are not supported; only 4-bit ones are"),
     ("awq", {"zero_point": False}, r"zero_point=false"),
 ])
 def test_unsupported_int4_checkpoints_are_refused(tmp_path, fmt, override, message):
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
-    write_int4_checkpoint(src, str(tmp_path / fmt), fmt, 32, **override)
+    write_int4_checkpoint(src, str(tmp_path / fmt), fmt, 32)
+    with open(tmp_path / fmt / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"].update(override)
+    with open(tmp_path / fmt / "config.json", "w") as f:
+        json.dump(config, f)
     with pytest.raises(ValueError, match=message):
         LLM(str(tmp_path / fmt), **KW)
+
+
+def test_8bit_gptq_experts_are_refused(tmp_path):
+    """8-bit GPTQ linears are dequantized at load; MoE experts have no 8-bit method: refused while the
+    model is built, naming the layer."""
+    path = make_tiny_checkpoint(str(tmp_path / "moe"), "qwen3_moe")
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": False,
+                                     "sym": True, "checkpoint_format": "gptq"}
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"8-bit GPTQ weights for the experts .* are not supported"):
+        LLM(path, **KW)
 
 
 def test_fused_parts_with_different_orders_are_refused(tmp_path):
@@ -196,20 +224,22 @@ def _perplexity(llm: LLM) -> float:
 def test_smollm2_int4_answers_and_keeps_its_perplexity(smollm2, tmp_path):
     """Group 64: the 576 inputs are 4.5 groups of 128 (which AutoAWQ refuses; AutoGPTQ makes a short last
     group, and with this calibration-free rounding group 128 costs 16% perplexity). The two formats
-    decode to the same values, so the same perplexity (+6.5%); each is read through its own layout."""
+    decode to the same values, so the same perplexity (+6.5%); each is read through its own layout.
+    8-bit GPTQ (group 128, symmetric, as Qwen's GPTQ-Int8) within 1%."""
     kw = dict(max_model_len=1024, kv_cache_memory="64MiB", show_progress=False)
     full = LLM(smollm2, **kw)
     ppl_full = _perplexity(full)
     full.engine.shutdown()
-    for fmt, group in (("gptq", 64), ("awq", 64)):
-        write_int4_checkpoint(smollm2, str(tmp_path / fmt), fmt, group)
-        llm = LLM(str(tmp_path / fmt), **kw)
+    for fmt, group, bits, bound in (("gptq", 64, 4, 0.08), ("awq", 64, 4, 0.08), ("gptq", 128, 8, 0.01)):
+        path = str(tmp_path / f"{fmt}{bits}")
+        write_int4_checkpoint(smollm2, path, fmt, group, sym=bits == 8, bits=bits)
+        llm = LLM(path, **kw)
         text = llm.chat(FRANCE, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
         ppl = _perplexity(llm)
         llm.engine.shutdown()
-        print(f"{fmt} group {group}: perplexity {ppl:.3f} vs {ppl_full:.3f} in bf16; {text!r}")
+        print(f"{fmt} {bits}-bit group {group}: perplexity {ppl:.3f} vs {ppl_full:.3f} in bf16; {text!r}")
         assert "Paris" in text, text
-        assert abs(ppl / ppl_full - 1) <= 0.08, f"{fmt} perplexity {ppl:.3f} vs {ppl_full:.3f} in bf16"
+        assert abs(ppl / ppl_full - 1) <= bound, f"{fmt} perplexity {ppl:.3f} vs {ppl_full:.3f} in bf16"
 
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -255,16 +285,17 @@ def test_int4_layer_on_cuda_keeps_packed_weights_and_replays_in_a_graph(fmt):
 
 @pytest.mark.gpu
 @_CUDA
-@pytest.mark.parametrize("fmt,lm_head", [("gptq", False), ("awq", False), ("gptq", True)])
-def test_int4_model_on_cuda_tracks_hf(tmp_path, fmt, lm_head):
+@pytest.mark.parametrize("fmt,lm_head,bits", [("gptq", False, 4), ("awq", False, 4), ("gptq", True, 4),
+                                             ("gptq", True, 8)])
+def test_int4_model_on_cuda_tracks_hf(tmp_path, fmt, lm_head, bits):
     """bf16 on the GPU with CUDA graphs, against HF in fp32 on the dequantized weights (lm_head: GPTQ's
-    quantized LM head, on the INT4 kernels too)."""
+    quantized LM head, on the INT4 kernels too; 8-bit GPTQ dequantized at load, the head too)."""
     import gc
 
     from tests.models.test_parity import hf_logprobs, logprob_matrix
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama", hidden_size=256, intermediate_size=512)
     hf = hf_with_weights(src, write_int4_checkpoint(src, str(tmp_path / fmt), fmt, 64, desc_act=fmt == "gptq",
-                                                    lm_head=lm_head))
+                                                    lm_head=lm_head, bits=bits))
     llm = LLM(str(tmp_path / fmt), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, show_progress=False,
               max_logprobs=-1)
     try:
@@ -279,9 +310,11 @@ def test_int4_model_on_cuda_tracks_hf(tmp_path, fmt, lm_head):
         # within bf16 rounding (tests/gpu/test_cuda_quant_kernels.py)
         assert diff < 0.15, f"INT4 log-probs on CUDA are {diff:.3f} away from HF on the dequantized weights"
         runner = llm.engine.executor.worker.model_runner
-        assert runner.model.model.layers[0].self_attn.qkv_proj.qweight.dtype == torch.int32 and runner.wants_graphs()
+        qkv, held = runner.model.model.layers[0].self_attn.qkv_proj, "qweight" if bits == 4 else "weight"
+        kept = torch.int32 if bits == 4 else torch.bfloat16   # (8-bit: dequantized after loading)
+        assert getattr(qkv, held).dtype == kept and runner.wants_graphs()
         if lm_head:
-            assert runner.model.lm_head.weight is None and runner.model.lm_head.linear.qweight.dtype == torch.int32
+            assert runner.model.lm_head.weight is None and getattr(runner.model.lm_head.linear, held).dtype == kept
     finally:
         llm.engine.shutdown()
         del llm
