@@ -15,7 +15,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from shardserve.layers.cpu_offload import OffloadBudget, cpu_offload, finish_loading
-from shardserve.layers.linear import default_weight_loader, linear_methods, process_weights_after_loading
+from shardserve.layers.linear import (
+    LinearBase,
+    default_weight_loader,
+    linear_methods,
+    process_weights_after_loading,
+)
+from shardserve.layers.moe import FusedMoE
 from shardserve.models import gguf_loader
 from shardserve.models.registry import resolve_model_class
 from shardserve.quantization.config import linear_method_factory, resolve_quantization
@@ -142,10 +148,39 @@ def _default_dtype(dtype: torch.dtype):
 def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device,
                 quantization: str | None = None) -> nn.Module:
     cls = resolve_model_class(hf_config)
-    factory = linear_method_factory(resolve_quantization(quantization, hf_config))
-    with _default_dtype(dtype), torch.device(device), linear_methods(factory):
+    config = resolve_quantization(quantization, hf_config)
+    with _default_dtype(dtype), torch.device(device), linear_methods(linear_method_factory(config)):
         model = cls(hf_config)
+        if getattr(config, "ignores", None) is not None:
+            keep_unquantized(model, config.ignores)
     return model.eval()
+
+
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
+def keep_unquantized(model: nn.Module, ignores: Callable[[str], bool]) -> None:
+    """Layers a quantized checkpoint leaves in full precision (`ignores(name)`, HF module names)
+    become plain layers again before loading. A fused layer (q/k/v, gate/up) holds several of the
+    checkpoint's layers: all of them or none may be ignored. MoE experts cannot be left out."""
+    parts_of: dict[str, list[str]] = {}
+    for fragment, (fused, _) in getattr(model, "packed_modules_mapping", {}).items():
+        parts_of.setdefault(fused, []).append(fragment)
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and module.quant_method is not None:
+            if any(ignores(f"{name}.0.{p}") for p in _EXPERT_PROJECTIONS):   # ("...mlp.experts.0.gate_proj")
+                raise ValueError(f"the checkpoint leaves the experts of {name} in full precision (its ignore list); "
+                                 "experts outside the format are not supported")
+        if not isinstance(module, LinearBase) or module.quant_method is None:
+            continue
+        prefix, _, last = name.rpartition(".")
+        parts = [f"{prefix}.{p}" for p in parts_of.get(last, [last])]
+        left = [p for p in parts if ignores(p)]
+        if left and len(left) < len(parts):
+            raise ValueError(f"the checkpoint leaves {left} in full precision but not the rest of the fused layer "
+                             f"{name} ({parts}): not supported")
+        if left:
+            module.drop_quantization()
 
 
 def init_dummy_weights(model: nn.Module, device: torch.device, seed: int = 0, std: float = 0.02) -> None:

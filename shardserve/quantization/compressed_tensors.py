@@ -60,6 +60,10 @@ class CompressedTensorsConfig:
     def from_quantization_config(cls, cfg: dict[str, Any]) -> "CompressedTensorsConfig":
         return cls(parse(cfg))
 
+    def ignores(self, name: str) -> bool:
+        """Layers the checkpoint leaves in full precision (its `ignore` list; models/loader.py asks)."""
+        return self.scheme.ignores(name)
+
     def linear_method(self, layer: LinearBase) -> LinearMethod:
         s = self.scheme
         if s.weights == "fp8":

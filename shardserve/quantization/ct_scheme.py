@@ -22,13 +22,16 @@ Read here: one group targeting every `Linear`, with
   tensor (static: `input_scale` read, not used) or none (quantization/int8.py: kept INT8 on CUDA where
   symmetric per channel or tensor, else widened at load).
 `ignore` may name the LM head (which otherwise is quantized with the rest, as the library does when
-it is not ignored) and MoE routers (`mlp.gate`, `shared_expert_gate`: full precision here anyway).
+it is not ignored), MoE routers (`mlp.gate`, `shared_expert_gate`: full precision here anyway) and
+any other linear layers, by name or "re:" pattern: those stay in full precision
+(`CtScheme.ignores`, applied by models/loader.keep_unquantized; the parts of a fused q/k/v or
+gate/up all or none).
 A `sparsity_config` whose `format` is "dense" (pruned weights, 2:4 or unstructured, stored as
 ordinary tensors with their zeros: RedHatAI's `Sparse-*` models) is read as a plain checkpoint: the
 kernels are dense, so the zeros cost what any weight costs; with no `config_groups` beside it the
 model is full precision (`sparsity_only`). Everything else (other bit widths or layouts, NVFP4 /
 MXFP4, sparsity stored compressed: `sparse-24-bitmask`, `sparse-bitmask`, `marlin-24`; transforms,
-several groups, per-layer exceptions) is refused naming the key."""
+several groups, MoE experts named in `ignore`) is refused naming the key."""
 from __future__ import annotations
 
 import re
@@ -50,6 +53,13 @@ class CtScheme:
     actorder_group: bool = False          # INT4 group strategy: inputs' groups in `weight_g_idx`
     block: tuple[int, int] | None = None  # FP8 block strategy: [output rows, inputs] per scale
     lm_head: bool = False                 # the LM head is quantized too (not in `ignore`)
+    ignore: tuple[str, ...] = ()          # other layers left in full precision (names or "re:" patterns)
+
+    def ignores(self, name: str) -> bool:
+        """Whether the checkpoint leaves the layer `name` (an HF module name, "model.layers.0.mlp.down_proj")
+        in full precision: an `ignore` entry equal to it, or a "re:" pattern matching it from its start
+        (the library's rule)."""
+        return any(re.match(e[3:], name) if e.startswith("re:") else e == name for e in self.ignore)
 
 
 def _refuse(what: str) -> ValueError:
@@ -59,16 +69,11 @@ def _refuse(what: str) -> ValueError:
                       "on every Linear layer")
 
 
-def _ignored_head(ignore: list[str]) -> bool:
-    """Whether `ignore` leaves the LM head in full precision; refuses entries other than it and routers."""
-    head = False
-    for name in ignore:
-        if names_lm_head(name):
-            head = True
-        elif not _ROUTERS.search(name):
-            raise _refuse(f"ignore entry {name!r} (layers left in full precision other than the LM head and MoE "
-                          "routers)")
-    return head
+def _split_ignore(ignore: list[str]) -> tuple[bool, tuple[str, ...]]:
+    """(whether `ignore` leaves the LM head in full precision, the entries naming other layers; MoE
+    routers' are dropped: they are full precision here anyway)."""
+    head = any(names_lm_head(name) for name in ignore)
+    return head, tuple(n for n in ignore if not names_lm_head(n) and not _ROUTERS.search(n))
 
 
 def _fp8(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str) -> dict[str, Any]:
@@ -176,4 +181,5 @@ def parse(cfg: dict[str, Any]) -> CtScheme:
         fields = _int8(weights, inputs, fmt)
     else:
         raise _refuse(f"{kind[0]} {kind[1]}-bit weights")
-    return CtScheme(**fields, lm_head=not _ignored_head(cfg.get("ignore") or []))
+    head_ignored, others = _split_ignore(cfg.get("ignore") or [])
+    return CtScheme(**fields, lm_head=not head_ignored, ignore=others)

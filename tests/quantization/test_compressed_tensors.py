@@ -71,6 +71,37 @@ def test_checkpoint_matches_hf_reading_it(tmp_path, name, tp, head):
         llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("name,tp", [("w4a16-group", 2), ("fp8-channel-dynamic", 1), ("w8a8-channel-dynamic", 1)])
+def test_layers_the_checkpoint_leaves_in_full_precision(tmp_path, name, tp):
+    """`ignore` naming layers besides the head (one by name, a layer's attention by pattern, as
+    recipes that keep sensitive layers in 16 bits write them): those load as plain layers, the rest
+    quantized, against HF reading the same files; ignoring part of a fused layer is refused."""
+    from shardserve.layers.linear import LinearBase
+    scheme, fmt = SCHEMES[name]
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    ignore = ("lm_head", "model.layers.0.mlp.down_proj", "re:model.layers.1.self_attn.*")
+    path = write_ct_checkpoint(src, str(tmp_path / "ct"), scheme, fmt, ignore=ignore, dtype=torch.float32)
+    llm = LLM(path, tensor_parallel_size=tp, **KW)
+    try:
+        if tp == 1:
+            layers = llm.engine.executor.worker.model_runner.model.model.layers
+            plain = {n for n, m in layers.named_modules() if isinstance(m, LinearBase) and m.quant_method is None}
+            assert {"0.mlp.down_proj", "1.self_attn.qkv_proj", "1.self_attn.o_proj"} <= plain
+            assert "0.mlp.gate_up_proj" not in plain and "0.self_attn.qkv_proj" not in plain
+        prompt = random_prompt(3, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf_decompressed(path), prompt)
+    finally:
+        llm.engine.shutdown()
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    config["quantization_config"]["ignore"] = ["lm_head", "model.layers.0.self_attn.q_proj"]
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"leaves \['model.layers.0.self_attn.q_proj'\] in full precision but not "
+                                         r"the rest of the fused layer model.layers.0.self_attn.qkv_proj"):
+        LLM(path, **KW)
+
+
 @pytest.mark.parametrize("scheme,fmt,message", [
     (dict(weights=dict(num_bits=8, type="int", strategy="channel", symmetric=False)), "pack-quantized",
      r"INT8 pack-quantized asymmetric weights is not supported"),
@@ -83,6 +114,19 @@ def test_unsupported_schemes_are_refused(tmp_path, scheme, fmt, message):
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
     path = write_ct_checkpoint(src, str(tmp_path / "ct"), scheme, fmt, dtype=torch.float32)
     with pytest.raises(ValueError, match=message):
+        LLM(path, **KW)
+
+
+def test_experts_left_in_full_precision_are_refused(tmp_path):
+    path = make_tiny_checkpoint(str(tmp_path / "moe"), "qwen3_moe")
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = _config(format="float-quantized", ignore=["lm_head", "model.layers.0.mlp.experts.0.up_proj"],
+                                            config_groups={"g": {"targets": ["Linear"], "weights": dict(
+                                                num_bits=8, type="float", strategy="channel")}})
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"leaves the experts of model.layers.0.mlp.experts in full precision"):
         LLM(path, **KW)
 
 
@@ -154,8 +198,12 @@ def test_scheme_reading():
     assert parse(_config(ignore=[])).lm_head
     # MoE routers may be ignored (they are full precision here anyway); the head by regex too
     assert not parse(_config(ignore=["re:.*lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"])).lm_head
+    # other layers by name or by a pattern matched from the name's start (the library's rule)
+    scheme = parse(_config(ignore=["lm_head", "model.layers.0.mlp.down_proj", "re:model.layers.1.self_attn"]))
+    assert scheme.ignore == ("model.layers.0.mlp.down_proj", "re:model.layers.1.self_attn")
+    assert scheme.ignores("model.layers.0.mlp.down_proj") and scheme.ignores("model.layers.1.self_attn.q_proj")
+    assert not scheme.ignores("model.layers.10.mlp.down_proj") and not scheme.ignores("x.model.layers.1.self_attn.q")
     refusals = {
-        "ignore entry 'model.layers.0.mlp.down_proj'": _config(ignore=["lm_head", "model.layers.0.mlp.down_proj"]),
         "2 config_groups": _config(config_groups={"a": {"targets": ["Linear"], **_int4(128)},
                                                   "b": {"targets": ["re:.*down_proj"], **_int4(64)}}),
         "targets": _config(config_groups={"g": {"targets": ["re:.*self_attn.*"], **_int4(128)}}),
