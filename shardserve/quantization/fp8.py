@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
@@ -83,6 +84,32 @@ class Fp8Config:
 
     def linear_method(self, layer: LinearBase) -> LinearMethod:
         return Fp8BlockLinearMethod(self.block) if self.block else Fp8LinearMethod(self.from_checkpoint)
+
+
+class FbgemmFp8Config(Fp8Config):
+    """Meta's FP8 checkpoints (`quant_method: fbgemm_fp8`: Llama-3.1-405B-Instruct-FP8): E4M3 weights
+    with a scale per output channel (`weight_scale` [N, 1], fp32), activations quantized per token at
+    run time. `modules_to_not_convert` names the layers left in 16 bits (transformers' rule: a prefix
+    ending at a module boundary, a regex with that boundary, or a suffix; models/loader.keep_unquantized
+    makes them plain). The bound on the activations' scale (`activation_scale_ub`) is not applied: the
+    per-token scales are those of every FP8 layer here (and the CPU and the decode GEMV do not round
+    activations at all). MoE experts in this format are refused."""
+    name = "fbgemm_fp8"
+
+    def __init__(self, skip: tuple[str, ...] = ()) -> None:
+        super().__init__(from_checkpoint=True)
+        self.skip = skip
+
+    @classmethod
+    def from_quantization_config(cls, cfg: dict[str, Any]) -> "FbgemmFp8Config":
+        return cls(tuple(cfg.get("modules_to_not_convert") or ()))
+
+    def linear_method(self, layer: LinearBase) -> LinearMethod:
+        return Fp8LinearMethod(from_checkpoint=True, per_channel=True)
+
+    def ignores(self, name: str) -> bool:
+        boundary = r"(?:(?<=\.)|(?=\.|$))"
+        return any(re.match(rf"(?:{key}){boundary}", name) or name.endswith(key) for key in self.skip)
 
 
 def register_optional_input_scale(layer: LinearBase) -> None:

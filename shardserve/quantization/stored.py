@@ -16,7 +16,7 @@ def weight_dtype(q: dict[str, Any] | None) -> str | None:
     other formats (and for INT8 layouts widened at load)."""
     q = q or {}
     method = str(q.get("quant_method", "")).lower()
-    if method == "fp8":
+    if method in ("fp8", "fbgemm_fp8"):
         return "fp8"
     bits = q.get("bits")
     if method == "compressed-tensors":

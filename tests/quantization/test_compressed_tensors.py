@@ -121,9 +121,9 @@ def test_experts_left_in_full_precision_are_refused(tmp_path):
     path = make_tiny_checkpoint(str(tmp_path / "moe"), "qwen3_moe")
     with open(f"{path}/config.json") as f:
         config = json.load(f)
-    config["quantization_config"] = _config(format="float-quantized", ignore=["lm_head", "model.layers.0.mlp.experts.0.up_proj"],
-                                            config_groups={"g": {"targets": ["Linear"], "weights": dict(
-                                                num_bits=8, type="float", strategy="channel")}})
+    config["quantization_config"] = _config(
+        format="float-quantized", ignore=["lm_head", "model.layers.0.mlp.experts.0.up_proj"],
+        config_groups={"g": {"targets": ["Linear"], "weights": dict(num_bits=8, type="float", strategy="channel")}})
     with open(f"{path}/config.json", "w") as f:
         json.dump(config, f)
     with pytest.raises(ValueError, match=r"leaves the experts of model.layers.0.mlp.experts in full precision"):

@@ -65,6 +65,45 @@ def test_fp8_checkpoint_matches_hf_on_its_weights(tmp_path, tp, static):
     llm.engine.shutdown()
 
 
+FBGEMM_SKIP = ["lm_head", "layers.0.mlp.down_proj", "model.layers.1.self_attn"]
+
+
+def _fbgemm_skipped(name: str) -> bool:
+    """The layers FBGEMM_SKIP leaves in 16 bits, spelled out (a name's tail; layer 1's attention by prefix)."""
+    return name.startswith(("model.layers.0.mlp.down_proj.", "model.layers.1.self_attn."))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fbgemm_fp8_checkpoint_matches_hf_on_its_weights(tmp_path, tp):
+    """Meta's FP8 layout (`quant_method: fbgemm_fp8`): E4M3 weights with an fp32 scale per output
+    channel, `modules_to_not_convert` naming layers by a name's tail, by a prefix and the LM head;
+    those load as plain layers, the rest FP8."""
+    from tests.quantization.checkpoints import write_quantized_checkpoint
+    from tests.quantization.moe_checkpoints import _expert_fp8
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    config = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": FBGEMM_SKIP}
+    dequantized = write_quantized_checkpoint(
+        src, str(tmp_path / "fbgemm"), lambda base, t: _expert_fp8(base, t, per_channel=True, static=False), config,
+        select=lambda name: is_quantized_linear(name) and not _fbgemm_skipped(name))
+    assert dequantized and not any(_fbgemm_skipped(n) for n in dequantized)
+    hf = hf_with_weights(src, dequantized)
+    llm = LLM(str(tmp_path / "fbgemm"), kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1,
+              tensor_parallel_size=tp)
+    try:
+        prompt = random_prompt(2, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_fbgemm_skip_rule_is_transformers_one():
+    from shardserve.quantization.fp8 import FbgemmFp8Config
+    config = FbgemmFp8Config(("model.layers.1", "mlp.gate", "fc1", "model.layers.2.*attn"))
+    assert config.ignores("model.layers.1.self_attn.q_proj") and not config.ignores("model.layers.11.self_attn.q_proj")
+    assert config.ignores("model.layers.3.mlp.gate") and not config.ignores("model.layers.3.mlp.gate_proj")
+    assert config.ignores("model.decoder.layers.23.fc1") and config.ignores("model.layers.2.self_attn.o_proj")
+
+
 @pytest.mark.parametrize("block,tp", [((32, 32), 1), ((64, 64), 1), ((32, 16), 2)])
 def test_fp8_block_scaled_checkpoint_matches_hf(tmp_path, block, tp):
     """`weight_block_size` (Qwen3-FP8, DeepSeek-V3): the checkpoint's own values q * s (64 x 64
