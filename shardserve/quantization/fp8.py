@@ -21,6 +21,9 @@
   (`SHARDSERVE_FP8_FUSED_QUANT=0`: the separate pass, for A/B runs). Elsewhere (the CPU): the FP8
   values are widened once, after loading, into an ordinary weight of the compute dtype, so every
   CPU kernel and test runs unchanged on the FP8-rounded values (the accuracy of FP8; not its memory saving).
+- Layers the checkpoint leaves in 16 bits (`modules_to_not_convert`, transformers' key, or
+  `ignored_layers`, AutoFP8's and vLLM's) load as plain layers (`Fp8Config.ignores`,
+  models/loader.keep_unquantized).
 - Block-wise scales (`weight_block_size`, e.g. [128, 128]: Qwen3-*-FP8, DeepSeek-V3; the weight's
   `weight_scale_inv` holds one multiplier per block): the linears keep E4M3 with their block scales
   (quantization/fp8_block.py), their MoE experts too (quantization/fp8_block_moe.py). Rounding
@@ -65,25 +68,35 @@ class Fp8Config:
     name = "fp8"
     fp8 = True   # (config.check_device)
 
-    def __init__(self, from_checkpoint: bool, block: tuple[int, int] | None = None) -> None:
+    def __init__(self, from_checkpoint: bool, block: tuple[int, int] | None = None, skip: tuple[str, ...] = ()) -> None:
         self.from_checkpoint = from_checkpoint   # weights stored as FP8 (else quantized after loading)
         self.block = block                       # a block-scaled checkpoint's [rows, inputs] block
+        self.skip = skip                         # layers the checkpoint leaves in 16 bits (`ignores`)
 
     @classmethod
     def from_quantization_config(cls, cfg: dict[str, Any]) -> "Fp8Config":
         fmt = cfg.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ValueError(f"FP8 format {fmt!r} is not supported; only e4m3 checkpoints are")
+        # transformers' `modules_to_not_convert` (Qwen3-*-FP8), AutoFP8's / vLLM's `ignored_layers`
+        skip = tuple(cfg.get("modules_to_not_convert") or ()) + tuple(cfg.get("ignored_layers") or ())
         block = cfg.get("weight_block_size")
         if block:
             if not (isinstance(block, (list, tuple)) and len(block) == 2
                     and all(isinstance(b, int) and b > 0 for b in block)):
                 raise ValueError(f"FP8 quantization_config.weight_block_size={block!r}: expected [rows, columns]")
-            return cls(from_checkpoint=False, block=(block[0], block[1]))
-        return cls(from_checkpoint=True)
+            return cls(from_checkpoint=False, block=(block[0], block[1]), skip=skip)
+        return cls(from_checkpoint=True, skip=skip)
 
     def linear_method(self, layer: LinearBase) -> LinearMethod:
         return Fp8BlockLinearMethod(self.block) if self.block else Fp8LinearMethod(self.from_checkpoint)
+
+    def ignores(self, name: str) -> bool:
+        """Whether the checkpoint leaves layer `name` in 16 bits (models/loader.keep_unquantized asks):
+        transformers' rule for `modules_to_not_convert`, a prefix ending at a module boundary, a regex
+        with that boundary, or a suffix (a full name, vLLM's rule for `ignored_layers`, is all three)."""
+        boundary = r"(?:(?<=\.)|(?=\.|$))"
+        return any(re.match(rf"(?:{key}){boundary}", name) or name.endswith(key) for key in self.skip)
 
 
 class FbgemmFp8Config(Fp8Config):
@@ -96,20 +109,12 @@ class FbgemmFp8Config(Fp8Config):
     activations at all). MoE experts in this format are refused."""
     name = "fbgemm_fp8"
 
-    def __init__(self, skip: tuple[str, ...] = ()) -> None:
-        super().__init__(from_checkpoint=True)
-        self.skip = skip
-
     @classmethod
     def from_quantization_config(cls, cfg: dict[str, Any]) -> "FbgemmFp8Config":
-        return cls(tuple(cfg.get("modules_to_not_convert") or ()))
+        return cls(from_checkpoint=True, skip=tuple(cfg.get("modules_to_not_convert") or ()))
 
     def linear_method(self, layer: LinearBase) -> LinearMethod:
         return Fp8LinearMethod(from_checkpoint=True, per_channel=True)
-
-    def ignores(self, name: str) -> bool:
-        boundary = r"(?:(?<=\.)|(?=\.|$))"
-        return any(re.match(rf"(?:{key}){boundary}", name) or name.endswith(key) for key in self.skip)
 
 
 def register_optional_input_scale(layer: LinearBase) -> None:

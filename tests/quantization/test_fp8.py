@@ -96,9 +96,36 @@ def test_fbgemm_fp8_checkpoint_matches_hf_on_its_weights(tmp_path, tp):
         llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("block", [None, (32, 32)])
+def test_fp8_checkpoint_with_layers_left_in_16_bits(tmp_path, block):
+    """`quant_method: fp8` with AutoFP8's / vLLM's `ignored_layers` (full names; per-tensor scales) or
+    transformers' `modules_to_not_convert` (block scales, as Qwen3-*-FP8 write it): those layers load
+    plain, against HF on the checkpoint's values."""
+    from tests.quantization.checkpoints import _fp8_block_tensors, _fp8_tensors, write_quantized_checkpoint
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if block:
+        config.update(weight_block_size=list(block), modules_to_not_convert=["lm_head", "layers.0.mlp.down_proj",
+                                                                             "model.layers.1.self_attn"])
+        tensors = lambda base, t: _fp8_block_tensors(base, t, block)   # noqa: E731
+    else:
+        config["ignored_layers"] = ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj",
+                                    "model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj",
+                                    "model.layers.1.self_attn.o_proj"]
+        tensors = lambda base, t: _fp8_tensors(base, t, static=False)   # noqa: E731
+    values = write_quantized_checkpoint(src, str(tmp_path / "fp8"), tensors, config,
+                                        select=lambda name: is_quantized_linear(name) and not _fbgemm_skipped(name))
+    llm = LLM(str(tmp_path / "fp8"), kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
+    try:
+        prompt = random_prompt(2, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf_with_weights(src, values), prompt)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_fbgemm_skip_rule_is_transformers_one():
     from shardserve.quantization.fp8 import FbgemmFp8Config
-    config = FbgemmFp8Config(("model.layers.1", "mlp.gate", "fc1", "model.layers.2.*attn"))
+    config = FbgemmFp8Config(from_checkpoint=True, skip=("model.layers.1", "mlp.gate", "fc1", "model.layers.2.*attn"))
     assert config.ignores("model.layers.1.self_attn.q_proj") and not config.ignores("model.layers.11.self_attn.q_proj")
     assert config.ignores("model.layers.3.mlp.gate") and not config.ignores("model.layers.3.mlp.gate_proj")
     assert config.ignores("model.decoder.layers.23.fc1") and config.ignores("model.layers.2.self_attn.o_proj")
