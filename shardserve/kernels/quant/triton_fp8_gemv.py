@@ -128,6 +128,11 @@ if triton is not None:
         return w.to(tl.float16)
 
     @triton.jit
+    def run_tile(w_rows, ka, k, j, m):
+        """The weight rows' C inputs at ka in fp16 (zero past k or outside the strip)."""
+        return to_f16(tl.load(w_rows + ka, mask=m & (ka + j < k)[None, :], other=0.0, eviction_policy="evict_first"))
+
+    @triton.jit
     def runs_step(y, w_rows, X, k0, k, col_ok, lanes, j, C: tl.constexpr, s_rows, BK: tl.constexpr):
         """y += the 8 runs of C inputs at k0 of the weight rows at w_rows against X [C, COLS] (fp16),
         each in its own accumulator, kept in its own columns. BK > 0: block scales (kernels/quant/
@@ -136,9 +141,7 @@ if triton is not None:
         out = y
         for a in tl.static_range(8):
             ka = k0 + a * C
-            w = tl.load(w_rows + ka, mask=col_ok[:, None] & (ka + j < k)[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            part = tl.dot(to_f16(w), X)
+            part = tl.dot(run_tile(w_rows, ka, k, j, col_ok[:, None]), X)
             if BK > 0:
                 part = part * tl.load(s_rows + tl.minimum(ka, k - 1) // BK, mask=col_ok, other=0.0)[:, None]
             out += tl.where(lanes[None, :] == a, part, 0.0)
@@ -158,22 +161,14 @@ if triton is not None:
         """The 8 runs of C inputs at k0 against X, each into its own accumulator (kept over every
         step, its columns picked once at the end: no select per step)."""
         m = col_ok[:, None]
-        y0 = tl.dot(to_f16(tl.load(w_rows + k0, mask=m & (k0 + j < k)[None, :], other=0.0,
-                            eviction_policy="evict_first")), X, y0)
-        y1 = tl.dot(to_f16(tl.load(w_rows + k0 + C, mask=m & (k0 + C + j < k)[None, :], other=0.0,
-                            eviction_policy="evict_first")), X, y1)
-        y2 = tl.dot(to_f16(tl.load(w_rows + k0 + 2 * C, mask=m & (k0 + 2 * C + j < k)[None, :], other=0.0,
-                            eviction_policy="evict_first")), X, y2)
-        y3 = tl.dot(to_f16(tl.load(w_rows + k0 + 3 * C, mask=m & (k0 + 3 * C + j < k)[None, :], other=0.0,
-                            eviction_policy="evict_first")), X, y3)
-        y4 = tl.dot(to_f16(tl.load(w_rows + k0 + 4 * C, mask=m & (k0 + 4 * C + j < k)[None, :], other=0.0,
-                            eviction_policy="evict_first")), X, y4)
-        y5 = tl.dot(to_f16(tl.load(w_rows + k0 + 5 * C, mask=m & (k0 + 5 * C + j < k)[None, :], other=0.0,
-                            eviction_policy="evict_first")), X, y5)
-        y6 = tl.dot(to_f16(tl.load(w_rows + k0 + 6 * C, mask=m & (k0 + 6 * C + j < k)[None, :], other=0.0,
-                            eviction_policy="evict_first")), X, y6)
-        y7 = tl.dot(to_f16(tl.load(w_rows + k0 + 7 * C, mask=m & (k0 + 7 * C + j < k)[None, :], other=0.0,
-                            eviction_policy="evict_first")), X, y7)
+        y0 = tl.dot(run_tile(w_rows, k0, k, j, m), X, y0)
+        y1 = tl.dot(run_tile(w_rows, k0 + C, k, j, m), X, y1)
+        y2 = tl.dot(run_tile(w_rows, k0 + 2 * C, k, j, m), X, y2)
+        y3 = tl.dot(run_tile(w_rows, k0 + 3 * C, k, j, m), X, y3)
+        y4 = tl.dot(run_tile(w_rows, k0 + 4 * C, k, j, m), X, y4)
+        y5 = tl.dot(run_tile(w_rows, k0 + 5 * C, k, j, m), X, y5)
+        y6 = tl.dot(run_tile(w_rows, k0 + 6 * C, k, j, m), X, y6)
+        y7 = tl.dot(run_tile(w_rows, k0 + 7 * C, k, j, m), X, y7)
         return y0, y1, y2, y3, y4, y5, y6, y7
 
     @triton.jit
