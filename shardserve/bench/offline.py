@@ -208,12 +208,14 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
     stored = (config.get("quantization_config") or {}).get("quant_method")
     if stored == "gguf":
         return None, " GGUF weights (bytes as held)"
-    if (requested or stored) == "fp8":   # block-scaled: a scale per 128 x 128 weights besides (~0.02%)
+    if (requested or stored) in ("fp8", "fbgemm_fp8"):   # block-scaled: a scale per 128 x 128 weights (~0.02%)
         block = (config.get("quantization_config") or {}).get("weight_block_size")
         return 1.0, f" fp8 weights (blocks of {block[0]} x {block[1]})" if block else " fp8 weights"
     if stored in ("gptq", "awq"):
         from shardserve.quantization.int4 import held_bytes_per_weight
         cfg = config["quantization_config"]
+        if cfg.get("bits", cfg.get("w_bit", 4)) != 4:   # 8-bit GPTQ: dequantized at load (quantization/int4.py)
+            return float(elem), f" {cfg.get('bits')}-bit {stored} weights dequantized at load"
         group = cfg.get("group_size", cfg.get("q_group_size", 128))
         return held_bytes_per_weight(group, config["hidden_size"]), f" int4 weights ({stored}, group {group})"
     if stored == "compressed-tensors":

@@ -124,3 +124,18 @@ def test_latency_with_random_block_fp8_weights(tmp_path, capsys):
                  "--output-json", str(out)]) == 0
     assert "fp8 weights (blocks of 128 x 128)" in capsys.readouterr().out
     assert json.loads(out.read_text())["decode_step_ms"] > 0
+
+
+def test_linear_bytes_follow_what_the_engine_holds():
+    """The roofline's bytes per linear weight for stored formats: FP8 (also Meta's fbgemm_fp8) 1,
+    4-bit GPTQ its packed bytes, 8-bit GPTQ and a pruned-only compressed-tensors model the compute
+    dtype's (the engine dequantizes / stores them whole)."""
+    from shardserve.bench.offline import _linear_bytes
+    base = {"hidden_size": 4096}
+
+    def held(q: dict) -> float:
+        return _linear_bytes(None, {**base, "quantization_config": q}, 2)[0]
+    assert held({"quant_method": "fbgemm_fp8"}) == held({"quant_method": "fp8"}) == 1.0
+    assert held({"quant_method": "gptq", "bits": 4, "group_size": 128}) < 0.6
+    assert held({"quant_method": "gptq", "bits": 8, "group_size": 128}) == 2.0
+    assert held({"quant_method": "compressed-tensors", "sparsity_config": {"format": "dense"}}) == 2.0
