@@ -48,16 +48,11 @@ class StaticTokens:
         self.input_ids, self.positions, self.slots = self.columns
         self.slots.fill_(scratch_slot)
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, size: int,
-             columns: torch.Tensor | None = None) -> None:
-        """columns: the three as the rows of one [3, t] tensor, when they are."""
-        t = input_ids.shape[0]
-        if columns is not None:
-            self.columns[:, :t].copy_(columns, non_blocking=True)
-        else:
-            self.input_ids[:t].copy_(input_ids, non_blocking=True)
-            self.positions[:t].copy_(positions, non_blocking=True)
-            self.slots[:t].copy_(slots, non_blocking=True)
+    def load(self, columns: torch.Tensor, size: int) -> None:
+        """A step's token ids, positions and KV slots (the rows of `columns` [3, t], StepInputs.token_columns)
+        in front, padding up to `size`."""
+        t = columns.shape[1]
+        self.columns[:, :t].copy_(columns, non_blocking=True)
         self.slots[t:size].fill_(self.scratch_slot)
 
     def forward(self, model: torch.nn.Module, size: int, ctx: AttentionContext) -> torch.Tensor:
@@ -105,12 +100,11 @@ class DecodeGraphs:
     def fits(self, batch: int) -> bool:
         return batch <= self.sizes[-1]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states of a decode-only batch (one token per request). columns: StaticTokens.load's."""
-        b = input_ids.shape[0]
+    def run(self, columns: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Hidden states of a decode-only batch (one token per request; columns: StaticTokens.load's)."""
+        b = columns.shape[1]
         batch = next(s for s in self.sizes if s >= b)
-        self.tokens.load(input_ids, positions, slots, batch, columns)
+        self.tokens.load(columns, batch)
         self.block_tables[:batch].zero_()
         self.block_tables[:b, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         self.seq_lens[:b].copy_(seq_lens, non_blocking=True)

@@ -61,9 +61,9 @@ class StepInputs:
     placeholders: list[tuple[int, str]]   # (flat index, request): input is the previous step's sample
     seq_lens: torch.Tensor           # per request: tokens in its KV cache once this step ran
     # input_ids, positions and the slot mapping as the rows of one [3, tokens] view (graphs take them
-    # in one copy), and whether every token is sampled, in order (sample_indices is then 0..T-1).
-    token_columns: torch.Tensor | None = None
-    samples_every_row: bool = False
+    # in one copy)
+    token_columns: torch.Tensor
+    samples_every_row: bool          # every token is sampled, in order (sample_indices is 0..T-1)
     # Speculative decoding: per sampled request, the drafts its rows verify ([] for plain rows). A
     # request with d drafts has d + 1 consecutive rows in sample_indices.
     spec_drafts: list[list[int]] | None = None

@@ -98,13 +98,12 @@ class PiecewiseGraphs:
     def fits(self, attn: CommonAttentionMetadata) -> bool:
         return len(attn.query_lens) > attn.num_decodes and sum(attn.query_lens) <= self.sizes[-1]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: CommonAttentionMetadata,
-            columns: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states of a step with at least one prefill chunk that fits(). columns: StaticTokens.load's."""
-        t = input_ids.shape[0]
+    def run(self, columns: torch.Tensor, attn: CommonAttentionMetadata) -> torch.Tensor:
+        """Hidden states of a step with at least one prefill chunk that fits() (columns: StaticTokens.load's)."""
+        t = columns.shape[1]
         size = next(s for s in self.sizes if s >= t)
-        self.tokens.load(input_ids, positions, attn.slot_mapping, size, columns)
-        md = self.backend.build(attn, input_ids.device)
+        self.tokens.load(columns, size)
+        md = self.backend.build(attn, columns.device)
         md.slots = self.tokens.slots[:size]   # the K/V write covers the padding rows too (into the scratch slot)
         pieces = self.pieces[size]
         for piece, (spec, q, k, v, kv_cache, rotary, out) in zip(pieces, self.calls[size]):

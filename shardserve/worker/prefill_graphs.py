@@ -62,16 +62,15 @@ class PrefillGraphs:
         return (attn.num_decodes == 0 and len(attn.query_lens) <= MAX_REQS
                 and sum(attn.query_lens) <= self.sizes[-1])
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: CommonAttentionMetadata,
-            columns: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states of a prefill-only step that fits(). columns: StaticTokens.load's."""
-        t = input_ids.shape[0]
+    def run(self, columns: torch.Tensor, attn: CommonAttentionMetadata) -> torch.Tensor:
+        """Hidden states of a prefill-only step that fits() (columns: StaticTokens.load's)."""
+        t = columns.shape[1]
         size = next(s for s in self.sizes if s >= t)
         tiles = self.tiles[size]
         starts = np.cumsum([0] + attn.query_lens[:-1]).tolist()
         data = tiles_data(starts, attn.query_lens, attn.context_lens, tiles.num_tiles, tiles.num_reqs)
         tiles.data.copy_(torch.from_numpy(data).pin_memory(), non_blocking=True)
-        self.tokens.load(input_ids, positions, attn.slot_mapping, size, columns)
+        self.tokens.load(columns, size)
         self.block_tables.zero_()   # pages past a request's blocks read the null block, as in eager steps
         self.block_tables[:attn.block_tables.shape[0], :attn.block_tables.shape[1]].copy_(attn.block_tables,
                                                                                           non_blocking=True)

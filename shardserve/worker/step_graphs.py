@@ -44,10 +44,9 @@ class StepGraphs:
         """The step's hidden states from the graph that takes it; None where none does."""
         attn = inputs.attn
         if attn.num_decodes == len(inputs.req_ids) and self.decode.fits(attn.num_decodes):
-            return self.decode.run(inputs.input_ids, inputs.positions, attn.slot_mapping, attn.block_tables,
-                                   inputs.seq_lens, inputs.token_columns)
+            return self.decode.run(inputs.token_columns, attn.block_tables, inputs.seq_lens)
         if self.prefill is not None and self.prefill.fits(attn):
-            return self.prefill.run(inputs.input_ids, inputs.positions, attn, inputs.token_columns)
+            return self.prefill.run(inputs.token_columns, attn)
         if self.piecewise is not None and self.piecewise.fits(attn):
-            return self.piecewise.run(inputs.input_ids, inputs.positions, attn, inputs.token_columns)
+            return self.piecewise.run(inputs.token_columns, attn)
         return None

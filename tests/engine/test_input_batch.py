@@ -41,6 +41,16 @@ def test_columns_hold_the_step_and_start_aligned(decodes, prompt):
     for column in (inputs.input_ids, inputs.positions, inputs.attn.slot_mapping, inputs.seq_lens,
                    inputs.sample_indices):
         assert column.storage_offset() * column.element_size() % 16 == 0
+    # the three per-token columns as rows of one view (a graph takes them in one copy), and the graph's
+    # buffers filled from it, the padding's slots the scratch slot
+    assert inputs.token_columns.tolist() == [inputs.input_ids.tolist(), inputs.positions.tolist(), slots]
+    assert inputs.samples_every_row == (decodes + 1 == total)
+    from shardserve.worker.cuda_graphs import StaticTokens
+    tokens = StaticTokens(16, 999, torch.device("cpu"))
+    tokens.load(inputs.token_columns, total + 2)
+    assert tokens.input_ids[:total].tolist() == inputs.input_ids.tolist()
+    assert tokens.positions[:total].tolist() == inputs.positions.tolist()
+    assert tokens.slots[:total + 2].tolist() == slots + [999, 999]
 
 
 def test_decodes_come_longest_context_first():

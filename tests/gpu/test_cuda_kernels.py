@@ -133,7 +133,7 @@ def test_cuda_graph_prefill_gives_the_eager_tokens(tmp_path, monkeypatch):
     replays = []
     real_run = prefill_graphs.PrefillGraphs.run
     monkeypatch.setattr(prefill_graphs.PrefillGraphs, "run",
-                        lambda self, ids, *a: replays.append(ids.shape[0]) or real_run(self, ids, *a))
+                        lambda self, columns, *a: replays.append(columns.shape[1]) or real_run(self, columns, *a))
     runs = {}
     monkeypatch.setenv("SHARDSERVE_PIECEWISE_GRAPHS", "0")   # eager means eager
     for graphs in (True, False):
@@ -177,7 +177,7 @@ def test_piecewise_graphs_give_the_eager_tokens(tmp_path, monkeypatch):
     replays = []
     real_run = piecewise_graphs.PiecewiseGraphs.run
     monkeypatch.setattr(piecewise_graphs.PiecewiseGraphs, "run",
-                        lambda self, ids, *a: replays.append(ids.shape[0]) or real_run(self, ids, *a))
+                        lambda self, columns, *a: replays.append(columns.shape[1]) or real_run(self, columns, *a))
     runs = {}
     for on in ("1", "0"):
         monkeypatch.setenv("SHARDSERVE_PIECEWISE_GRAPHS", on)
