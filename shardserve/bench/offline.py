@@ -188,7 +188,7 @@ def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
     linear_elem, label = _linear_bytes(model_config.quantization, config, elem)
     head = head_quantized(config.get("quantization_config"))   # GPTQ's lm_head: true, compressed-tensors' ignore
     in_dtype = counts["embed"] + (0 if head else counts["lm_head"]) + counts["experts"]
-    if linear_elem is None:   # GGUF: what the ranks hold as loaded (blocks kept, parts dequantized)
+    if linear_elem is None:   # what the ranks hold as loaded (GGUF: blocks kept, parts dequantized)
         total = tp * max(llm.engine.executor.collective_rpc("weight_bytes"))
         experts = total * counts["experts"] / counts["total"]
     else:
@@ -203,8 +203,8 @@ def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> tuple[float | None, str]:
-    """Bytes per weight of the quantized linear layers (None: GGUF blocks, counted as held), and a
-    label for the dtype line."""
+    """Bytes per weight of the quantized linear layers (None: counted as held, for GGUF blocks and
+    compressed-tensors layers in several schemes), and a label for the dtype line."""
     stored = (config.get("quantization_config") or {}).get("quant_method")
     if stored == "gguf":
         return None, " GGUF weights (bytes as held)"
@@ -223,7 +223,10 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
         from shardserve.quantization.int4 import held_bytes_per_weight
         if sparsity_only(config["quantization_config"]):   # pruned, stored dense, full precision
             return float(elem), ""
-        scheme = parse(config["quantization_config"])
+        layout = parse(config["quantization_config"])
+        if [target for target, _ in layout.targets] != ["Linear"]:   # layers in several schemes or left out
+            return None, " weights in several schemes (compressed-tensors; bytes as held)"
+        scheme = layout.default
         if scheme.weights == "fp8":
             return 1.0, f" fp8 weights (compressed-tensors, {scheme.strategy} scales)"
         if scheme.weights == "int8":   # kept INT8 on GPUs only in some layouts (quantization/int8.py)

@@ -159,18 +159,21 @@ class LinearBase(nn.Module):
     def register_weight(self, weight: torch.Tensor) -> None:
         self.register_quant_param("weight", weight, output_dim=0, input_dim=1)
 
-    def drop_quantization(self) -> None:
-        """Back to a plain layer, before any weight loads: one its checkpoint leaves in full precision
-        (models/loader.keep_unquantized). The format's tensors go; the bias stays."""
-        if self.quant_method is None:
-            return
+    def requantize(self, method: LinearMethod | None) -> None:
+        """Another format for this layer, before any weight loads: the one its checkpoint stores it in
+        where that is not the one it was built in (models/loader.place_schemes); None: a plain layer.
+        The format's tensors go; the bias stays."""
         device = next(p.device for p in self.parameters())
         for name in [n for n in self._parameters if n != "bias"]:
             del self._parameters[name]
         for name in [n for n, b in self._buffers.items() if hasattr(b, "weight_loader")]:   # optional scales
             del self._buffers[name]
-        self.quant_method = None
-        self.register_weight(torch.empty(self.output_size, self.input_size, dtype=self.params_dtype, device=device))
+        self.quant_method = method
+        with torch.device(device):
+            if method is None:
+                self.register_weight(torch.empty(self.output_size, self.input_size, dtype=self.params_dtype))
+            else:
+                method.create_weights(self)
 
     def register_quant_param(self, name: str, data: torch.Tensor, output_dim: int | None = 0,
                              input_dim: int | None = None, per_part: bool = False, packed_dim: int | None = None,

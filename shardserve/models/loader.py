@@ -22,6 +22,7 @@ from shardserve.layers.linear import (
     process_weights_after_loading,
 )
 from shardserve.layers.moe import FusedMoE
+from shardserve.layers.vocab import ParallelLMHead
 from shardserve.models import gguf_loader
 from shardserve.models.registry import resolve_model_class
 from shardserve.quantization.config import linear_method_factory, resolve_quantization
@@ -151,36 +152,56 @@ def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.dev
     config = resolve_quantization(quantization, hf_config)
     with _default_dtype(dtype), torch.device(device), linear_methods(linear_method_factory(config)):
         model = cls(hf_config)
-        if getattr(config, "ignores", None) is not None:
-            keep_unquantized(model, config.ignores)
+        place_schemes(model, config)
     return model.eval()
 
 
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
-def keep_unquantized(model: nn.Module, ignores: Callable[[str], bool]) -> None:
-    """Layers a quantized checkpoint leaves in full precision (`ignores(name)`, HF module names)
-    become plain layers again before loading. A fused layer (q/k/v, gate/up) holds several of the
-    checkpoint's layers: all of them or none may be ignored. MoE experts cannot be left out."""
+_BUILT = "the scheme the model was built in"
+
+
+def place_schemes(model: nn.Module, config: Any) -> None:
+    """Each linear layer in the scheme its checkpoint stores it in, before loading: layers are built
+    in the format's one scheme; `config.scheme_for(name)` (HF module names, "lm_head" for the head;
+    None: full precision) gives a compressed-tensors layer its own group's (`config.linear_method(
+    layer, scheme)`), `config.ignores(name)` sends a layer an FP8 or compressed-tensors checkpoint
+    leaves out back to a plain layer. A fused layer (q/k/v, gate/up) holds several of the
+    checkpoint's layers: they must share one scheme. MoE experts must be in the built one."""
+    if hasattr(config, "scheme_for"):
+        scheme_for, built = config.scheme_for, config.scheme
+    elif hasattr(config, "ignores"):
+        scheme_for, built = (lambda name: None if config.ignores(name) else _BUILT), _BUILT
+    else:
+        return
     parts_of: dict[str, list[str]] = {}
     for fragment, (fused, _) in getattr(model, "packed_modules_mapping", {}).items():
         parts_of.setdefault(fused, []).append(fragment)
+    heads = {id(m.linear): name for name, m in model.named_modules() if getattr(m, "linear", None) is not None
+             and isinstance(m, ParallelLMHead)}
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE) and module.quant_method is not None:
-            if any(ignores(f"{name}.0.{p}") for p in _EXPERT_PROJECTIONS):   # ("...mlp.experts.0.gate_proj")
+            stored = {scheme_for(f"{name}.0.{p}") for p in _EXPERT_PROJECTIONS}   # ("...mlp.experts.0.gate_proj")
+            if None in stored:
                 raise ValueError(f"the checkpoint leaves the experts of {name} in full precision (its ignore list); "
                                  "experts outside the format are not supported")
+            if stored != {built}:
+                raise ValueError(f"the checkpoint stores the experts of {name} in another scheme than the model's "
+                                 f"linear layers ({built}): experts in a scheme of their own are not supported")
         if not isinstance(module, LinearBase) or module.quant_method is None:
             continue
         prefix, _, last = name.rpartition(".")
-        parts = [f"{prefix}.{p}" for p in parts_of.get(last, [last])]
-        left = [p for p in parts if ignores(p)]
-        if left and len(left) < len(parts):
-            raise ValueError(f"the checkpoint leaves {left} in full precision but not the rest of the fused layer "
-                             f"{name} ({parts}): not supported")
-        if left:
-            module.drop_quantization()
+        parts = [heads[id(module)]] if id(module) in heads else [f"{prefix}.{p}" for p in parts_of.get(last, [last])]
+        stored = [scheme_for(p) for p in parts]
+        if any(s != stored[0] for s in stored):
+            left = [p for p, s in zip(parts, stored) if s is None]
+            what = f"leaves {left} in full precision but not the rest of" if left else "stores in different schemes"
+            raise ValueError(f"the checkpoint {what} the fused layer {name} ({parts}): not supported")
+        if stored[0] is None:
+            module.requantize(None)
+        elif stored[0] != built:
+            module.requantize(config.linear_method(module, stored[0]))
 
 
 def init_dummy_weights(model: nn.Module, device: torch.device, seed: int = 0, std: float = 0.02) -> None:

@@ -33,7 +33,7 @@ from torch import nn
 
 from shardserve.layers.linear import LinearBase, LinearMethod
 from shardserve.layers.moe import FusedMoE
-from shardserve.quantization.ct_scheme import CtScheme, parse
+from shardserve.quantization.ct_scheme import CtLayout, CtScheme, parse
 from shardserve.quantization.fp8 import Fp8LinearMethod
 from shardserve.quantization.fp8_block import Fp8BlockLinearMethod
 from shardserve.quantization.int4 import PACK, Int4Config, Int4LinearMethod, same_order_for_every_part, unpack_int4
@@ -50,33 +50,35 @@ def _read_as_nothing(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -
 class CompressedTensorsConfig:
     name = "compressed-tensors"
 
-    def __init__(self, scheme: CtScheme) -> None:
-        self.scheme = scheme
-        self.lm_head = scheme.lm_head
-        self.block = scheme.block   # FP8 blocks: widened on GPUs without FP8 matmuls (config.check_device)
-        self.fp8 = scheme.weights == "fp8"
+    def __init__(self, layout: CtLayout) -> None:
+        self.layout = layout
+        self.scheme = layout.default   # the scheme layers are built in, and MoE experts must be stored in
+        self.lm_head = layout.scheme_for("lm_head") is not None
+        self.block = self.scheme.block   # FP8 blocks: widened on GPUs without FP8 matmuls (config.check_device)
+        self.fp8 = self.scheme.weights == "fp8"
+        self.fp8_matmuls = any(s.weights == "fp8" and not s.block for s in layout.schemes)
 
     @classmethod
     def from_quantization_config(cls, cfg: dict[str, Any]) -> "CompressedTensorsConfig":
         return cls(parse(cfg))
 
-    def ignores(self, name: str) -> bool:
-        """Layers the checkpoint leaves in full precision (its `ignore` list; models/loader.py asks)."""
-        return self.scheme.ignores(name)
+    def scheme_for(self, name: str) -> CtScheme | None:
+        """The scheme the checkpoint stores layer `name` in (None: full precision; models/loader.py asks)."""
+        return self.layout.scheme_for(name)
 
-    def linear_method(self, layer: LinearBase) -> LinearMethod:
-        s = self.scheme
+    def linear_method(self, layer: LinearBase, scheme: CtScheme | None = None) -> LinearMethod:
+        s = scheme or self.scheme
         if s.weights == "fp8":
             if s.block:
                 return Fp8BlockLinearMethod(s.block, scale_name="weight_scale")
             return Fp8LinearMethod(from_checkpoint=True, per_channel=s.strategy == "channel")
         if s.weights == "int8":
             return Int8LinearMethod(s.strategy, s.symmetric, s.packed, s.group_size)
-        return CtInt4LinearMethod(self.int4_config(), s.symmetric)
+        return CtInt4LinearMethod(self.int4_config(s), s.symmetric)
 
-    def int4_config(self) -> Int4Config:
-        config = Int4Config(self.scheme.group_size if self.scheme.strategy == "group" else None,
-                            desc_act=self.scheme.actorder_group)
+    def int4_config(self, scheme: CtScheme | None = None) -> Int4Config:
+        s = scheme or self.scheme
+        config = Int4Config(s.group_size if s.strategy == "group" else None, desc_act=s.actorder_group)
         config.name = self.name
         return config
 

@@ -1,6 +1,6 @@
 """A compressed-tensors `quantization_config` (llm-compressor's checkpoints, `quant_method:
-compressed-tensors`) read into the one scheme its linear layers use, or refused naming what is not
-supported. No torch here: the planner reads it too (planner/memory.py).
+compressed-tensors`) read into the scheme of each of its linear layers, or refused naming what is
+not supported. No torch here: the planner reads it too (planner/memory.py).
 
 What the library writes (compressed-tensors 0.x `ModelCompressor.update_config`): `config_groups`,
 each with `targets` (module types or names, "re:" for a regex), `weights` and `input_activations`
@@ -9,7 +9,9 @@ each with `targets` (module types or names, "re:" for a regex), `weights` and `i
 `ignore` (modules left in full precision); `quantization_status` ("compressed": weights stored
 quantized); `kv_cache_scheme`; `sparsity_config` and `transform_config`.
 
-Read here: one group targeting every `Linear`, with
+Read here: config groups targeting the `Linear` type, module names or "re:" patterns (each layer
+takes the scheme of the most specific target that matches it, as the library decides: `CtLayout`;
+a layer no target matches stays in full precision), each group with
 - FP8 weights (float, 8 bits, `float-quantized` or `naive-quantized`), strategy tensor, channel or
   block; activations FP8 dynamic per token, static per tensor (its `input_scale` is read and not
   used: activations are scaled per token here) or none (W8A16);
@@ -24,14 +26,16 @@ Read here: one group targeting every `Linear`, with
 `ignore` may name the LM head (which otherwise is quantized with the rest, as the library does when
 it is not ignored), MoE routers (`mlp.gate`, `shared_expert_gate`: full precision here anyway) and
 any other linear layers, by name or "re:" pattern: those stay in full precision
-(`CtScheme.ignores`, applied by models/loader.keep_unquantized; the parts of a fused q/k/v or
+(`CtScheme.ignores`, applied by models/loader.place_schemes; the parts of a fused q/k/v or
 gate/up all or none).
 A `sparsity_config` whose `format` is "dense" (pruned weights, 2:4 or unstructured, stored as
 ordinary tensors with their zeros: RedHatAI's `Sparse-*` models) is read as a plain checkpoint: the
 kernels are dense, so the zeros cost what any weight costs; with no `config_groups` beside it the
 model is full precision (`sparsity_only`). Everything else (other bit widths or layouts, NVFP4 /
 MXFP4, sparsity stored compressed: `sparse-24-bitmask`, `sparse-bitmask`, `marlin-24`; transforms,
-several groups, MoE experts named in `ignore`) is refused naming the key."""
+targets naming other module types, output activations) is refused naming the key; so are, when the
+model is built (models/loader.place_schemes), the parts of one fused layer in different schemes and
+MoE experts in another scheme than the one the model's linears are built in."""
 from __future__ import annotations
 
 import re
@@ -65,8 +69,8 @@ class CtScheme:
 def _refuse(what: str) -> ValueError:
     return ValueError(f"compressed-tensors checkpoint: {what} is not supported; supported are FP8 weights "
                       "(tensor, channel or block scales), INT4 pack-quantized weights (group or channel scales) and "
-                      "INT8 weights (int-quantized, or pack-quantized symmetric; tensor, channel or group scales) "
-                      "on every Linear layer")
+                      "INT8 weights (int-quantized, or pack-quantized symmetric; tensor, channel or group scales), "
+                      "in config groups targeting the Linear type, module names or 're:' patterns")
 
 
 def _split_ignore(ignore: list[str]) -> tuple[bool, tuple[str, ...]]:
@@ -155,31 +159,74 @@ def sparsity_only(cfg: dict[str, Any]) -> bool:
     return bool(cfg.get("sparsity_config"))
 
 
-def parse(cfg: dict[str, Any]) -> CtScheme:
-    status = cfg.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise _refuse(f"quantization_status {status!r} (weights not stored quantized)")
-    _check_sparsity_and_transforms(cfg)
-    groups = cfg.get("config_groups") or {}
-    if len(groups) != 1:
-        raise _refuse(f"{len(groups)} config_groups (one scheme for every Linear layer is)")
-    group = next(iter(groups.values()))
-    if group.get("targets") != ["Linear"]:
-        raise _refuse(f"targets {group.get('targets')!r} (['Linear'] is)")
+def _group_scheme(group: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """One config group's scheme fields (`fmt`: the group's format, else the config's)."""
     weights, inputs = group.get("weights") or {}, group.get("input_activations")
     if group.get("output_activations"):
         raise _refuse("output_activations")
     if weights.get("dynamic"):
         raise _refuse("dynamic weight quantization")
-    fmt = group.get("format") or cfg.get("format") or ""
     kind = (weights.get("type"), weights.get("num_bits"))
     if kind == ("float", 8):
-        fields = _fp8(weights, inputs, fmt)
-    elif kind == ("int", 4):
-        fields = _int4(weights, inputs, fmt)
-    elif kind == ("int", 8):
-        fields = _int8(weights, inputs, fmt)
-    else:
-        raise _refuse(f"{kind[0]} {kind[1]}-bit weights")
+        return _fp8(weights, inputs, fmt)
+    if kind == ("int", 4):
+        return _int4(weights, inputs, fmt)
+    if kind == ("int", 8):
+        return _int8(weights, inputs, fmt)
+    raise _refuse(f"{kind[0]} {kind[1]}-bit weights")
+
+
+def _check_target(target: Any) -> str:
+    """"Linear" (every linear layer), a module name, or a "re:" pattern; other module types refused."""
+    if not isinstance(target, str) or not (target == "Linear" or target.startswith("re:") or "." in target
+                                           or target == "lm_head"):
+        raise _refuse(f"target {target!r} (the Linear type, module names and 're:' patterns are)")
+    return target
+
+
+@dataclass(frozen=True)
+class CtLayout:
+    """Which scheme each linear layer of a checkpoint is stored in: its config groups' targets in the
+    library's order of precedence (a module name, then "re:" patterns in sorted order, then the
+    Linear type: compressed-tensors' `match_targets`), a target named by two groups taking the later
+    group's scheme, as the library does."""
+    targets: tuple[tuple[str, CtScheme], ...]
+    default: CtScheme   # the Linear type's scheme, else the first group's: layers are built in it first
+
+    def scheme_for(self, name: str) -> CtScheme | None:
+        """The scheme of the layer `name` (an HF module name, "lm_head" for the head); None: full
+        precision (in `ignore`, or matching no target)."""
+        if (not self.default.lm_head) if name == "lm_head" else self.default.ignores(name):
+            return None
+        for target, scheme in self.targets:
+            if target in ("Linear", name) or (target.startswith("re:") and re.match(target[3:], name)):
+                return scheme
+        return None
+
+    @property
+    def schemes(self) -> tuple[CtScheme, ...]:
+        return tuple(dict.fromkeys(scheme for _, scheme in self.targets))
+
+
+def parse(cfg: dict[str, Any]) -> CtLayout:
+    status = cfg.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise _refuse(f"quantization_status {status!r} (weights not stored quantized)")
+    _check_sparsity_and_transforms(cfg)
+    groups = cfg.get("config_groups") or {}
+    if not groups:
+        raise _refuse("a config without config_groups")
     head_ignored, others = _split_ignore(cfg.get("ignore") or [])
-    return CtScheme(**fields, lm_head=not head_ignored, ignore=others)
+    by_target: dict[str, CtScheme] = {}
+    for group in groups.values():
+        scheme = CtScheme(**_group_scheme(group, group.get("format") or cfg.get("format") or ""),
+                          lm_head=not head_ignored, ignore=others)
+        for target in group.get("targets") or []:
+            by_target[_check_target(target)] = scheme
+    if not by_target:
+        raise _refuse("config groups without targets")
+    order = sorted(by_target, key=lambda t: (t == "Linear", t.startswith("re:"), t))
+    first = next(iter(by_target.values()))
+    return CtLayout(tuple((t, by_target[t]) for t in order), by_target.get("Linear", first))
+
+

@@ -23,7 +23,7 @@
   CPU kernel and test runs unchanged on the FP8-rounded values (the accuracy of FP8; not its memory saving).
 - Layers the checkpoint leaves in 16 bits (`modules_to_not_convert`, transformers' key, or
   `ignored_layers`, AutoFP8's and vLLM's) load as plain layers (`Fp8Config.ignores`,
-  models/loader.keep_unquantized).
+  models/loader.place_schemes).
 - Block-wise scales (`weight_block_size`, e.g. [128, 128]: Qwen3-*-FP8, DeepSeek-V3; the weight's
   `weight_scale_inv` holds one multiplier per block): the linears keep E4M3 with their block scales
   (quantization/fp8_block.py), their MoE experts too (quantization/fp8_block_moe.py). Rounding
@@ -92,7 +92,7 @@ class Fp8Config:
         return Fp8BlockLinearMethod(self.block) if self.block else Fp8LinearMethod(self.from_checkpoint)
 
     def ignores(self, name: str) -> bool:
-        """Whether the checkpoint leaves layer `name` in 16 bits (models/loader.keep_unquantized asks):
+        """Whether the checkpoint leaves layer `name` in 16 bits (models/loader.place_schemes asks):
         transformers' rule for `modules_to_not_convert`, a prefix ending at a module boundary, a regex
         with that boundary, or a suffix (a full name, vLLM's rule for `ignored_layers`, is all three)."""
         boundary = r"(?:(?<=\.)|(?=\.|$))"
@@ -103,7 +103,7 @@ class FbgemmFp8Config(Fp8Config):
     """Meta's FP8 checkpoints (`quant_method: fbgemm_fp8`: Llama-3.1-405B-Instruct-FP8): E4M3 weights
     with a scale per output channel (`weight_scale` [N, 1], fp32), activations quantized per token at
     run time. `modules_to_not_convert` names the layers left in 16 bits (transformers' rule: a prefix
-    ending at a module boundary, a regex with that boundary, or a suffix; models/loader.keep_unquantized
+    ending at a module boundary, a regex with that boundary, or a suffix; models/loader.place_schemes
     makes them plain). The bound on the activations' scale (`activation_scale_ub`) is not applied: the
     per-token scales are those of every FP8 layer here (and the CPU and the decode GEMV do not round
     activations at all). MoE experts in this format are refused."""

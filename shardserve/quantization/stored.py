@@ -2,32 +2,40 @@
 planner and the benchmarks read it): the linears' weight type and whether the LM head is quantized."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
-def _ct_weights(q: dict[str, Any]) -> dict[str, Any]:
-    """compressed-tensors: the first config group's weight arguments (quantization/ct_scheme.py)."""
-    groups = q.get("config_groups") or {}
-    return (next(iter(groups.values()), None) or {}).get("weights") or {}
+def _ct_groups(q: dict[str, Any]) -> list[dict[str, Any]]:
+    """compressed-tensors: the config groups (quantization/ct_scheme.py)."""
+    return list((q.get("config_groups") or {}).values())
+
+
+def _ct_dtype(w: dict[str, Any]) -> str | None:
+    """A compressed-tensors group's weight type as a GPU holds it (None: widened to 16 bits at load)."""
+    kind = (w.get("type"), w.get("num_bits"))
+    if kind == ("float", 8):
+        return "fp8"
+    if kind == ("int", 8):   # held INT8 on GPUs only symmetric per channel or tensor, else widened at load
+        return "int8" if w.get("symmetric", True) and w.get("strategy") in ("tensor", "channel") else None
+    return "int4" if kind == ("int", 4) else None
+
+
+_WIDTH = {"int4": 0, "int8": 1, "fp8": 1, None: 2}
 
 
 def weight_dtype(q: dict[str, Any] | None) -> str | None:
     """"fp8", "int4" or "int8" for the linears of a quantized checkpoint as a GPU holds them; None for
-    other formats (and for INT8 layouts widened at load)."""
+    other formats (and for INT8 layouts widened at load). A compressed-tensors checkpoint with groups
+    in several schemes counts at its widest (the planner then never plans less than it holds)."""
     q = q or {}
     method = str(q.get("quant_method", "")).lower()
     if method in ("fp8", "fbgemm_fp8"):
         return "fp8"
-    bits = q.get("bits")
     if method == "compressed-tensors":
-        w = _ct_weights(q)
-        if (w.get("type"), w.get("num_bits")) == ("float", 8):
-            return "fp8"
-        if (w.get("type"), w.get("num_bits")) == ("int", 8):   # held INT8 on GPUs only symmetric per channel
-            # or tensor; else widened to the compute dtype at load (quantization/int8.py)
-            return "int8" if w.get("symmetric", True) and w.get("strategy") in ("tensor", "channel") else None
-        bits = w.get("num_bits") if w.get("type") == "int" else None
-    if method in ("gptq", "awq", "compressed-tensors") and bits == 4:
+        dtypes = [_ct_dtype(g.get("weights") or {}) for g in _ct_groups(q)]
+        return max(dtypes, key=_WIDTH.__getitem__) if dtypes else None
+    if method in ("gptq", "awq") and q.get("bits") == 4:
         return "int4"
     return None   # (8-bit GPTQ is dequantized at load, quantization/int4.py)
 
@@ -37,9 +45,14 @@ def names_lm_head(entry: str) -> bool:
     return entry.removeprefix("re:").lstrip(".*").rstrip("$") == "lm_head"
 
 
+def _targets_lm_head(target: str) -> bool:
+    return target in ("Linear", "lm_head") or (target.startswith("re:") and re.match(target[3:], "lm_head") is not None)
+
+
 def head_quantized(q: dict[str, Any] | None) -> bool:
-    """GPTQ's `lm_head: true`; compressed-tensors: a head its `ignore` list does not name."""
+    """GPTQ's `lm_head: true`; compressed-tensors: a head some group targets and `ignore` does not name."""
     q = q or {}
     if str(q.get("quant_method", "")).lower() == "compressed-tensors":
-        return bool(_ct_weights(q)) and not any(names_lm_head(name) for name in q.get("ignore") or [])
+        targeted = any(_targets_lm_head(t) for g in _ct_groups(q) for t in g.get("targets") or [])
+        return targeted and not any(names_lm_head(name) for name in q.get("ignore") or [])
     return bool(q.get("lm_head"))

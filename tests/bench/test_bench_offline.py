@@ -129,7 +129,8 @@ def test_latency_with_random_block_fp8_weights(tmp_path, capsys):
 def test_linear_bytes_follow_what_the_engine_holds():
     """The roofline's bytes per linear weight for stored formats: FP8 (also Meta's fbgemm_fp8) 1,
     4-bit GPTQ its packed bytes, 8-bit GPTQ and a pruned-only compressed-tensors model the compute
-    dtype's (the engine dequantizes / stores them whole)."""
+    dtype's (the engine dequantizes / stores them whole); compressed-tensors layers in several schemes
+    as held (None)."""
     from shardserve.bench.offline import _linear_bytes
     base = {"hidden_size": 4096}
 
@@ -139,3 +140,9 @@ def test_linear_bytes_follow_what_the_engine_holds():
     assert held({"quant_method": "gptq", "bits": 4, "group_size": 128}) < 0.6
     assert held({"quant_method": "gptq", "bits": 8, "group_size": 128}) == 2.0
     assert held({"quant_method": "compressed-tensors", "sparsity_config": {"format": "dense"}}) == 2.0
+    int4 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128}
+    one = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "g": {"targets": ["Linear"], "weights": int4}}}
+    assert held(one) < 0.6
+    # layers in several schemes (or only some targeted): counted as the engine holds them, not from the config
+    assert held({**one, "config_groups": {"g": {"targets": ["re:.*mlp.*"], "weights": int4}}}) is None

@@ -95,6 +95,23 @@ def test_compressed_tensors_checkpoints_say_their_dtype_and_head():
     assert not ModelShape({**config, "quantization_config": {**w4, "ignore": ["re:.*lm_head$"]}}).head_quantized
 
 
+def test_compressed_tensors_with_several_schemes_plan_at_the_widest():
+    """Mixed-precision configs (a group per part of the model) plan at their widest scheme, never
+    below what the engine holds; the head is held quantized only where a group targets it."""
+    config = model_config("llama-3.1-8b")
+    int4 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128}
+    fp8 = {"type": "float", "num_bits": 8, "strategy": "channel"}
+    mixed = {"quant_method": "compressed-tensors", "ignore": [], "config_groups": {
+        "attention": {"targets": ["re:.*self_attn.*"], "weights": fp8},
+        "mlp": {"targets": ["re:.*mlp.*"], "weights": int4}}}
+    assert config_dtype({**config, "quantization_config": mixed}) == "fp8"
+    assert not ModelShape({**config, "quantization_config": mixed}).head_quantized   # no group targets it
+    mixed["config_groups"]["rest"] = {"targets": ["Linear"], "weights": {**int4, "num_bits": 8, "type": "int",
+                                                                         "strategy": "group"}}   # widened at load
+    assert config_dtype({**config, "quantization_config": mixed}) == "bf16"
+    assert ModelShape({**config, "quantization_config": mixed}).head_quantized
+
+
 def test_int8_experts_count_16_bits():
     """INT8 experts are widened at load on GPUs: at `int8` a MoE model's experts count 2 bytes a weight,
     its other linears 1; a dense model's linears 1."""

@@ -34,10 +34,13 @@ def _minmax_qparams(module: torch.nn.Module) -> None:
         module.input_scale.data.fill_(0.05)
 
 
-def write_ct_checkpoint(src: str, dst: str, scheme: str | dict, fmt: str,
-                        ignore: tuple[str, ...] = ("lm_head",), dtype: torch.dtype = torch.bfloat16) -> str:
+def write_ct_checkpoint(src: str, dst: str, scheme: str | dict | None, fmt: str | None,
+                        ignore: tuple[str, ...] = ("lm_head",), dtype: torch.dtype = torch.bfloat16,
+                        groups: dict[str, tuple[list[str], str | dict, str]] | None = None) -> str:
     """`src` (an HF checkpoint) quantized with a compressed-tensors preset scheme ("FP8_DYNAMIC",
-    "W4A16", ...) or a scheme's fields, in `fmt` ("float-quantized", "pack-quantized")."""
+    "W4A16", ...) or a scheme's fields, in `fmt` ("float-quantized", "pack-quantized"), on every
+    Linear; or with several config groups, name -> (targets, scheme, format) (the library then
+    writes a "mixed-precision" config)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -47,23 +50,47 @@ def write_ct_checkpoint(src: str, dst: str, scheme: str | dict, fmt: str,
     )
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
-    if isinstance(scheme, str):
-        scheme = preset_name_to_scheme(scheme, ["Linear"])
-    else:
-        scheme = QuantizationScheme(targets=["Linear"], **scheme)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
+
+    def group(targets: list[str], scheme: str | dict, fmt: str | None) -> QuantizationScheme:
+        if isinstance(scheme, str):
+            scheme = preset_name_to_scheme(scheme, targets)
+        else:
+            scheme = QuantizationScheme(targets=targets, **scheme)
+        if fmt is not None:
+            scheme.format = fmt
+        return scheme
+    config_groups = {name: group(*g) for name, g in groups.items()} if groups else {
+        "group_0": group(["Linear"], scheme, None)}
+    apply_quantization_config(model, QuantizationConfig(config_groups=config_groups, ignore=list(ignore)))
     with torch.no_grad():
         for module in model.modules():
             if getattr(module, "quantization_scheme", None) is not None:
                 _minmax_qparams(module)
-    compressor = ModelCompressor.from_pretrained_model(model, fmt)
+    compressor = ModelCompressor.from_pretrained_model(model, None if groups else fmt)
     compressor.compress_model(model)
     model.save_pretrained(dst)
     compressor.update_config(dst)
+    if groups:   # (transformers reads mixed formats with the wrong compressor: the library's own reading, saved)
+        compressor.decompress_model(model)
+        _save_plain(model, os.path.join(dst, "decompressed"))
     for name in os.listdir(src):   # the tokenizer and chat template
         if name.startswith(("tokenizer", "special_tokens", "chat_template")) or name.endswith(".model"):
             shutil.copy(os.path.join(src, name), dst)
     return dst
+
+
+def _save_plain(model: torch.nn.Module, dst: str) -> None:
+    """A decompressed model saved as a plain HF checkpoint (no quantization_config)."""
+    from transformers import AutoModelForCausalLM
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    weights = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in plain.state_dict().items():
+            tensor.copy_(weights[name])
+    plain.save_pretrained(dst)
 
 
 def hf_decompressed(path: str, dtype: torch.dtype = torch.float32):
