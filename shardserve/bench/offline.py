@@ -204,7 +204,7 @@ def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
 
 def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> tuple[float | None, str]:
     """Bytes per weight of the quantized linear layers (None: counted as held, for GGUF blocks and
-    compressed-tensors layers in several schemes), and a label for the dtype line."""
+    layers in several schemes), and a label for the dtype line."""
     stored = (config.get("quantization_config") or {}).get("quant_method")
     if stored == "gguf":
         return None, " GGUF weights (bytes as held)"
@@ -214,6 +214,8 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
     if stored in ("gptq", "awq"):
         from shardserve.quantization.int4 import held_bytes_per_weight
         cfg = config["quantization_config"]
+        if cfg.get("dynamic"):   # GPTQModel's per-module overrides: layers in several schemes
+            return None, f" weights in several schemes ({stored} dynamic; bytes as held)"
         if cfg.get("bits", cfg.get("w_bit", 4)) != 4:   # 8-bit GPTQ: dequantized at load (quantization/int4.py)
             return float(elem), f" {cfg.get('bits')}-bit {stored} weights dequantized at load"
         group = cfg.get("group_size", cfg.get("q_group_size", 128))

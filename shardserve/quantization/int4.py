@@ -42,13 +42,20 @@ call (graph-safe, slow).
 GPTQ's `lm_head: true` (GPTQModel, AutoRound): the LM head is one more INT4 layer, column-parallel
 over the vocabulary (layers/vocab.py); a tied embedding cannot share it and is refused.
 
+GPTQModel's `dynamic` (per-module overrides, regexes matched from the start of the HF module name,
+the first match deciding): "-:pattern" leaves the layers it matches unquantized (stored as plain
+`weight`), "+:pattern" or a bare pattern gives them their own bits (4 or 8), group_size or desc_act
+(`GptqConfig.scheme_for`; models/loader.place_schemes gives them that method before loading; the
+parts of a fused q/k/v or gate/up must agree, MoE experts must keep the checkpoint's own scheme).
+
 Refused at start-up, naming the key: bits other than 4 (GPTQ: 4 or 8); 8-bit MoE experts; GPTQ
-checkpoint_format other than gptq and gptq_v2 (marlin repacks), per-module `dynamic` overrides; AWQ
+checkpoint_format other than gptq and gptq_v2 (marlin repacks); AWQ
 versions other than gemm (gemv packs differently), zero_point false, modules_to_not_convert other
 than MoE routers (`gate`). MoE experts in INT4 are quantization/int4_moe.py's.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -143,8 +150,12 @@ class Int4Config:
         return Int4LinearMethod(self)
 
 
+GptqScheme = tuple[int, "int | None", bool]   # (bits, group_size, desc_act) of one layer
+
+
 class GptqConfig(Int4Config):
     name = "gptq"
+    dynamic: tuple[tuple[str, dict[str, Any]], ...] = ()   # GPTQModel's per-module overrides, in order
 
     @classmethod
     def from_quantization_config(cls, cfg: dict[str, Any]) -> "GptqConfig":
@@ -156,13 +167,57 @@ class GptqConfig(Int4Config):
         if cfg.get("pack_dtype", "int32") != "int32":
             raise ValueError(f"GPTQ quantization_config.pack_dtype={cfg['pack_dtype']!r} is not supported; only "
                              "int32 words are")
-        if cfg.get("dynamic"):
-            raise ValueError("GPTQ checkpoints with per-module overrides (quantization_config.dynamic) are not "
-                             "supported")
         config = cls(_group_size(cfg, "GPTQ", "group_size"), bool(cfg.get("desc_act", False)),
                      zero_offset=1 if fmt == "gptq" else 0, bits=bits)
         config.lm_head = bool(cfg.get("lm_head", False))
+        config.dynamic = tuple((pattern, _override(pattern, o)) for pattern, o in (cfg.get("dynamic") or {}).items())
         return config
+
+    @property
+    def scheme(self) -> GptqScheme:
+        """The layers' scheme while the model is built (models/loader.place_schemes compares)."""
+        return self.bits, self.group_size, self.desc_act
+
+    def scheme_for(self, name: str) -> GptqScheme | None:
+        """Layer `name`'s scheme (an HF module name, "lm_head" for the head; None: stored unquantized):
+        the first `dynamic` pattern matching the name from its start decides, as GPTQModel and vLLM
+        read them: "-:" leaves the layer out, "+:" (or no prefix) overrides bits, group_size, desc_act."""
+        if name == "lm_head" and not self.lm_head:
+            return None
+        for pattern, override in self.dynamic:
+            if re.match(pattern.removeprefix("-:").removeprefix("+:"), name):
+                if pattern.startswith("-:"):
+                    return None
+                return (override.get("bits", self.bits), override.get("group_size", self.group_size),
+                        override.get("desc_act", self.desc_act))
+        return self.scheme
+
+    def linear_method(self, layer: LinearBase, scheme: GptqScheme | None = None) -> LinearMethod | None:
+        if scheme is None or scheme == self.scheme:
+            return Int4LinearMethod(self)
+        config = GptqConfig(scheme[1], scheme[2], self.zero_offset, scheme[0])
+        config.lm_head = self.lm_head
+        return Int4LinearMethod(config)
+
+
+def _override(pattern: str, override: Any) -> dict[str, Any]:
+    """A `dynamic` entry's overrides, checked: bits 4 or 8, group_size (-1: one group), desc_act;
+    other keys (sym, damp_percent ...) change how the tool quantized, not how the weights are stored."""
+    if not isinstance(override, dict):
+        raise ValueError(f"GPTQ quantization_config.dynamic[{pattern!r}] must be a dict of overrides")
+    try:
+        re.compile(pattern.removeprefix("-:").removeprefix("+:"))
+    except re.error as e:
+        raise ValueError(f"GPTQ quantization_config.dynamic pattern {pattern!r} is not a regular expression: {e}") \
+            from None
+    out: dict[str, Any] = {}
+    if "bits" in override:
+        out["bits"] = _bits(override, f"GPTQ dynamic[{pattern!r}]", "bits", allowed=(4, 8))
+    if "group_size" in override:
+        out["group_size"] = _group_size(override, f"GPTQ dynamic[{pattern!r}]", "group_size")
+    if "desc_act" in override:
+        out["desc_act"] = bool(override["desc_act"])
+    return out
 
 
 class AwqConfig(Int4Config):

@@ -26,8 +26,9 @@ _WIDTH = {"int4": 0, "int8": 1, "fp8": 1, None: 2}
 
 def weight_dtype(q: dict[str, Any] | None) -> str | None:
     """"fp8", "int4" or "int8" for the linears of a quantized checkpoint as a GPU holds them; None for
-    other formats (and for INT8 layouts widened at load). A compressed-tensors checkpoint with groups
-    in several schemes counts at its widest (the planner then never plans less than it holds)."""
+    other formats (and for INT8 layouts widened at load). A checkpoint with layers in several schemes
+    (compressed-tensors groups, GPTQ's `dynamic`) counts at its widest (the planner then never plans
+    less than it holds)."""
     q = q or {}
     method = str(q.get("quant_method", "")).lower()
     if method in ("fp8", "fbgemm_fp8"):
@@ -35,7 +36,9 @@ def weight_dtype(q: dict[str, Any] | None) -> str | None:
     if method == "compressed-tensors":
         dtypes = [_ct_dtype(g.get("weights") or {}) for g in _ct_groups(q)]
         return max(dtypes, key=_WIDTH.__getitem__) if dtypes else None
-    if method in ("gptq", "awq") and q.get("bits") == 4:
+    # GPTQModel's per-module overrides (`dynamic`): 8-bit layers are the widest, held at 16 bits
+    wider = any(isinstance(o, dict) and o.get("bits", 4) != 4 for o in (q.get("dynamic") or {}).values())
+    if method in ("gptq", "awq") and q.get("bits") == 4 and not wider:
         return "int4"
     return None   # (8-bit GPTQ is dequantized at load, quantization/int4.py)
 

@@ -146,3 +146,4 @@ def test_linear_bytes_follow_what_the_engine_holds():
     assert held(one) < 0.6
     # layers in several schemes (or only some targeted): counted as the engine holds them, not from the config
     assert held({**one, "config_groups": {"g": {"targets": ["re:.*mlp.*"], "weights": int4}}}) is None
+    assert held({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*layers\\.0\\.": {}}}) is None

@@ -95,9 +95,10 @@ def test_compressed_tensors_checkpoints_say_their_dtype_and_head():
     assert not ModelShape({**config, "quantization_config": {**w4, "ignore": ["re:.*lm_head$"]}}).head_quantized
 
 
-def test_compressed_tensors_with_several_schemes_plan_at_the_widest():
-    """Mixed-precision configs (a group per part of the model) plan at their widest scheme, never
-    below what the engine holds; the head is held quantized only where a group targets it."""
+def test_layers_in_several_schemes_plan_at_the_widest():
+    """Mixed-precision configs (compressed-tensors groups, GPTQ's `dynamic`) plan at their widest scheme,
+    never below what the engine holds (8-bit GPTQ layers are dequantized at load); a compressed-tensors
+    head is held quantized only where a group targets it."""
     config = model_config("llama-3.1-8b")
     int4 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128}
     fp8 = {"type": "float", "num_bits": 8, "strategy": "channel"}
@@ -110,6 +111,9 @@ def test_compressed_tensors_with_several_schemes_plan_at_the_widest():
                                                                          "strategy": "group"}}   # widened at load
     assert config_dtype({**config, "quantization_config": mixed}) == "bf16"
     assert ModelShape({**config, "quantization_config": mixed}).head_quantized
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    assert config_dtype({**config, "quantization_config": {**gptq, "dynamic": {"-:.*layers\\.0\\.": {}}}}) == "int4"
+    assert config_dtype({**config, "quantization_config": {**gptq, "dynamic": {".*down_proj": {"bits": 8}}}}) == "bf16"
 
 
 def test_int8_experts_count_16_bits():
