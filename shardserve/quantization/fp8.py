@@ -117,12 +117,12 @@ class FbgemmFp8Config(Fp8Config):
         return Fp8LinearMethod(from_checkpoint=True, per_channel=True)
 
 
-def register_optional_input_scale(layer: LinearBase) -> None:
+def register_optional_input_scale(layer: LinearBase, name: str = "input_scale") -> None:
     """A static `input_scale` per fused part: optional (a dynamic-scheme checkpoint has none), read and
     dropped (activations are scaled per token). Buffers with a weight_loader are what models/loader.py
     fills when present."""
     buf = torch.ones(len(layer.output_shard_sizes), dtype=torch.float32)
-    layer.register_buffer("input_scale", buf, persistent=False)
+    layer.register_buffer(name, buf, persistent=False)
     buf.weight_loader, buf.per_part, buf.output_dim, buf.full_precision = layer.weight_loader, True, None, True
 
 

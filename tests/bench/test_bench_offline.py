@@ -144,6 +144,9 @@ def test_linear_bytes_follow_what_the_engine_holds():
     one = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
         "g": {"targets": ["Linear"], "weights": int4}}}
     assert held(one) < 0.6
+    nvfp4 = {"type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16}
+    assert held({**one, "format": "nvfp4-pack-quantized",
+                 "config_groups": {"g": {"targets": ["Linear"], "weights": nvfp4}}}) == 2.0   # dequantized at load
     # layers in several schemes (or only some targeted): counted as the engine holds them, not from the config
     assert held({**one, "config_groups": {"g": {"targets": ["re:.*mlp.*"], "weights": int4}}}) is None
     assert held({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*layers\\.0\\.": {}}}) is None

@@ -89,6 +89,8 @@ def test_compressed_tensors_checkpoints_say_their_dtype_and_head():
     assert config_dtype({**config, "quantization_config": w8}) == "int8"
     w8_groups = _compressed_tensors({"type": "int", "num_bits": 8, "strategy": "group", "group_size": 128}, [])
     assert config_dtype({**config, "quantization_config": w8_groups}) == "bf16"   # widened at load
+    nvfp4 = _compressed_tensors({"type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16}, [])
+    assert config_dtype({**config, "quantization_config": nvfp4}) == "bf16"   # dequantized at load
     assert config_dtype({**config, "quantization_config": {"quant_method": "gptq", "bits": 8}}) == "bf16"   # the same
     assert not ModelShape({**config, "quantization_config": fp8}).head_quantized
     assert ModelShape({**config, "quantization_config": w4}).head_quantized

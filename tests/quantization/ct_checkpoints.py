@@ -14,7 +14,12 @@ def _minmax_qparams(module: torch.nn.Module) -> None:
     """Scales (and zero points) from the weight's own range, per the module's weight strategy."""
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
     args, w = module.quantization_scheme.weights, module.weight.data.float()
-    if args.strategy == "group":
+    global_scale = None
+    if args.strategy == "tensor_group":   # NVFP4: a global scale from the whole weight, then group scales under it
+        from compressed_tensors.quantization.utils.helpers import generate_gparam
+        global_scale = generate_gparam(w.amin(), w.amax())
+        module.weight_global_scale.data.copy_(global_scale)
+    if args.strategy in ("group", "tensor_group"):
         v = w.unflatten(-1, (-1, args.group_size))
         lo, hi = v.amin(-1), v.amax(-1)
     elif args.strategy == "channel":
@@ -26,7 +31,7 @@ def _minmax_qparams(module: torch.nn.Module) -> None:
         v = torch.nn.functional.pad(w, (0, -w.shape[1] % bk, 0, -w.shape[0] % bn))
         v = v.unflatten(0, (-1, bn)).unflatten(-1, (-1, bk))
         lo, hi = v.amin((1, 3)), v.amax((1, 3))
-    scale, zero = calculate_qparams(lo.clamp(max=0), hi.clamp(min=0), args)
+    scale, zero = calculate_qparams(lo.clamp(max=0), hi.clamp(min=0), args, global_scale=global_scale)
     module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
     if hasattr(module, "weight_zero_point"):
         module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))

@@ -1,0 +1,115 @@
+"""NVFP4 compressed-tensors checkpoints (llm-compressor's NVFP4A16 and NVFP4 presets), written by the
+compressed-tensors library, against HF transformers on the same values: the library's own E2M1
+unpacking, the scales applied in fp32 (transformers decompresses through bf16)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from shardserve.llm import LLM
+from shardserve.quantization.nvfp4 import E2M1, Nvfp4LinearMethod, unpack_e2m1
+from tests.models.test_parity import assert_matches_hf, full_logprob_params, random_prompt
+from tests.quantization.checkpoints import hf_with_weights
+from tests.quantization.ct_checkpoints import write_ct_checkpoint
+from tests.tiny_models import make_tiny_checkpoint
+
+pytest.importorskip("compressed_tensors")
+
+KW = dict(kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1, dtype="float32")
+
+
+def _values(path: str) -> dict[str, torch.Tensor]:
+    """Each NVFP4 layer's weight from the checkpoint's tensors, decoded with the library's unpacking."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from safetensors.torch import load_file
+    tensors = {}
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(path, f)))
+    out = {}
+    for name, packed in tensors.items():
+        if name.endswith(".weight_packed"):
+            base = name[:-len(".weight_packed")]
+            values = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+            scale = tensors[f"{base}.weight_scale"].float().repeat_interleave(16, dim=1)
+            out[f"{base}.weight"] = values * scale / tensors[f"{base}.weight_global_scale"].float()
+    return out
+
+
+def test_unpacking_known_bytes():
+    packed = torch.tensor([[0x21, 0xF8], [0x9A, 0x07]], dtype=torch.uint8)   # low nibble first; bit 3 the sign
+    assert unpack_e2m1(packed).tolist() == [[E2M1[1], E2M1[2], -0.0, -E2M1[7]], [-E2M1[2], -E2M1[1], E2M1[7], 0.0]]
+
+
+@pytest.mark.parametrize("preset,tp,head", [("NVFP4A16", 1, True), ("NVFP4A16", 2, False), ("NVFP4", 1, False)])
+def test_nvfp4_checkpoint_matches_hf_on_its_values(tmp_path, preset, tp, head):
+    """TP=2: the row-parallel layers' 48 inputs per rank take three of each row's 16-input scales;
+    NVFP4 (W4A4): its activation quantization is not applied (the layers compute in the model's dtype)."""
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    path = write_ct_checkpoint(src, str(tmp_path / "ct"), preset, "nvfp4-pack-quantized",
+                               ignore=() if head else ("lm_head",), dtype=torch.float32)
+    with open(f"{path}/config.json") as f:
+        group = json.load(f)["quantization_config"]["config_groups"]["group_0"]
+    assert group["format"] == "nvfp4-pack-quantized" and group["weights"]["strategy"] == "tensor_group"
+    values = _values(path)
+    assert ("lm_head.weight" in values) == head
+    llm = LLM(path, tensor_parallel_size=tp, **KW)
+    try:
+        if tp == 1:
+            model = llm.engine.executor.worker.model_runner.model
+            assert isinstance(model.model.layers[0].self_attn.qkv_proj.quant_method, Nvfp4LinearMethod)
+            assert (model.lm_head.linear is not None) == head
+        prompt = random_prompt(3, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf_with_weights(src, values), prompt)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_smollm2_nvfp4_answers(tmp_path):
+    """The real SmolLM2 in NVFP4A16 (min-max scales, no calibration): answers Paris, with exactly the
+    perplexity of its values in bf16 (+21% against the bf16 model)."""
+    from shardserve.sampling_params import SamplingParams
+    from tests.quantization.checkpoints import smollm2_hf_checkpoint
+    from tests.quantization.moe_checkpoints import write_with_weights
+    from tests.quantization.test_compressed_tensors import FRANCE, _perplexity
+    smollm2 = smollm2_hf_checkpoint(str(tmp_path / "hf"))
+    kw = dict(max_model_len=1024, kv_cache_memory="64MiB", show_progress=False)
+    path = write_ct_checkpoint(smollm2, str(tmp_path / "nvfp4"), "NVFP4A16", "nvfp4-pack-quantized")
+    values = {k: v.to(torch.bfloat16) for k, v in _values(path).items()}
+    ppl = {}
+    for name, where in (("bf16", smollm2), ("values", write_with_weights(smollm2, str(tmp_path / "v"), values)),
+                        ("nvfp4", path)):
+        llm = LLM(where, **kw)
+        try:
+            ppl[name] = _perplexity(llm)
+            if name == "nvfp4":
+                text = llm.chat(FRANCE, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
+        finally:
+            llm.engine.shutdown()
+    print(f"perplexity {ppl}; {text!r}")
+    assert "Paris" in text, text
+    assert abs(ppl["nvfp4"] / ppl["values"] - 1) <= 0.005
+    assert abs(ppl["nvfp4"] / ppl["bf16"] - 1) <= 0.3   # +21%: min-max scales, as W4A16's +25% (no calibration)
+
+
+def test_other_fp4_layouts_and_nvfp4_experts_are_refused():
+    from shardserve.models.loader import build_model
+    from shardserve.quantization.ct_scheme import parse
+    from tests.tiny_models import tiny_hf_config
+
+    def config(weights: dict, fmt: str = "nvfp4-pack-quantized") -> dict:
+        return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+                "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}
+    nvfp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+    assert parse(config(nvfp4)).default.weights == "nvfp4"
+    with pytest.raises(ValueError, match="FP4 weights in format 'mxfp4-pack-quantized' is not supported"):
+        parse(config({**nvfp4, "strategy": "group", "group_size": 32}, "mxfp4-pack-quantized"))
+    with pytest.raises(ValueError, match="strategy 'group' and group_size 32 .*MXFP4 is not"):
+        parse(config({**nvfp4, "strategy": "group", "group_size": 32}))
+    hf_config = json.loads(tiny_hf_config("qwen3_moe").to_json_string())
+    hf_config["quantization_config"] = config(nvfp4)
+    with pytest.raises(ValueError, match="compressed-tensors NVFP4 weights for the experts .* are not supported"):
+        build_model(hf_config, torch.float32, torch.device("cpu"))
