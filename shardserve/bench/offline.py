@@ -231,8 +231,8 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
         scheme = layout.default
         if scheme.weights == "fp8":
             return 1.0, f" fp8 weights (compressed-tensors, {scheme.strategy} scales)"
-        if scheme.weights == "nvfp4":   # dequantized at load (quantization/nvfp4.py)
-            return float(elem), " nvfp4 weights dequantized at load (compressed-tensors)"
+        if scheme.weights in ("nvfp4", "mxfp4"):   # dequantized at load (quantization/fp4.py)
+            return float(elem), f" {scheme.weights} weights dequantized at load (compressed-tensors)"
         if scheme.weights == "int8":   # kept INT8 on GPUs only in some layouts (quantization/int8.py)
             if weight_dtype(config["quantization_config"]) == "int8":
                 return 1.0, f" int8 weights (compressed-tensors, {scheme.strategy} scales)"

@@ -24,8 +24,8 @@ the other formats, each reading the tensors as the library names and packs them:
   names), block-scaled ones the block method's (quantization/fp8_block_moe.py, `weight_scale`
   for its `weight_scale_inv`), INT4 ones `CtInt4MoEMethod`'s below, INT8 ones (symmetric, channel or
   tensor scales) quantization/int8.Int8MoEMethod's (quantization/config.py picks).
-- NVFP4 (`nvfp4-pack-quantized`): quantization/nvfp4.py's method (dequantized at load; its docstring
-  has the tensors); MoE experts in NVFP4 are refused."""
+- NVFP4 and MXFP4 (`nvfp4-pack-quantized`, `mxfp4-pack-quantized`): quantization/fp4.py's method
+  (dequantized at load; its docstring has the tensors); MoE experts in FP4 are refused."""
 from __future__ import annotations
 
 from typing import Any
@@ -36,12 +36,12 @@ from torch import nn
 from shardserve.layers.linear import LinearBase, LinearMethod
 from shardserve.layers.moe import FusedMoE
 from shardserve.quantization.ct_scheme import CtLayout, CtScheme, parse
+from shardserve.quantization.fp4 import Fp4LinearMethod
 from shardserve.quantization.fp8 import Fp8LinearMethod
 from shardserve.quantization.fp8_block import Fp8BlockLinearMethod
 from shardserve.quantization.int4 import PACK, Int4Config, Int4LinearMethod, same_order_for_every_part, unpack_int4
 from shardserve.quantization.int4_moe import Int4MoEMethod
 from shardserve.quantization.int8 import Int8LinearMethod
-from shardserve.quantization.nvfp4 import Nvfp4LinearMethod
 
 SYMMETRIC_ZERO = 8   # a symmetric scheme's values are stored as value + 8: zero is 8 in the nibbles
 
@@ -77,8 +77,8 @@ class CompressedTensorsConfig:
             return Fp8LinearMethod(from_checkpoint=True, per_channel=s.strategy == "channel")
         if s.weights == "int8":
             return Int8LinearMethod(s.strategy, s.symmetric, s.packed, s.group_size)
-        if s.weights == "nvfp4":
-            return Nvfp4LinearMethod()
+        if s.weights in ("nvfp4", "mxfp4"):
+            return Fp4LinearMethod(s.weights)
         return CtInt4LinearMethod(self.int4_config(s), s.symmetric)
 
     def int4_config(self, scheme: CtScheme | None = None) -> Int4Config:

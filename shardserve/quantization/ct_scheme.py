@@ -23,9 +23,9 @@ a layer no target matches stays in full precision), each group with
   W8A16 preset), strategy tensor, channel or group, INT8 activations per token (dynamic) or per
   tensor (static: `input_scale` read, not used) or none (quantization/int8.py: kept INT8 on CUDA where
   symmetric per channel or tensor, else widened at load).
-- NVFP4 weights (float, 4 bits, `nvfp4-pack-quantized`, tensor_group of 16: the NVFP4A16 and NVFP4
-  presets), with NVFP4 activations or none (quantization/nvfp4.py: dequantized at load, activations
-  not quantized).
+- FP4 weights (float, 4 bits): NVFP4 (`nvfp4-pack-quantized`, tensor_group of 16: the NVFP4A16 and
+  NVFP4 presets) or MXFP4 (`mxfp4-pack-quantized`, group of 32), with FP4 activations or none
+  (quantization/fp4.py: dequantized at load, activations not quantized).
 `ignore` may name the LM head (which otherwise is quantized with the rest, as the library does when
 it is not ignored), MoE routers (`mlp.gate`, `shared_expert_gate`: full precision here anyway) and
 any other linear layers, by name or "re:" pattern: those stay in full precision
@@ -34,7 +34,7 @@ gate/up all or none).
 A `sparsity_config` whose `format` is "dense" (pruned weights, 2:4 or unstructured, stored as
 ordinary tensors with their zeros: RedHatAI's `Sparse-*` models) is read as a plain checkpoint: the
 kernels are dense, so the zeros cost what any weight costs; with no `config_groups` beside it the
-model is full precision (`sparsity_only`). Everything else (other bit widths or layouts, MXFP4,
+model is full precision (`sparsity_only`). Everything else (other bit widths or layouts,
 sparsity stored compressed: `sparse-24-bitmask`, `sparse-bitmask`, `marlin-24`; transforms,
 targets naming other module types, output activations) is refused naming the key; so are, when the
 model is built (models/loader.place_schemes), the parts of one fused layer in different schemes and
@@ -52,9 +52,9 @@ _ROUTERS = re.compile(r"(^|[.*:])(gate|shared_expert_gate)\$?$")   # a MoE route
 
 @dataclass(frozen=True)
 class CtScheme:
-    weights: str                          # "fp8", "int4", "int8" or "nvfp4"
+    weights: str                          # "fp8", "int4", "int8", "nvfp4" or "mxfp4"
     strategy: str                         # tensor | channel | block (FP8); group | channel (INT4); + tensor (INT8);
-    #                                       tensor_group (NVFP4)
+    #                                       tensor_group (NVFP4); group (MXFP4)
     group_size: int | None = None         # INT4 / INT8 group strategy: inputs per scale
     symmetric: bool = True                # INT4 / INT8: no stored zero points
     packed: bool = False                  # INT8 pack-quantized (else int-quantized)
@@ -74,7 +74,7 @@ def _refuse(what: str) -> ValueError:
     return ValueError(f"compressed-tensors checkpoint: {what} is not supported; supported are FP8 weights "
                       "(tensor, channel or block scales), INT4 pack-quantized weights (group or channel scales), "
                       "INT8 weights (int-quantized, or pack-quantized symmetric; tensor, channel or group scales) and "
-                      "NVFP4 weights (nvfp4-pack-quantized), "
+                      "NVFP4 / MXFP4 weights, "
                       "in config groups targeting the Linear type, module names or 're:' patterns")
 
 
@@ -125,20 +125,22 @@ def _int4(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str) -> d
     return out
 
 
-def _nvfp4(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str) -> dict[str, Any]:
-    """NVFP4: E2M1 values, an E4M3 scale per 16 inputs, an fp32 global scale per tensor (the NVFP4A16
-    and NVFP4 presets); NVFP4 activations (W4A4) are not applied here: the layer computes in the
-    model's dtype on the dequantized weights (quantization/nvfp4.py)."""
-    if fmt != "nvfp4-pack-quantized":
+def _fp4(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str) -> dict[str, Any]:
+    """NVFP4 (an E4M3 scale per 16 inputs under an fp32 global scale: the NVFP4A16 and NVFP4 presets)
+    or MXFP4 (an E8M0 scale per 32 inputs: MXFP4A16, MXFP4); FP4 activations (W4A4) are not applied
+    here: the layers compute in the model's dtype on the dequantized weights (quantization/fp4.py)."""
+    layouts = {"nvfp4-pack-quantized": ("nvfp4", "tensor_group", 16), "mxfp4-pack-quantized": ("mxfp4", "group", 32)}
+    if fmt not in layouts:
         raise _refuse(f"FP4 weights in format {fmt!r}")
-    if weights.get("strategy") != "tensor_group" or weights.get("group_size") != 16:
-        raise _refuse(f"FP4 weights with strategy {weights.get('strategy')!r} and group_size "
-                      f"{weights.get('group_size')!r} (NVFP4's tensor_group of 16 is; MXFP4 is not)")
+    kind, strategy, group = layouts[fmt]
+    if (weights.get("strategy"), weights.get("group_size")) != (strategy, group):
+        raise _refuse(f"{kind.upper()} weights with strategy {weights.get('strategy')!r} and group_size "
+                      f"{weights.get('group_size')!r} ({strategy} of {group} is)")
     if not weights.get("symmetric", True):
         raise _refuse("asymmetric FP4 weights")
     if inputs is not None and (inputs.get("type"), inputs.get("num_bits")) != ("float", 4):
-        raise _refuse(f"NVFP4 weights with {inputs.get('type')} {inputs.get('num_bits')}-bit activations")
-    return {"weights": "nvfp4", "strategy": "tensor_group", "group_size": 16}
+        raise _refuse(f"FP4 weights with {inputs.get('type')} {inputs.get('num_bits')}-bit activations")
+    return {"weights": kind, "strategy": strategy, "group_size": group}
 
 
 def _int8(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str) -> dict[str, Any]:
@@ -195,7 +197,7 @@ def _group_scheme(group: dict[str, Any], fmt: str) -> dict[str, Any]:
     if kind == ("int", 8):
         return _int8(weights, inputs, fmt)
     if kind == ("float", 4):
-        return _nvfp4(weights, inputs, fmt)
+        return _fp4(weights, inputs, fmt)
     raise _refuse(f"{kind[0]} {kind[1]}-bit weights")
 
 

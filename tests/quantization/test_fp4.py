@@ -1,6 +1,6 @@
-"""NVFP4 compressed-tensors checkpoints (llm-compressor's NVFP4A16 and NVFP4 presets), written by the
-compressed-tensors library, against HF transformers on the same values: the library's own E2M1
-unpacking, the scales applied in fp32 (transformers decompresses through bf16)."""
+"""FP4 compressed-tensors checkpoints (llm-compressor's NVFP4A16 / NVFP4 and MXFP4A16 / MXFP4 presets),
+written by the compressed-tensors library, against HF transformers on the same values: the library's
+own E2M1 unpacking, the scales applied in fp32 (transformers decompresses through bf16)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardserve.llm import LLM
-from shardserve.quantization.nvfp4 import E2M1, Nvfp4LinearMethod, unpack_e2m1
+from shardserve.quantization.fp4 import E2M1, Fp4LinearMethod, unpack_e2m1
 from tests.models.test_parity import assert_matches_hf, full_logprob_params, random_prompt
 from tests.quantization.checkpoints import hf_with_weights
 from tests.quantization.ct_checkpoints import write_ct_checkpoint
@@ -22,7 +22,9 @@ KW = dict(kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1, dtype="
 
 
 def _values(path: str) -> dict[str, torch.Tensor]:
-    """Each NVFP4 layer's weight from the checkpoint's tensors, decoded with the library's unpacking."""
+    """Each FP4 layer's weight from the checkpoint's tensors, decoded with the library's unpacking: NVFP4
+    E4M3 scales over the global scale, MXFP4 E8M0 exponents (the library's own decoding)."""
+    from compressed_tensors.compressors.mx_utils import decompress_mx_scale
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from safetensors.torch import load_file
     tensors = {}
@@ -34,8 +36,12 @@ def _values(path: str) -> dict[str, torch.Tensor]:
         if name.endswith(".weight_packed"):
             base = name[:-len(".weight_packed")]
             values = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
-            scale = tensors[f"{base}.weight_scale"].float().repeat_interleave(16, dim=1)
-            out[f"{base}.weight"] = values * scale / tensors[f"{base}.weight_global_scale"].float()
+            scale = tensors[f"{base}.weight_scale"]
+            if scale.dtype == torch.uint8:   # MXFP4
+                scale = decompress_mx_scale(scale).float()
+            else:
+                scale = scale.float() / tensors[f"{base}.weight_global_scale"].float()
+            out[f"{base}.weight"] = values * scale.repeat_interleave(values.shape[1] // scale.shape[1], dim=1)
     return out
 
 
@@ -44,23 +50,25 @@ def test_unpacking_known_bytes():
     assert unpack_e2m1(packed).tolist() == [[E2M1[1], E2M1[2], -0.0, -E2M1[7]], [-E2M1[2], -E2M1[1], E2M1[7], 0.0]]
 
 
-@pytest.mark.parametrize("preset,tp,head", [("NVFP4A16", 1, True), ("NVFP4A16", 2, False), ("NVFP4", 1, False)])
-def test_nvfp4_checkpoint_matches_hf_on_its_values(tmp_path, preset, tp, head):
-    """TP=2: the row-parallel layers' 48 inputs per rank take three of each row's 16-input scales;
-    NVFP4 (W4A4): its activation quantization is not applied (the layers compute in the model's dtype)."""
+@pytest.mark.parametrize("preset,tp,head", [("NVFP4A16", 1, True), ("NVFP4A16", 2, False), ("NVFP4", 1, False),
+                                            ("MXFP4A16", 1, True), ("MXFP4", 1, False)])
+def test_fp4_checkpoint_matches_hf_on_its_values(tmp_path, preset, tp, head):
+    """TP=2: the row-parallel layers' 48 and 96 inputs per rank take three and six of each row's 16-input
+    NVFP4 scales; W4A4 presets: their activation quantization is not applied (the layers compute in
+    the model's dtype)."""
+    fmt = f"{preset[:5].lower()}-pack-quantized"
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
-    path = write_ct_checkpoint(src, str(tmp_path / "ct"), preset, "nvfp4-pack-quantized",
-                               ignore=() if head else ("lm_head",), dtype=torch.float32)
+    path = write_ct_checkpoint(src, str(tmp_path / "ct"), preset, fmt, ignore=() if head else ("lm_head",),
+                               dtype=torch.float32)
     with open(f"{path}/config.json") as f:
-        group = json.load(f)["quantization_config"]["config_groups"]["group_0"]
-    assert group["format"] == "nvfp4-pack-quantized" and group["weights"]["strategy"] == "tensor_group"
+        assert json.load(f)["quantization_config"]["config_groups"]["group_0"]["format"] == fmt
     values = _values(path)
     assert ("lm_head.weight" in values) == head
     llm = LLM(path, tensor_parallel_size=tp, **KW)
     try:
         if tp == 1:
             model = llm.engine.executor.worker.model_runner.model
-            assert isinstance(model.model.layers[0].self_attn.qkv_proj.quant_method, Nvfp4LinearMethod)
+            assert isinstance(model.model.layers[0].self_attn.qkv_proj.quant_method, Fp4LinearMethod)
             assert (model.lm_head.linear is not None) == head
         prompt = random_prompt(3, 40)
         assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf_with_weights(src, values), prompt)
@@ -95,7 +103,7 @@ def test_smollm2_nvfp4_answers(tmp_path):
     assert abs(ppl["nvfp4"] / ppl["bf16"] - 1) <= 0.3   # +21%: min-max scales, as W4A16's +25% (no calibration)
 
 
-def test_other_fp4_layouts_and_nvfp4_experts_are_refused():
+def test_other_fp4_layouts_and_fp4_experts_are_refused():
     from shardserve.models.loader import build_model
     from shardserve.quantization.ct_scheme import parse
     from tests.tiny_models import tiny_hf_config
@@ -105,11 +113,21 @@ def test_other_fp4_layouts_and_nvfp4_experts_are_refused():
                 "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}
     nvfp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
     assert parse(config(nvfp4)).default.weights == "nvfp4"
-    with pytest.raises(ValueError, match="FP4 weights in format 'mxfp4-pack-quantized' is not supported"):
-        parse(config({**nvfp4, "strategy": "group", "group_size": 32}, "mxfp4-pack-quantized"))
-    with pytest.raises(ValueError, match="strategy 'group' and group_size 32 .*MXFP4 is not"):
+    assert parse(config({**nvfp4, "strategy": "group", "group_size": 32}, "mxfp4-pack-quantized")).default.weights \
+        == "mxfp4"
+    with pytest.raises(ValueError, match="FP4 weights in format 'float-quantized' is not supported"):
+        parse(config(nvfp4, "float-quantized"))
+    with pytest.raises(ValueError, match=r"NVFP4 weights with strategy 'group' and group_size 32 \(tensor_group of 16"):
         parse(config({**nvfp4, "strategy": "group", "group_size": 32}))
     hf_config = json.loads(tiny_hf_config("qwen3_moe").to_json_string())
     hf_config["quantization_config"] = config(nvfp4)
     with pytest.raises(ValueError, match="compressed-tensors NVFP4 weights for the experts .* are not supported"):
         build_model(hf_config, torch.float32, torch.device("cpu"))
+
+
+def test_mxfp4_shards_cutting_a_scale_are_refused(tmp_path):
+    """MXFP4 at TP=2 on the tiny model: o_proj's 48 inputs per rank cut a 32-input scale."""
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    path = write_ct_checkpoint(src, str(tmp_path / "ct"), "MXFP4A16", "mxfp4-pack-quantized", dtype=torch.float32)
+    with pytest.raises(Exception, match="MXFP4 RowParallelLinear: 48 inputs per rank are not a multiple of 32"):
+        LLM(path, tensor_parallel_size=2, **KW)

@@ -1,0 +1,74 @@
+"""FP4 weights from compressed-tensors checkpoints, dequantized once after loading into an ordinary
+weight of the compute dtype on every device: the checkpoint's values, not FP4's memory saving (no
+kernel here multiplies FP4; Hopper has no FP4 tensor cores). A checkpoint's FP4 activation
+quantization (W4A4) is not applied: the layers compute in the model's dtype.
+
+- NVFP4 (`nvfp4-pack-quantized`: llm-compressor's NVFP4A16 and NVFP4 presets, RedHatAI's `*-NVFP4`):
+  an E4M3 `weight_scale` per 16 inputs [N, K / 16] and an fp32 `weight_global_scale` [1] per fused
+  q / k / v and gate / up part; w = e2m1 * weight_scale / weight_global_scale.
+- MXFP4 (`mxfp4-pack-quantized`: the MXFP4A16 and MXFP4 presets): a uint8 E8M0 `weight_scale` per 32
+  inputs [N, K / 32], a power of two 2^(e - 127); w = e2m1 * 2^(weight_scale - 127).
+Both: `weight_packed` uint8 [N, K / 2], two E2M1 values a byte, the lower nibble first, a nibble
+being a sign bit and an index into E2M1's magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6);
+`input_global_scale` [1] with static FP4 activations (read, not used)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardserve.kernels.cpu.decoder_stack import StackLinear, panels_linear
+from shardserve.layers.linear import LinearBase, LinearMethod, linear
+from shardserve.quantization.fp8 import register_optional_input_scale
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+GROUP = {"nvfp4": 16, "mxfp4": 32}   # inputs per scale
+E8M0_BIAS = 127
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K / 2] -> fp32 [N, K]: each byte's lower nibble, then its upper one."""
+    nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
+    magnitude = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)[nibbles & 0x07]
+    return torch.where(nibbles & 0x08 != 0, -magnitude, magnitude)
+
+
+class Fp4LinearMethod(LinearMethod):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind   # "nvfp4" | "mxfp4"
+        self.group = GROUP[kind]
+
+    def create_weights(self, layer: LinearBase) -> None:
+        n, k, parts = layer.output_size, layer.input_size, len(layer.output_shard_sizes)
+        if k % self.group:
+            raise ValueError(f"{self.kind.upper()} {type(layer).__name__}: {k} inputs per rank are not a multiple of "
+                             f"{self.group} (an FP4 scale's inputs); use a smaller tensor_parallel_size")
+        # (a row-parallel rank's share of the inputs is taken in each tensor's own units: bytes, scales)
+        layer.register_quant_param("weight_packed", torch.empty(n, k // 2, dtype=torch.uint8), output_dim=0,
+                                   input_dim=1)
+        scale_dtype = torch.float8_e4m3fn if self.kind == "nvfp4" else torch.uint8
+        layer.register_quant_param("weight_scale", torch.empty(n, k // self.group, dtype=scale_dtype),
+                                   output_dim=0, input_dim=1, full_precision=True)
+        if self.kind == "nvfp4":
+            layer.register_quant_param("weight_global_scale", torch.ones(parts, dtype=torch.float32),
+                                       output_dim=None, per_part=True, full_precision=True)
+        register_optional_input_scale(layer, "input_global_scale")
+
+    def process_after_loading(self, layer: LinearBase) -> None:
+        stored = layer.weight_scale.data
+        if self.kind == "nvfp4":
+            sizes = torch.tensor(layer.output_shard_sizes, device=stored.device)
+            scale = stored.float() / layer.weight_global_scale.data.float().repeat_interleave(sizes)[:, None]
+        else:
+            scale = torch.exp2(stored.float() - E8M0_BIAS)
+        weight = unpack_e2m1(layer.weight_packed.data) * scale.repeat_interleave(self.group, dim=1)
+        for name in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        layer.weight = nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, layer.weight, bias)
+
+    def stack_linear(self, layer: LinearBase, gated: bool) -> StackLinear | None:
+        """Dequantized, the layer is a plain one to the CPU's one-call decoder stack."""
+        return None if gated else panels_linear(layer.weight, layer.output_size, layer.input_size, layer.bias)
