@@ -62,7 +62,7 @@ test: install prometheus
 	SHARDSERVE_CPU_ISA=avx2 $(PY) -m pytest -q -m "not gpu" $(GGUF_ISA_TESTS)
 
 test-gpu:  ## on a GPU machine with torch, transformers installed
-	NCCL_NVLS_ENABLE=0 PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu tests/gpu tests/doctor tests/quantization/test_int4.py
+	NCCL_NVLS_ENABLE=0 PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu tests/gpu tests/doctor tests/quantization
 
 bench-cpu: install
 	$(PY) benchmarks/throughput_cpu.py

@@ -32,15 +32,19 @@ def _logprobs_beside_hf(llm: LLM, hf, prompt: list[int]) -> tuple[list[int], tor
 
 
 def _assert_within_rounded_hf(path: str, ids: list[int], ours: torch.Tensor, ref: torch.Tensor, prompt_len: int,
-                              rounding, head: bool, name: str) -> None:
+                              rounding, head: bool, name: str, rounded=None) -> None:
     """Prefill rounds the activations per token (W8A8), and decode reads the K/V it wrote: ours strays
     from HF on the checkpoint's weights (ref) no further than HF's own with that rounding of every
     linear's input (and the head's, where quantized), prompt rows and generated rows apart (as
-    tests/gpu/test_cuda_fp8.py's tests; the first generated token's row is a prefill row)."""
-    rounded = hf_decompressed(path)
+    tests/gpu/test_cuda_fp8.py's tests; the first generated token's row is a prefill row). `rounding`
+    may instead be a function of the module's name giving its rounding (None: none); `rounded`: the
+    HF model to hook (default: HF reading the checkpoint)."""
+    rounded = rounded if rounded is not None else hf_decompressed(path)
     for module_name, module in rounded.named_modules():
         if module_name.endswith("_proj") or (head and module_name == "lm_head"):
-            module.register_forward_pre_hook(lambda _, args: (rounding(args[0]),))
+            fn = rounding(module_name) if getattr(rounding, "by_name", False) else rounding
+            if fn is not None:
+                module.register_forward_pre_hook(lambda _, args, fn=fn: (fn(args[0]),))
     bound_rows = hf_logprobs(rounded, ids)[:len(ids) - 1]
     for part in (slice(0, prompt_len), slice(prompt_len, None)):
         stray = (ours[part] - ref[part]).abs().mean()
@@ -197,3 +201,37 @@ def test_moe_experts_serve_on_gpu(tmp_path, experts):
     torch.cuda.empty_cache()
     diff = (lps[0] - lps[1]).abs().max().item()
     assert diff < 0.15, f"{experts} MoE prompt log-probs on CUDA are {diff:.3f} away from the CPU path's"
+
+
+def test_mixed_precision_checkpoint_on_cuda_tracks_hf(tmp_path):
+    """Several config groups on the GPU kernels: FP8-dynamic attention (E4M3, prefill rounding its
+    inputs per token), W4A16 MLP (4-bit), a W8A8 head (INT8), bf16 with CUDA graphs; it strays from HF
+    on the library's decompressed weights no further than HF with each layer's own input rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.quantization.test_compressed_tensors import MIXED
+    groups = {**MIXED, "mlp": (["re:.*mlp.*"], W4A16_G64, "pack-quantized")}
+    groups.pop("one layer")
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama", hidden_size=256, intermediate_size=512)
+    path = write_ct_checkpoint(src, str(tmp_path / "ct"), None, None, ignore=(), groups=groups)
+    hf = AutoModelForCausalLM.from_pretrained(f"{path}/decompressed", dtype=torch.float32).eval()
+    llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, show_progress=False, max_logprobs=-1)
+    try:
+        runner = llm.engine.executor.worker.model_runner
+        layer = runner.model.model.layers[0]
+        assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+        assert layer.mlp.gate_up_proj.qweight.dtype == torch.int32
+        assert runner.model.lm_head.linear.weight.dtype == torch.int8 and runner.wants_graphs()
+        prompt = random_prompt(1, 40)
+        ids, ours, ref = _logprobs_beside_hf(llm, hf, prompt)
+
+        def rounding(name: str):
+            return _token_rounded if ".self_attn." in name else _int8_rounded if name == "lm_head" else None
+        rounding.by_name = True
+        reference = AutoModelForCausalLM.from_pretrained(f"{path}/decompressed", dtype=torch.float32).eval()
+        _assert_within_rounded_hf(path, ids, ours, ref, len(prompt), rounding, True, "mixed", rounded=reference)
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()

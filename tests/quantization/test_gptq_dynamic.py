@@ -26,8 +26,9 @@ DYNAMIC = {   # as GPTQModel writes them: regexes from the module name's start, 
 }
 
 
-def _stored(base: str) -> tuple[int, int, bool] | None:
-    """What the checkpoint stores for `base` under DYNAMIC (bits, group size, desc_act), spelled out."""
+def _stored(base: str) -> tuple[int, int | None, bool] | None:
+    """What the checkpoint stores for `base` under DYNAMIC (bits, group size: None for one group,
+    desc_act), spelled out."""
     if base.startswith("model.layers.0.self_attn."):
         return None
     if base.endswith("mlp.down_proj"):
@@ -35,21 +36,24 @@ def _stored(base: str) -> tuple[int, int, bool] | None:
     if base.startswith("model.layers.1.mlp.") and base.endswith(("gate_proj", "up_proj")):
         return 4, 32, True
     if base.endswith(("gate_proj", "up_proj")):
-        return 4, 96, False   # group_size -1: one group over the 96 inputs
+        return 4, None, False   # group_size -1: one group over the inputs
     return 4, 32, False
 
 
 def _quantize(base: str, weight: torch.Tensor):
     bits, group, desc_act = _stored(base)
-    return quantized_tensors("gptq", base, weight, group, desc_act, sym=False, bits=bits)
+    return quantized_tensors("gptq", base, weight, group or weight.shape[1], desc_act, sym=False, bits=bits)
+
+
+def _write(src: str, dst: str) -> dict[str, torch.Tensor]:
+    return write_quantized_checkpoint(src, dst, _quantize, {**gptq_config(32), "dynamic": DYNAMIC},
+                                      select=lambda n: is_quantized_linear(n) and _stored(n[:-7]) is not None)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_dynamic_overrides_match_hf_on_their_weights(tmp_path, tp):
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
-    config = {**gptq_config(32), "dynamic": DYNAMIC}
-    dequantized = write_quantized_checkpoint(src, str(tmp_path / "gptq"), _quantize, config,
-                                             select=lambda n: is_quantized_linear(n) and _stored(n[:-7]) is not None)
+    dequantized = _write(src, str(tmp_path / "gptq"))
     llm = LLM(str(tmp_path / "gptq"), tensor_parallel_size=tp, **KW)
     try:
         if tp == 1:
@@ -82,3 +86,34 @@ def test_dynamic_rules_and_refusals():
     hf_config["quantization_config"] = {**gptq_config(32), "dynamic": {r".*\.k_proj": {"group_size": 96}}}
     with pytest.raises(ValueError, match="stores in different schemes the fused layer model.layers.0.self_attn.qkv"):
         build_model(hf_config, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dynamic_overrides_on_cuda_track_hf(tmp_path):
+    """On the GPU (bf16, CUDA graphs): 4-bit layers on the W4A16 kernels (one with activation order),
+    8-bit ones dequantized at load, the left-out attention in bf16, side by side; against HF in fp32
+    on the dequantized weights over the whole vocabulary, as test_int4.py's CUDA test."""
+    import gc
+
+    from tests.models.test_parity import hf_logprobs, logprob_matrix
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama", hidden_size=256, intermediate_size=512)
+    hf = hf_with_weights(src, _write(src, str(tmp_path / "gptq")))
+    llm = LLM(str(tmp_path / "gptq"), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3,
+              show_progress=False, max_logprobs=-1)
+    try:
+        layers = llm.engine.executor.worker.model_runner.model.model.layers
+        assert layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+        assert layers[1].self_attn.qkv_proj.qweight.dtype == torch.int32
+        assert layers[0].mlp.down_proj.weight.dtype == torch.bfloat16   # 8-bit: dequantized
+        prompt = random_prompt(1, 40)
+        out = llm.generate([prompt], full_logprob_params(max_tokens=8), use_tqdm=False)[0]
+        ids = prompt + list(out.outputs[0].token_ids)
+        ours = torch.cat([logprob_matrix(out.prompt_logprobs[1:]), logprob_matrix(out.outputs[0].logprobs)])
+        diff = (ours - hf_logprobs(hf, ids)[:len(ids) - 1]).abs().max()
+        assert diff < 0.15, f"GPTQ dynamic log-probs on CUDA are {diff:.3f} away from HF on the dequantized weights"
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
