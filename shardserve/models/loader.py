@@ -163,12 +163,13 @@ _BUILT = "the scheme the model was built in"
 
 
 def place_schemes(model: nn.Module, config: Any) -> None:
-    """Each linear layer in the scheme its checkpoint stores it in, before loading: layers are built
-    in the format's one scheme; `config.scheme_for(name)` (HF module names, "lm_head" for the head;
-    None: full precision) gives a compressed-tensors layer its own group's (`config.linear_method(
-    layer, scheme)`), `config.ignores(name)` sends a layer an FP8 or compressed-tensors checkpoint
-    leaves out back to a plain layer. A fused layer (q/k/v, gate/up) holds several of the
-    checkpoint's layers: they must share one scheme. MoE experts must be in the built one."""
+    """Each linear layer in the scheme its checkpoint stores it in, before loading. Layers are built
+    in the format's main scheme (`config.scheme`); where `config.scheme_for(name)` (HF module names,
+    "lm_head" for the head; None: full precision) says otherwise, as for compressed-tensors' config
+    groups and GPTQ's `dynamic`, the layer takes `config.linear_method(layer, scheme)` or becomes a
+    plain layer; an FP8 checkpoint's `config.ignores(name)` makes the layers it leaves out plain. A
+    fused layer (q/k/v, gate/up) holds several of the checkpoint's layers: they must share one
+    scheme. MoE experts must be in the built one."""
     if hasattr(config, "scheme_for"):
         scheme_for, built = config.scheme_for, config.scheme
     elif hasattr(config, "ignores"):
