@@ -208,7 +208,8 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
     stored = (config.get("quantization_config") or {}).get("quant_method")
     if stored == "gguf":
         return None, " GGUF weights (bytes as held)"
-    if (requested or stored) in ("fp8", "fbgemm_fp8"):   # block-scaled: a scale per 128 x 128 weights (~0.02%)
+    # (block-scaled FP8: a scale per 128 x 128 weights, ~0.02%)
+    if (requested or stored) in ("fp8", "fbgemm_fp8", "modelopt"):
         block = (config.get("quantization_config") or {}).get("weight_block_size")
         return 1.0, f" fp8 weights (blocks of {block[0]} x {block[1]})" if block else " fp8 weights"
     if stored in ("gptq", "awq"):

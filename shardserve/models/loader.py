@@ -68,11 +68,19 @@ def load_hf_config(path: str) -> dict[str, Any]:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"{config_file} not found: a checkpoint directory needs config.json")
-    with open(config_file) as f:
+    config = _read_json(config_file)
+    modelopt = os.path.join(path, "hf_quant_config.json")   # NVIDIA ModelOpt's checkpoints keep it apart
+    if "quantization_config" not in config and os.path.isfile(modelopt):
+        config["quantization_config"] = {"quant_method": "modelopt", **_read_json(modelopt)}
+    return config
+
+
+def _read_json(file: str) -> dict[str, Any]:
+    with open(file) as f:
         try:
             return json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{config_file} is not valid JSON: {e}") from e
+            raise ValueError(f"{file} is not valid JSON: {e}") from e
 
 
 def checkpoint_dtype(hf_config: dict[str, Any]) -> torch.dtype | None:

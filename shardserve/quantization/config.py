@@ -12,7 +12,7 @@ from shardserve.layers.moe import FusedMoE, MoEMethod
 from shardserve.layers.vocab import ParallelLMHead
 from shardserve.quantization.compressed_tensors import CompressedTensorsConfig, CtInt4MoEMethod
 from shardserve.quantization.ct_scheme import sparsity_only
-from shardserve.quantization.fp8 import FbgemmFp8Config, Fp8Config
+from shardserve.quantization.fp8 import FbgemmFp8Config, Fp8Config, ModelOptFp8Config
 from shardserve.quantization.fp8_block_moe import Fp8BlockMoEMethod
 from shardserve.quantization.fp8_moe import Fp8MoEMethod
 from shardserve.quantization.gguf import GgufConfig
@@ -23,7 +23,8 @@ from shardserve.quantization.int8 import Int8MoEMethod
 
 QUANTIZATION_METHODS = ("fp8",)   # quantize a full-precision checkpoint at load
 _FROM_CHECKPOINT = {"fp8": Fp8Config, "gptq": GptqConfig, "awq": AwqConfig, "gguf": GgufConfig,
-                    "compressed-tensors": CompressedTensorsConfig, "fbgemm_fp8": FbgemmFp8Config}
+                    "compressed-tensors": CompressedTensorsConfig, "fbgemm_fp8": FbgemmFp8Config,
+                    "modelopt": ModelOptFp8Config}
 CHECKPOINT_FORMATS = tuple(_FROM_CHECKPOINT)   # --quantization may also name the checkpoint's own format, as in vLLM
 # each has .name and .linear_method(layer)
 QuantConfig = Fp8Config | GptqConfig | AwqConfig | GgufConfig | CompressedTensorsConfig
@@ -75,7 +76,7 @@ def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
     """The experts' method for a format: FP8, GPTQ / AWQ (INT4), GGUF and compressed-tensors have one
     (GGUF experts of a type not kept arrive dequantized, models/gguf_loader.py, and run unquantized).
     A format without one would be refused here, while the model is built, before any weight loads."""
-    if config.name == "fp8":
+    if config.name in ("fp8", "modelopt"):   # (ModelOpt's experts: per-expert weight + weight_scale, as FP8's)
         return Fp8BlockMoEMethod(config.block) if config.block else Fp8MoEMethod(config.from_checkpoint)
     if config.name in ("gptq", "awq"):
         if config.bits != 4:

@@ -31,7 +31,8 @@ def weight_dtype(q: dict[str, Any] | None) -> str | None:
     less than it holds)."""
     q = q or {}
     method = str(q.get("quant_method", "")).lower()
-    if method in ("fp8", "fbgemm_fp8"):
+    if method in ("fp8", "fbgemm_fp8") or (method == "modelopt" and str(
+            q.get("quant_algo") or (q.get("quantization") or {}).get("quant_algo")).upper() == "FP8"):
         return "fp8"
     if method == "compressed-tensors":
         dtypes = [_ct_dtype(g.get("weights") or {}) for g in _ct_groups(q)]

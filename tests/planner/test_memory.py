@@ -89,6 +89,8 @@ def test_compressed_tensors_checkpoints_say_their_dtype_and_head():
     assert config_dtype({**config, "quantization_config": w8}) == "int8"
     w8_groups = _compressed_tensors({"type": "int", "num_bits": 8, "strategy": "group", "group_size": 128}, [])
     assert config_dtype({**config, "quantization_config": w8_groups}) == "bf16"   # widened at load
+    modelopt = {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8"}}   # hf_quant_config.json's
+    assert config_dtype({**config, "quantization_config": modelopt}) == "fp8"
     nvfp4 = _compressed_tensors({"type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16}, [])
     assert config_dtype({**config, "quantization_config": nvfp4}) == "bf16"   # dequantized at load
     assert config_dtype({**config, "quantization_config": {"quant_method": "gptq", "bits": 8}}) == "bf16"   # the same
