@@ -208,6 +208,8 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
     stored = (config.get("quantization_config") or {}).get("quant_method")
     if stored == "gguf":
         return None, " GGUF weights (bytes as held)"
+    if stored == "modelopt" and weight_dtype(config["quantization_config"]) != "fp8":   # NVFP4: dequantized at load
+        return float(elem), " nvfp4 weights dequantized at load (modelopt)"
     # (block-scaled FP8: a scale per 128 x 128 weights, ~0.02%)
     if (requested or stored) in ("fp8", "fbgemm_fp8", "modelopt"):
         block = (config.get("quantization_config") or {}).get("weight_block_size")

@@ -12,7 +12,7 @@ from shardserve.layers.moe import FusedMoE, MoEMethod
 from shardserve.layers.vocab import ParallelLMHead
 from shardserve.quantization.compressed_tensors import CompressedTensorsConfig, CtInt4MoEMethod
 from shardserve.quantization.ct_scheme import sparsity_only
-from shardserve.quantization.fp8 import FbgemmFp8Config, Fp8Config, ModelOptFp8Config
+from shardserve.quantization.fp8 import FbgemmFp8Config, Fp8Config
 from shardserve.quantization.fp8_block_moe import Fp8BlockMoEMethod
 from shardserve.quantization.fp8_moe import Fp8MoEMethod
 from shardserve.quantization.gguf import GgufConfig
@@ -20,14 +20,15 @@ from shardserve.quantization.gguf_moe import GgufMoEMethod
 from shardserve.quantization.int4 import AwqConfig, GptqConfig
 from shardserve.quantization.int4_moe import Int4MoEMethod
 from shardserve.quantization.int8 import Int8MoEMethod
+from shardserve.quantization.modelopt import ModelOptConfig
 
 QUANTIZATION_METHODS = ("fp8",)   # quantize a full-precision checkpoint at load
 _FROM_CHECKPOINT = {"fp8": Fp8Config, "gptq": GptqConfig, "awq": AwqConfig, "gguf": GgufConfig,
                     "compressed-tensors": CompressedTensorsConfig, "fbgemm_fp8": FbgemmFp8Config,
-                    "modelopt": ModelOptFp8Config}
+                    "modelopt": ModelOptConfig}
 CHECKPOINT_FORMATS = tuple(_FROM_CHECKPOINT)   # --quantization may also name the checkpoint's own format, as in vLLM
 # each has .name and .linear_method(layer)
-QuantConfig = Fp8Config | GptqConfig | AwqConfig | GgufConfig | CompressedTensorsConfig
+QuantConfig = Fp8Config | GptqConfig | AwqConfig | GgufConfig | CompressedTensorsConfig | ModelOptConfig
 
 
 def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> QuantConfig | None:
@@ -76,7 +77,7 @@ def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
     """The experts' method for a format: FP8, GPTQ / AWQ (INT4), GGUF and compressed-tensors have one
     (GGUF experts of a type not kept arrive dequantized, models/gguf_loader.py, and run unquantized).
     A format without one would be refused here, while the model is built, before any weight loads."""
-    if config.name in ("fp8", "modelopt"):   # (ModelOpt's experts: per-expert weight + weight_scale, as FP8's)
+    if config.name == "fp8" or (config.name == "modelopt" and config.fp8):   # (ModelOpt's experts: as FP8's)
         return Fp8BlockMoEMethod(config.block) if config.block else Fp8MoEMethod(config.from_checkpoint)
     if config.name in ("gptq", "awq"):
         if config.bits != 4:
@@ -97,7 +98,8 @@ def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
                          f"({layer.prefix}) are supported symmetric, per channel or per tensor, "
                          f"`int-quantized` (the W8A8 presets); not {scheme.strategy} scales"
                          f"{'' if scheme.symmetric else ', asymmetric'}{', pack-quantized' if scheme.packed else ''}")
-    what = f"compressed-tensors {scheme.weights.upper()}" if scheme is not None else config.name.upper()
+    what = (f"compressed-tensors {scheme.weights.upper()}" if scheme is not None
+            else f"ModelOpt {config.algo}" if config.name == "modelopt" else config.name.upper())
     raise ValueError(f"{what} weights for the experts of a mixture-of-experts layer "
                      f"({layer.prefix}) are not supported")
 

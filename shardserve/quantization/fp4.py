@@ -10,7 +10,9 @@ quantization (W4A4) is not applied: the layers compute in the model's dtype.
   inputs [N, K / 32], a power of two 2^(e - 127); w = e2m1 * 2^(weight_scale - 127).
 Both: `weight_packed` uint8 [N, K / 2], two E2M1 values a byte, the lower nibble first, a nibble
 being a sign bit and an index into E2M1's magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6);
-`input_global_scale` [1] with static FP4 activations (read, not used)."""
+`input_global_scale` [1] with static FP4 activations (read, not used).
+NVIDIA ModelOpt's NVFP4 (quantization/modelopt.py) is the same layout under other names: `weight`,
+`weight_scale`, a multiplier `weight_scale_2` (w = e2m1 * weight_scale * weight_scale_2), `input_scale`."""
 from __future__ import annotations
 
 import torch
@@ -33,9 +35,14 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 class Fp4LinearMethod(LinearMethod):
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, modelopt: bool = False) -> None:
         self.kind = kind   # "nvfp4" | "mxfp4"
         self.group = GROUP[kind]
+        # NVIDIA ModelOpt's NVFP4 names (quantization/modelopt.py): `weight` for the packed values, a
+        # multiplier `weight_scale_2` for the global divisor, `input_scale`
+        self.names = (("weight", "weight_scale_2", "input_scale") if modelopt
+                      else ("weight_packed", "weight_global_scale", "input_global_scale"))
+        self.global_multiplies = modelopt
 
     def create_weights(self, layer: LinearBase) -> None:
         n, k, parts = layer.output_size, layer.input_size, len(layer.output_shard_sizes)
@@ -43,25 +50,27 @@ class Fp4LinearMethod(LinearMethod):
             raise ValueError(f"{self.kind.upper()} {type(layer).__name__}: {k} inputs per rank are not a multiple of "
                              f"{self.group} (an FP4 scale's inputs); use a smaller tensor_parallel_size")
         # (a row-parallel rank's share of the inputs is taken in each tensor's own units: bytes, scales)
-        layer.register_quant_param("weight_packed", torch.empty(n, k // 2, dtype=torch.uint8), output_dim=0,
-                                   input_dim=1)
+        packed_name, global_name, input_name = self.names
+        layer.register_quant_param(packed_name, torch.empty(n, k // 2, dtype=torch.uint8), output_dim=0, input_dim=1)
         scale_dtype = torch.float8_e4m3fn if self.kind == "nvfp4" else torch.uint8
         layer.register_quant_param("weight_scale", torch.empty(n, k // self.group, dtype=scale_dtype),
                                    output_dim=0, input_dim=1, full_precision=True)
         if self.kind == "nvfp4":
-            layer.register_quant_param("weight_global_scale", torch.ones(parts, dtype=torch.float32),
+            layer.register_quant_param(global_name, torch.ones(parts, dtype=torch.float32),
                                        output_dim=None, per_part=True, full_precision=True)
-        register_optional_input_scale(layer, "input_global_scale")
+        register_optional_input_scale(layer, input_name)
 
     def process_after_loading(self, layer: LinearBase) -> None:
+        packed_name, global_name, input_name = self.names
         stored = layer.weight_scale.data
         if self.kind == "nvfp4":
             sizes = torch.tensor(layer.output_shard_sizes, device=stored.device)
-            scale = stored.float() / layer.weight_global_scale.data.float().repeat_interleave(sizes)[:, None]
+            per_row = getattr(layer, global_name).data.float().repeat_interleave(sizes)[:, None]
+            scale = stored.float() * per_row if self.global_multiplies else stored.float() / per_row
         else:
             scale = torch.exp2(stored.float() - E8M0_BIAS)
-        weight = unpack_e2m1(layer.weight_packed.data) * scale.repeat_interleave(self.group, dim=1)
-        for name in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"):
+        weight = unpack_e2m1(getattr(layer, packed_name).data) * scale.repeat_interleave(self.group, dim=1)
+        for name in (packed_name, "weight_scale", global_name, input_name):
             if hasattr(layer, name):
                 delattr(layer, name)
         layer.weight = nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)

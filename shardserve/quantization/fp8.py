@@ -33,7 +33,6 @@
 """
 from __future__ import annotations
 
-import fnmatch
 import os
 import re
 from typing import Any
@@ -98,33 +97,6 @@ class Fp8Config:
         with that boundary, or a suffix (a full name, vLLM's rule for `ignored_layers`, is all three)."""
         boundary = r"(?:(?<=\.)|(?=\.|$))"
         return any(re.match(rf"(?:{key}){boundary}", name) or name.endswith(key) for key in self.skip)
-
-
-class ModelOptFp8Config(Fp8Config):
-    """NVIDIA ModelOpt's FP8 checkpoints (`quant_method: modelopt`, `quant_algo: FP8`: nvidia's
-    `*-Instruct-FP8` models; the config in `hf_quant_config.json` or in config.json's
-    `quantization_config`, models/loader.load_hf_config): E4M3 weights with one `weight_scale` per
-    tensor and a static `input_scale` (read, not used), as the FP8 checkpoints above; the KV-cache
-    scales of `kv_cache_quant_algo: FP8` (`k_proj.k_scale`, `v_proj.v_scale`) are quantization/
-    kv_scales.py's. `exclude_modules` (names, or patterns with `*`) stay in 16 bits. Other
-    `quant_algo`s (NVFP4, INT4_AWQ, W4A8_AWQ, mixed precision) are refused."""
-    name = "modelopt"
-
-    @classmethod
-    def from_quantization_config(cls, cfg: dict[str, Any]) -> "ModelOptFp8Config":
-        cfg = {**cfg, **(cfg.get("quantization") or {})}   # hf_quant_config.json nests its keys
-        algo = str(cfg.get("quant_algo") or "").upper()
-        if algo != "FP8":
-            raise ValueError(f"ModelOpt checkpoints with quant_algo={cfg.get('quant_algo')!r} are not supported; "
-                             "'FP8' ones are")
-        kv = cfg.get("kv_cache_quant_algo")
-        if kv not in (None, "FP8", "fp8"):
-            raise ValueError(f"ModelOpt kv_cache_quant_algo={kv!r} is not supported; FP8 (or none) is")
-        return cls(from_checkpoint=True, skip=tuple(cfg.get("exclude_modules") or ()))
-
-    def ignores(self, name: str) -> bool:
-        """ModelOpt's rule for `exclude_modules`: the module itself or one inside it, or a `*` pattern."""
-        return any(fnmatch.fnmatchcase(name, key) or name == key or name.startswith(key + ".") for key in self.skip)
 
 
 class FbgemmFp8Config(Fp8Config):

@@ -138,6 +138,7 @@ def test_linear_bytes_follow_what_the_engine_holds():
         return _linear_bytes(None, {**base, "quantization_config": q}, 2)[0]
     assert held({"quant_method": "fbgemm_fp8"}) == held({"quant_method": "fp8"}) == 1.0
     assert held({"quant_method": "modelopt", "quant_algo": "FP8"}) == 1.0
+    assert held({"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}}) == 2.0
     assert held({"quant_method": "gptq", "bits": 4, "group_size": 128}) < 0.6
     assert held({"quant_method": "gptq", "bits": 8, "group_size": 128}) == 2.0
     assert held({"quant_method": "compressed-tensors", "sparsity_config": {"format": "dense"}}) == 2.0

@@ -1,7 +1,8 @@
-"""NVIDIA ModelOpt FP8 checkpoints (`quant_method: modelopt`, `quant_algo: FP8`), written as ModelOpt
-exports them: E4M3 weights with a per-tensor `weight_scale` and a static `input_scale`, KV-cache scales
-on k_proj / v_proj, the config in `hf_quant_config.json` (or in config.json), `exclude_modules` by name
-and by `*` pattern; against HF transformers on the checkpoint's values."""
+"""NVIDIA ModelOpt checkpoints (`quant_method: modelopt`), written as ModelOpt exports them, against HF
+transformers on the checkpoint's values: FP8 (E4M3 weights with a per-tensor `weight_scale` and a
+static `input_scale`, KV-cache scales on k_proj / v_proj, the config in `hf_quant_config.json` or in
+config.json, `exclude_modules` by name and by `*` pattern, MoE experts) and NVFP4 (the
+compressed-tensors library's NVFP4 values under ModelOpt's names and scale convention)."""
 from __future__ import annotations
 
 import json
@@ -73,7 +74,8 @@ def test_modelopt_fp8_checkpoint_matches_hf_on_its_values(tmp_path, tp, in_confi
 
 
 def test_other_modelopt_algorithms_are_refused():
-    for quantization, message in (({"quant_algo": "NVFP4"}, "quant_algo='NVFP4' are not supported"),
+    for quantization, message in (({"quant_algo": "INT4_AWQ"}, "quant_algo='INT4_AWQ' are not supported"),
+                                  ({"quant_algo": "NVFP4", "group_size": 32}, "NVFP4 group_size=32"),
                                   ({"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"},
                                    "kv_cache_quant_algo='NVFP4' is not supported")):
         with pytest.raises(ValueError, match=message):
@@ -104,5 +106,50 @@ def test_modelopt_fp8_moe_checkpoint_matches_hf_on_its_values(tmp_path):
     try:
         prompt = random_prompt(4, 40)
         assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
+    finally:
+        llm.engine.shutdown()
+
+
+def _as_modelopt_nvfp4(ct: str) -> None:
+    """A compressed-tensors NVFP4 checkpoint rewritten under ModelOpt's names: `weight` for the packed
+    values, the global divisor as its reciprocal multiplier `weight_scale_2`, hf_quant_config.json."""
+    from safetensors.torch import load_file, save_file
+    for f in [f for f in os.listdir(ct) if f.endswith(".safetensors")]:
+        tensors = {}
+        for name, t in load_file(os.path.join(ct, f)).items():
+            if name.endswith(".weight_packed"):
+                name = name[:-len("_packed")]
+            elif name.endswith(".weight_global_scale"):
+                name, t = name.replace("weight_global_scale", "weight_scale_2"), 1.0 / t
+            tensors[name] = t
+        save_file(tensors, os.path.join(ct, f))
+    with open(os.path.join(ct, "config.json")) as f:
+        config = json.load(f)
+    del config["quantization_config"]
+    with open(os.path.join(ct, "config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(ct, "hf_quant_config.json"), "w") as f:
+        json.dump({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                                                                        "exclude_modules": ["lm_head"]}}, f)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_modelopt_nvfp4_checkpoint_matches_hf_on_its_values(tmp_path, tp):
+    pytest.importorskip("compressed_tensors")
+    from shardserve.quantization.fp4 import Fp4LinearMethod
+    from tests.quantization.ct_checkpoints import write_ct_checkpoint
+    from tests.quantization.test_fp4 import _values
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    path = write_ct_checkpoint(src, str(tmp_path / "nvfp4"), "NVFP4A16", "nvfp4-pack-quantized", dtype=torch.float32)
+    values = _values(path)   # (read in the library's layout, before the renaming)
+    _as_modelopt_nvfp4(path)
+    llm = LLM(path, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1, dtype="float32",
+              tensor_parallel_size=tp)
+    try:
+        if tp == 1:
+            qkv = llm.engine.executor.worker.model_runner.model.model.layers[0].self_attn.qkv_proj
+            assert isinstance(qkv.quant_method, Fp4LinearMethod) and qkv.weight.dtype == torch.float32
+        prompt = random_prompt(3, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf_with_weights(src, values), prompt)
     finally:
         llm.engine.shutdown()
