@@ -209,7 +209,7 @@ def test_mixed_precision_checkpoint_on_cuda_tracks_hf(tmp_path):
     on the library's decompressed weights no further than HF with each layer's own input rounding."""
     from transformers import AutoModelForCausalLM
 
-    from tests.quantization.test_compressed_tensors import MIXED
+    from tests.quantization.test_ct_mixed import MIXED
     groups = {**MIXED, "mlp": (["re:.*mlp.*"], W4A16_G64, "pack-quantized")}
     groups.pop("one layer")
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama", hidden_size=256, intermediate_size=512)

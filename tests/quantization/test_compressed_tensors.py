@@ -14,7 +14,7 @@ from shardserve.sampling_params import SamplingParams
 from tests.models.test_parity import assert_matches_hf, full_logprob_params, random_prompt
 from tests.quantization.checkpoints import ENGLISH_TEXT, smollm2_hf_checkpoint
 from tests.quantization.ct_checkpoints import hf_decompressed, write_ct_checkpoint
-from tests.tiny_models import make_tiny_checkpoint, tiny_hf_config
+from tests.tiny_models import make_tiny_checkpoint
 
 pytest.importorskip("compressed_tensors")
 
@@ -100,64 +100,6 @@ def test_layers_the_checkpoint_leaves_in_full_precision(tmp_path, name, tp):
     with pytest.raises(ValueError, match=r"leaves \['model.layers.0.self_attn.q_proj'\] in full precision but not "
                                          r"the rest of the fused layer model.layers.0.self_attn.qkv_proj"):
         LLM(path, **KW)
-
-
-MIXED = {   # llm-compressor's mixed-precision recipes: a scheme per part of the model
-    "attention": (["re:.*self_attn.*"], "FP8_DYNAMIC", "float-quantized"),
-    "mlp": (["re:.*mlp.*"], _int4(32), "pack-quantized"),
-    "one layer": (["model.layers.1.mlp.down_proj"], dict(weights=dict(num_bits=8, type="int", strategy="channel",
-                                                                      symmetric=False)), "int-quantized"),
-    "the rest": (["Linear"], "W8A8", "int-quantized"),   # the LM head
-}
-
-
-@pytest.mark.parametrize("tp", [1, 2])
-def test_mixed_precision_checkpoint_matches_hf(tmp_path, tp):
-    """Several config groups (FP8 attention, INT4 MLP, one INT8 layer by name, W8A8 for the rest: the
-    LM head): each layer in its group's scheme, against HF on the weights the library decompresses
-    (transformers 5 reads such files with one compressor for every group)."""
-    from transformers import AutoModelForCausalLM
-
-    from shardserve.quantization.fp8 import Fp8LinearMethod
-    from shardserve.quantization.int4 import Int4LinearMethod
-    from shardserve.quantization.int8 import Int8LinearMethod
-    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
-    path = write_ct_checkpoint(src, str(tmp_path / "ct"), None, None, ignore=(), groups=MIXED, dtype=torch.float32)
-    with open(f"{path}/config.json") as f:
-        assert json.load(f)["quantization_config"]["format"] == "mixed-precision"
-    llm = LLM(path, tensor_parallel_size=tp, **KW)
-    try:
-        if tp == 1:
-            model = llm.engine.executor.worker.model_runner.model
-            methods = {name: type(m.quant_method) for name, m in model.named_modules() if hasattr(m, "quant_method")}
-            assert methods["model.layers.0.self_attn.qkv_proj"] is Fp8LinearMethod
-            assert methods["model.layers.1.self_attn.o_proj"] is Fp8LinearMethod
-            assert issubclass(methods["model.layers.0.mlp.gate_up_proj"], Int4LinearMethod)
-            assert issubclass(methods["model.layers.0.mlp.down_proj"], Int4LinearMethod)
-            assert methods["model.layers.1.mlp.down_proj"] is Int8LinearMethod
-            assert not model.model.layers[1].mlp.down_proj.quant_method.symmetric
-            assert methods["lm_head.linear"] is Int8LinearMethod
-        prompt = random_prompt(3, 40)
-        hf = AutoModelForCausalLM.from_pretrained(f"{path}/decompressed", dtype=torch.float32)
-        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf.eval(), prompt)
-    finally:
-        llm.engine.shutdown()
-
-
-def test_mixed_layouts_the_kernels_cannot_hold_are_refused(tmp_path):
-    """The parts of a fused layer in different schemes, and MoE experts in another scheme than the
-    model's linears, are refused while the model is built, naming the layer."""
-    from shardserve.models.loader import build_model
-    config = json.loads(tiny_hf_config("llama").to_json_string())
-    config["quantization_config"] = _config(config_groups={"q": {"targets": ["re:.*q_proj$"], **_int4(32)},
-                                                           "rest": {"targets": ["Linear"], **_int4(None)}})
-    with pytest.raises(ValueError, match=r"stores in different schemes the fused layer model.layers.0.self_attn.qkv"):
-        build_model(config, torch.float32, torch.device("cpu"))
-    config = json.loads(tiny_hf_config("qwen3_moe").to_json_string())
-    config["quantization_config"] = _config(config_groups={"experts": {"targets": ["re:.*experts.*"], **_int4(32)},
-                                                           "rest": {"targets": ["Linear"], **_int4(None)}})
-    with pytest.raises(ValueError, match=r"stores the experts of model.layers.0.mlp.experts in another scheme"):
-        build_model(config, torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("scheme,fmt,message", [
@@ -281,32 +223,6 @@ def test_scheme_reading():
     for message, cfg in refusals.items():
         with pytest.raises(ValueError, match=message):
             parse(cfg)
-
-
-def test_layers_take_the_most_specific_target():
-    """compressed-tensors' precedence, checked against the library's own `match_targets`: a module
-    name, then "re:" patterns (sorted), then the Linear type; a target two groups name takes the later
-    group's scheme; a layer no target matches stays full precision, and so does one in `ignore`."""
-    from compressed_tensors.utils.match import match_targets
-    groups = {"every": {"targets": ["Linear"], **_int4(128)}, "mlp": {"targets": ["re:.*mlp.*"], **_int4(64)},
-              "down": {"targets": ["re:.*down_proj$", "model.layers.0.mlp.gate_proj"], **_int4(32)},
-              "later": {"targets": ["model.layers.0.mlp.gate_proj"], **_int4(None)}}
-    layout = parse(_config(ignore=["lm_head", "model.layers.1.mlp.up_proj"], config_groups=groups))
-    scheme_of_target = {t: g for g in groups.values() for t in g["targets"]}   # a later group's wins
-    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj",
-                 "model.layers.0.mlp.gate_proj", "model.layers.1.mlp.up_proj", "lm_head"):
-        ours = layout.scheme_for(name)
-        if name in ("model.layers.1.mlp.up_proj", "lm_head"):   # in `ignore`
-            assert ours is None
-            continue
-        theirs = scheme_of_target[match_targets(name, torch.nn.Linear(1, 1), scheme_of_target)[0]]["weights"]
-        assert (ours.strategy, ours.group_size) == (theirs["strategy"], theirs.get("group_size")), name
-    assert layout.scheme_for("model.layers.0.mlp.down_proj").group_size == 32   # "re:.*down_proj$" sorts first
-    assert layout.scheme_for("model.layers.0.mlp.gate_proj").strategy == "channel"
-    assert layout.default.group_size == 128 and len(layout.schemes) == 4
-    only_attention = parse(_config(ignore=[], config_groups={"a": {"targets": ["re:.*self_attn.*"], **_int4(32)}}))
-    assert only_attention.scheme_for("model.layers.0.mlp.up_proj") is None
-    assert only_attention.scheme_for("lm_head") is None and only_attention.scheme_for("model.layers.0.self_attn.o_proj")
 
 
 @pytest.mark.parametrize("tp,sym", [(1, True), (2, False)])

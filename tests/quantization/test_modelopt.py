@@ -41,15 +41,20 @@ def _write(src: str, dst: str, in_config_json: bool) -> dict[str, torch.Tensor]:
     quantization = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": EXCLUDE}
     values = write_quantized_checkpoint(src, dst, _modelopt_tensors, {"quant_method": "modelopt", **quantization},
                                         select=lambda n: is_quantized_linear(n) and not _excluded(n))
-    if not in_config_json:   # ModelOpt's own export: the config beside config.json
-        with open(os.path.join(dst, "config.json")) as f:
-            config = json.load(f)
-        del config["quantization_config"]
-        with open(os.path.join(dst, "config.json"), "w") as f:
-            json.dump(config, f)
-        with open(os.path.join(dst, "hf_quant_config.json"), "w") as f:
-            json.dump({"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": quantization}, f)
+    if not in_config_json:
+        _hf_quant_config(dst, quantization)
     return values
+
+
+def _hf_quant_config(path: str, quantization: dict) -> None:
+    """ModelOpt's own export: the config in hf_quant_config.json beside a config.json without one."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+        json.dump({"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": quantization}, f)
 
 
 @pytest.mark.parametrize("tp,in_config_json", [(1, False), (2, False), (1, True)])
@@ -123,14 +128,7 @@ def _as_modelopt_nvfp4(ct: str) -> None:
                 name, t = name.replace("weight_global_scale", "weight_scale_2"), 1.0 / t
             tensors[name] = t
         save_file(tensors, os.path.join(ct, f))
-    with open(os.path.join(ct, "config.json")) as f:
-        config = json.load(f)
-    del config["quantization_config"]
-    with open(os.path.join(ct, "config.json"), "w") as f:
-        json.dump(config, f)
-    with open(os.path.join(ct, "hf_quant_config.json"), "w") as f:
-        json.dump({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
-                                                                        "exclude_modules": ["lm_head"]}}, f)
+    _hf_quant_config(ct, {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]})
 
 
 @pytest.mark.parametrize("tp", [1, 2])
