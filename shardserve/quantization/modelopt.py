@@ -21,6 +21,7 @@ from typing import Any
 from shardserve.layers.linear import LinearBase, LinearMethod
 from shardserve.quantization.fp4 import Fp4LinearMethod
 from shardserve.quantization.fp8 import Fp8LinearMethod
+from shardserve.quantization.stored import modelopt_fields
 
 ALGOS = ("FP8", "NVFP4")
 
@@ -38,7 +39,7 @@ class ModelOptConfig:
 
     @classmethod
     def from_quantization_config(cls, cfg: dict[str, Any]) -> "ModelOptConfig":
-        cfg = {**cfg, **(cfg.get("quantization") or {})}   # hf_quant_config.json nests its keys
+        cfg = modelopt_fields(cfg)
         algo = str(cfg.get("quant_algo") or "").upper()
         if algo not in ALGOS:
             raise ValueError(f"ModelOpt checkpoints with quant_algo={cfg.get('quant_algo')!r} are not supported; "

@@ -24,6 +24,12 @@ def _ct_dtype(w: dict[str, Any]) -> str | None:
 _WIDTH = {"int4": 0, "int8": 1, "fp8": 1, None: 2}
 
 
+def modelopt_fields(q: dict[str, Any]) -> dict[str, Any]:
+    """A ModelOpt config's keys in one dict: hf_quant_config.json nests them under "quantization",
+    a config.json's `quantization_config` holds them flat."""
+    return {**q, **(q.get("quantization") or {})}
+
+
 def weight_dtype(q: dict[str, Any] | None) -> str | None:
     """"fp8", "int4" or "int8" for the linears of a quantized checkpoint as a GPU holds them; None for
     other formats (and for INT8 layouts widened at load). A checkpoint with layers in several schemes
@@ -31,8 +37,8 @@ def weight_dtype(q: dict[str, Any] | None) -> str | None:
     less than it holds)."""
     q = q or {}
     method = str(q.get("quant_method", "")).lower()
-    if method in ("fp8", "fbgemm_fp8") or (method == "modelopt" and str(
-            q.get("quant_algo") or (q.get("quantization") or {}).get("quant_algo")).upper() == "FP8"):
+    if method in ("fp8", "fbgemm_fp8") or (
+            method == "modelopt" and str(modelopt_fields(q).get("quant_algo")).upper() == "FP8"):
         return "fp8"
     if method == "compressed-tensors":
         dtypes = [_ct_dtype(g.get("weights") or {}) for g in _ct_groups(q)]
