@@ -34,7 +34,6 @@
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from shardserve.kernels.matmul import triton_skinny
 from shardserve.kernels.quant import triton_fp8_gemv, triton_fp8_quant
 from shardserve.layers.linear import LinearBase, LinearMethod, linear
 from shardserve.quantization.fp8_block import Fp8BlockLinearMethod
+from shardserve.quantization.stored import left_out
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)   # 448
@@ -92,11 +92,9 @@ class Fp8Config:
         return Fp8BlockLinearMethod(self.block) if self.block else Fp8LinearMethod(self.from_checkpoint)
 
     def ignores(self, name: str) -> bool:
-        """Whether the checkpoint leaves layer `name` in 16 bits (models/loader.place_schemes asks):
-        transformers' rule for `modules_to_not_convert`, a prefix ending at a module boundary, a regex
-        with that boundary, or a suffix (a full name, vLLM's rule for `ignored_layers`, is all three)."""
-        boundary = r"(?:(?<=\.)|(?=\.|$))"
-        return any(re.match(rf"(?:{key}){boundary}", name) or name.endswith(key) for key in self.skip)
+        """Whether the checkpoint leaves layer `name` in 16 bits (models/loader.place_schemes asks;
+        stored.left_out's rule)."""
+        return left_out(name, self.skip)
 
 
 class FbgemmFp8Config(Fp8Config):

@@ -50,8 +50,9 @@ parts of a fused q/k/v or gate/up must agree, MoE experts must keep the checkpoi
 
 Refused at start-up, naming the key: bits other than 4 (GPTQ: 4 or 8); 8-bit MoE experts; GPTQ
 checkpoint_format other than gptq and gptq_v2 (marlin repacks); AWQ
-versions other than gemm (gemv packs differently), zero_point false, modules_to_not_convert other
-than MoE routers (`gate`). MoE experts in INT4 are quantization/int4_moe.py's.
+versions other than gemm (gemv packs differently), zero_point false. AWQ's `modules_to_not_convert`
+(transformers' rule, stored.left_out) leaves the layers it names in 16 bits, as GPTQ's "-:" does;
+MoE experts left out are refused. MoE experts in INT4 are quantization/int4_moe.py's.
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ from torch import nn
 
 from shardserve.kernels.quant import int4_layout, reference, triton_w4a16, triton_w4a16_gemv, tuned
 from shardserve.layers.linear import LinearBase, LinearMethod, RowParallelLinear, linear
+from shardserve.quantization.stored import left_out
 
 PACK = 8                                  # 4-bit values per int32 word
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # nibble i of an AWQ word holds output 8c + AWQ_ORDER[i]
@@ -222,6 +224,7 @@ def _override(pattern: str, override: Any) -> dict[str, Any]:
 
 class AwqConfig(Int4Config):
     name = "awq"
+    skip: tuple[str, ...] = ()   # `modules_to_not_convert`: stored as plain `weight` (AutoAWQ's ["gate"]: MoE routers)
 
     @classmethod
     def from_quantization_config(cls, cfg: dict[str, Any]) -> "AwqConfig":
@@ -233,11 +236,13 @@ class AwqConfig(Int4Config):
         if not cfg.get("zero_point", True):
             raise ValueError("AWQ checkpoints without zero points (quantization_config.zero_point=false) are not "
                              "supported")
-        # AutoAWQ writes ["gate"] for MoE models: their routers, which stay full precision here anyway.
-        if any(name.rsplit(".", 1)[-1] != "gate" for name in cfg.get("modules_to_not_convert") or ()):
-            raise ValueError(f"AWQ quantization_config.modules_to_not_convert={cfg['modules_to_not_convert']} is "
-                             "not supported; only checkpoints with every decoder linear layer quantized are")
-        return cls(_group_size(cfg, "AWQ", "group_size", "q_group_size"))
+        config = cls(_group_size(cfg, "AWQ", "group_size", "q_group_size"))
+        config.skip = tuple(cfg.get("modules_to_not_convert") or ())
+        return config
+
+    def ignores(self, name: str) -> bool:
+        """Whether `modules_to_not_convert` leaves layer `name` unquantized (models/loader.place_schemes)."""
+        return left_out(name, self.skip)
 
 
 class Int4LinearMethod(LinearMethod):

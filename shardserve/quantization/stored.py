@@ -50,6 +50,15 @@ def weight_dtype(q: dict[str, Any] | None) -> str | None:
     return None   # (8-bit GPTQ is dequantized at load, quantization/int4.py)
 
 
+def left_out(name: str, patterns: tuple[str, ...]) -> bool:
+    """transformers' rule for `modules_to_not_convert` (FP8, FBGEMM FP8 and AWQ checkpoints): a pattern
+    leaves module `name` unquantized where it matches from the start up to a module boundary, as a
+    regex with that boundary, or as a suffix ("mlp.gate" leaves the router, not "mlp.gate_proj"; a
+    full name, vLLM's rule for `ignored_layers`, is all three)."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return any(re.match(rf"(?:{key}){boundary}", name) or name.endswith(key) for key in patterns)
+
+
 def names_lm_head(entry: str) -> bool:
     """A compressed-tensors `ignore` entry naming the LM head ("lm_head", "re:.*lm_head$")."""
     return entry.removeprefix("re:").lstrip(".*").rstrip("$") == "lm_head"

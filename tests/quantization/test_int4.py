@@ -10,12 +10,25 @@ import pytest
 import torch
 
 from shardserve.llm import LLM
-from shardserve.quantization.int4 import AWQ_ORDER, Int4LinearMethod, dequantize, unpack_int4
+from shardserve.models.loader import build_model
+from shardserve.quantization.int4 import AWQ_ORDER, AwqConfig, Int4LinearMethod, dequantize, unpack_int4
 from shardserve.sampling_params import SamplingParams
 from tests.models.test_parity import assert_matches_hf, full_logprob_params, random_prompt
-from tests.quantization.checkpoints import ENGLISH_TEXT, hf_with_weights, smollm2_hf_checkpoint
-from tests.quantization.int4_checkpoints import pack_int4, quantize_rtn, write_int4_checkpoint
-from tests.tiny_models import make_tiny_checkpoint
+from tests.quantization.checkpoints import (
+    ENGLISH_TEXT,
+    hf_with_weights,
+    is_quantized_linear,
+    smollm2_hf_checkpoint,
+    write_quantized_checkpoint,
+)
+from tests.quantization.int4_checkpoints import (
+    awq_config,
+    pack_int4,
+    quantize_rtn,
+    quantized_tensors,
+    write_int4_checkpoint,
+)
+from tests.tiny_models import make_tiny_checkpoint, tiny_hf_config
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 KW = dict(kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1)
@@ -107,6 +120,44 @@ def test_qwen2_biases_and_uneven_groups(tmp_path):
     prompt = random_prompt(4, 30)
     assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
     llm.engine.shutdown()
+
+
+AWQ_LEFT_OUT = ["model.layers.0.self_attn", "down_proj"]   # a module and what it holds; a suffix
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_awq_layers_left_out_load_in_full_precision(tmp_path, tp):
+    """AWQ's `modules_to_not_convert` (transformers' rule): the layers it names are stored as plain
+    weights and run unquantized, beside INT4 ones; against HF on the same weights."""
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    stored_plain = lambda n: n.startswith("model.layers.0.self_attn.") or ".down_proj." in n   # noqa: E731
+    dequantized = write_quantized_checkpoint(
+        src, str(tmp_path / "awq"), lambda base, t: quantized_tensors("awq", base, t, 32),
+        {**awq_config(32), "modules_to_not_convert": AWQ_LEFT_OUT},
+        select=lambda n: is_quantized_linear(n) and not stored_plain(n))
+    llm = LLM(str(tmp_path / "awq"), tensor_parallel_size=tp, **KW)
+    try:
+        if tp == 1:
+            layers = llm.engine.executor.worker.model_runner.model.model.layers
+            assert layers[0].self_attn.qkv_proj.quant_method is None and layers[1].mlp.down_proj.quant_method is None
+            assert isinstance(layers[1].self_attn.qkv_proj.quant_method, Int4LinearMethod)
+            assert isinstance(layers[0].mlp.gate_up_proj.quant_method, Int4LinearMethod)
+        prompt = random_prompt(3, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf_with_weights(src, dequantized), prompt)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_awq_left_out_rule_and_fused_parts():
+    config = AwqConfig.from_quantization_config({**awq_config(128), "modules_to_not_convert": ["gate", "layers.1"]})
+    assert config.ignores("model.layers.0.mlp.gate") and not config.ignores("model.layers.0.mlp.gate_proj")
+    assert not config.ignores("model.layers.1.mlp.up_proj")   # a prefix matches from the name's start only
+    assert AwqConfig.from_quantization_config({**awq_config(128), "modules_to_not_convert": [r"model\.layers\.1"]}
+                                              ).ignores("model.layers.1.mlp.up_proj")
+    hf_config = json.loads(tiny_hf_config("llama").to_json_string())
+    hf_config["quantization_config"] = {**awq_config(32), "modules_to_not_convert": ["k_proj"]}
+    with pytest.raises(ValueError, match=r"leaves \['model.layers.0.self_attn.k_proj'\] in full precision but not"):
+        build_model(hf_config, torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("tp,packed", [(1, False), (1, True), (2, False)])

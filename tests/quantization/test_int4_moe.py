@@ -171,11 +171,17 @@ def test_unsupported_int4_experts_are_refused():
         layer.w13_bias.weight_loader(layer.w13_bias, torch.ones(64), (2, "up"))
 
 
-def test_awq_takes_autoawq_router_exclusions_only():
+def test_awq_router_exclusions_pass_and_experts_left_out_are_refused():
     """AutoAWQ writes modules_to_not_convert ["gate"] for MoE models: the routers, full precision here
-    anyway. Any other exclusion is still refused."""
-    from shardserve.quantization.int4 import AwqConfig
+    anyway. Experts left unquantized have no method beside INT4 experts: refused while building."""
+    import json
+
+    from shardserve.models.loader import build_model
     from tests.quantization.int4_checkpoints import awq_config
-    assert AwqConfig.from_quantization_config({**awq_config(128), "modules_to_not_convert": ["gate"]}).group_size == 128
-    with pytest.raises(ValueError, match="modules_to_not_convert"):
-        AwqConfig.from_quantization_config({**awq_config(128), "modules_to_not_convert": ["gate", "down_proj"]})
+    from tests.tiny_models import tiny_hf_config
+    hf_config = json.loads(tiny_hf_config("qwen3_moe").to_json_string())
+    hf_config["quantization_config"] = {**awq_config(32), "modules_to_not_convert": ["gate"]}
+    build_model(hf_config, torch.float32, torch.device("cpu"))
+    hf_config["quantization_config"]["modules_to_not_convert"] = [r".*\.experts"]
+    with pytest.raises(ValueError, match=r"leaves the experts of model.layers.0.mlp.experts in full precision"):
+        build_model(hf_config, torch.float32, torch.device("cpu"))
