@@ -30,11 +30,10 @@ the layer's dtype, so every native CPU kernel and the weight packing run unchang
 INT4, not its memory saving. On CUDA the weights stay 4-bit (the memory saving), repacked once into
 the Triton W4A16 kernels' layout (kernels/quant/int4_layout.py: one 512-byte load per row brings
 1024 inputs at group 128; fp16 scales and uint8 zeros per group; a `desc_act` checkpoint's inputs
-sorted by group,
-the activations gathered into that order at each call). `apply` then runs, by rows: 1-4 the
-tensor-core GEMV (kernels/quant/triton_w4a16_gemv.py, or the FMA one where the tuned table says so;
-the gate_up pair with its SiLU-and-mul in one kernel), up to
-DOT_MAX_ROWS the tensor-core W4A16 kernel, more a dequantize-into-bf16 kernel then cuBLAS. Groups the
+sorted by group, the activations gathered into that order at each call). `apply` then runs, by
+rows: 1-4 the tensor-core GEMV (kernels/quant/triton_w4a16_gemv.py, or the FMA one where the tuned
+table says so; the gate_up pair with its SiLU-and-mul in one kernel), up to DOT_MAX_ROWS the
+tensor-core W4A16 kernel, more a dequantize-into-bf16 kernel then cuBLAS. Groups the
 kernels cannot tile (other than 32, 64 or a multiple of 128 inputs, or a row-parallel shard whose
 inputs cut groups or pick them out of order) keep the checkpoint's packing and are dequantized with torch ops at every
 call (graph-safe, slow).
@@ -49,8 +48,8 @@ the first match deciding): "-:pattern" leaves the layers it matches unquantized 
 parts of a fused q/k/v or gate/up must agree, MoE experts must keep the checkpoint's own scheme).
 
 Refused at start-up, naming the key: bits other than 4 (GPTQ: 4 or 8); 8-bit MoE experts; GPTQ
-checkpoint_format other than gptq and gptq_v2 (marlin repacks); AWQ
-versions other than gemm (gemv packs differently), zero_point false. AWQ's `modules_to_not_convert`
+checkpoint_format other than gptq and gptq_v2 (marlin repacks); AWQ versions other than gemm (gemv
+packs differently), zero_point false. AWQ's `modules_to_not_convert`
 (transformers' rule, stored.left_out) leaves the layers it names in 16 bits, as GPTQ's "-:" does;
 MoE experts left out are refused. MoE experts in INT4 are quantization/int4_moe.py's.
 """
