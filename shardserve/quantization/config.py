@@ -73,24 +73,27 @@ def check_device(config: QuantConfig | None, device: torch.device, dtype: torch.
             raise ValueError(f"FP8 on CUDA computes in bfloat16 or float16, not {dtype}: pass --dtype bfloat16")
 
 
-def moe_method(config: QuantConfig, layer: FusedMoE) -> MoEMethod | None:
+def moe_method(config: QuantConfig, layer: FusedMoE, scheme: Any = None) -> MoEMethod | None:
     """The experts' method for a format: FP8, GPTQ / AWQ (INT4), GGUF and compressed-tensors have one
     (GGUF experts of a type not kept arrive dequantized, models/gguf_loader.py, and run unquantized).
-    A format without one would be refused here, while the model is built, before any weight loads."""
+    A format without one would be refused here, while the model is built, before any weight loads.
+    scheme: the experts' own, where the checkpoint stores them in another scheme than the model's
+    linears (compressed-tensors groups, GPTQ's `dynamic`: models/loader.place_schemes)."""
     if config.name == "fp8" or (config.name == "modelopt" and config.fp8):   # (ModelOpt's experts: as FP8's)
         return Fp8BlockMoEMethod(config.block) if config.block else Fp8MoEMethod(config.from_checkpoint)
     if config.name in ("gptq", "awq"):
-        if config.bits != 4:
-            raise ValueError(f"{config.bits}-bit GPTQ weights for the experts of a mixture-of-experts layer "
+        int4 = config.for_scheme(scheme) if config.name == "gptq" else config
+        if int4.bits != 4:
+            raise ValueError(f"{int4.bits}-bit GPTQ weights for the experts of a mixture-of-experts layer "
                              f"({layer.prefix}) are not supported; 4-bit ones are")
-        return Int4MoEMethod(config)
+        return Int4MoEMethod(int4)
     if config.name == "gguf":
         return GgufMoEMethod()
-    if config.name == "compressed-tensors" and config.fp8:   # per-expert weight + weight_scale
-        return Fp8BlockMoEMethod(config.block, scale_name="weight_scale") if config.block else Fp8MoEMethod(True)
-    if config.name == "compressed-tensors" and config.scheme.weights == "int4":
-        return CtInt4MoEMethod(config.int4_config(), config.scheme.symmetric)
-    scheme = config.scheme if config.name == "compressed-tensors" else None
+    scheme = (scheme or config.scheme) if config.name == "compressed-tensors" else None
+    if scheme is not None and scheme.weights == "fp8":   # per-expert weight + weight_scale
+        return Fp8BlockMoEMethod(scheme.block, scale_name="weight_scale") if scheme.block else Fp8MoEMethod(True)
+    if scheme is not None and scheme.weights == "int4":
+        return CtInt4MoEMethod(config.int4_config(scheme), scheme.symmetric)
     if scheme is not None and scheme.weights == "int8":
         if scheme.symmetric and not scheme.packed and scheme.strategy in ("channel", "tensor"):
             return Int8MoEMethod()

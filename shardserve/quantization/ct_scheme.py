@@ -38,7 +38,8 @@ model is full precision (`sparsity_only`). Everything else (other bit widths or 
 sparsity stored compressed: `sparse-24-bitmask`, `sparse-bitmask`, `marlin-24`; transforms,
 targets naming other module types, output activations) is refused naming the key; so are, when the
 model is built (models/loader.place_schemes), the parts of one fused layer in different schemes and
-MoE experts in another scheme than the one the model's linears are built in."""
+the experts of one MoE layer in different schemes (experts all in a group of their own, or all in
+`ignore`, take that group's expert method or none)."""
 from __future__ import annotations
 
 import re

@@ -1,8 +1,7 @@
-"""INT4 weight-only (W4A16) checkpoints: GPTQ and AWQ, read as the tools write them
-(`quantization_config.quant_method: gptq | awq`); and 8-bit GPTQ (`bits: 8`: Qwen's `*-GPTQ-Int8`),
-read the same way with four 8-bit values per word (zeros v1: stored + 1 modulo 256) and dequantized
-once after loading on every device (the 4-bit kernels do not take them: INT8's accuracy, not its
-memory saving). Nothing here quantizes a full-precision model.
+"""INT4 weight-only (W4A16) checkpoints: GPTQ and AWQ, read as the tools write them (`quant_method:
+gptq | awq`); and 8-bit GPTQ (`bits: 8`: Qwen's `*-GPTQ-Int8`), four values per word (zeros v1:
+stored + 1 modulo 256), dequantized once after loading on every device (the 4-bit kernels do not
+take them: INT8's accuracy, not its memory saving). Nothing here quantizes a full-precision model.
 
 Both store, per linear layer with K inputs and N outputs, 4-bit values q with a zero point z and a
 scale s per group of `group_size` inputs and per output: w[n, k] = (q[k, n] - z[g, n]) * s[g, n].
@@ -39,19 +38,17 @@ inputs cut groups or pick them out of order) keep the checkpoint's packing and a
 call (graph-safe, slow).
 
 GPTQ's `lm_head: true` (GPTQModel, AutoRound): the LM head is one more INT4 layer, column-parallel
-over the vocabulary (layers/vocab.py); a tied embedding cannot share it and is refused.
+over the vocabulary (layers/vocab.py); a tied embedding cannot share it (refused).
 
-GPTQModel's `dynamic` (per-module overrides, regexes matched from the start of the HF module name,
-the first match deciding): "-:pattern" leaves the layers it matches unquantized (stored as plain
-`weight`), "+:pattern" or a bare pattern gives them their own bits (4 or 8), group_size or desc_act
-(`GptqConfig.scheme_for`; models/loader.place_schemes gives them that method before loading; the
-parts of a fused q/k/v or gate/up must agree, MoE experts must keep the checkpoint's own scheme).
+GPTQModel's `dynamic` (regexes from the start of the HF module name, the first match deciding):
+"-:pattern" leaves layers unquantized (plain `weight`), "+:pattern" or a bare one gives them their
+own bits (4 or 8), group_size or desc_act (`GptqConfig.scheme_for`). AWQ's `modules_to_not_convert`
+(transformers' rule, stored.left_out) leaves layers in 16 bits. models/loader.place_schemes gives
+those layers their method before loading (fused parts must agree, and all of a MoE layer's experts).
 
 Refused at start-up, naming the key: bits other than 4 (GPTQ: 4 or 8); 8-bit MoE experts; GPTQ
 checkpoint_format other than gptq and gptq_v2 (marlin repacks); AWQ versions other than gemm (gemv
-packs differently), zero_point false. AWQ's `modules_to_not_convert`
-(transformers' rule, stored.left_out) leaves the layers it names in 16 bits, as GPTQ's "-:" does;
-MoE experts left out are refused. MoE experts in INT4 are quantization/int4_moe.py's.
+packs differently), zero_point false. MoE experts in INT4 are quantization/int4_moe.py's.
 """
 from __future__ import annotations
 
@@ -193,12 +190,16 @@ class GptqConfig(Int4Config):
                         override.get("desc_act", self.desc_act))
         return self.scheme
 
-    def linear_method(self, layer: LinearBase, scheme: GptqScheme | None = None) -> LinearMethod | None:
+    def for_scheme(self, scheme: GptqScheme | None) -> "GptqConfig":
+        """This config with a `dynamic` override's bits, group_size and desc_act (None: as built)."""
         if scheme is None or scheme == self.scheme:
-            return Int4LinearMethod(self)
+            return self
         config = GptqConfig(scheme[1], scheme[2], self.zero_offset, scheme[0])
         config.lm_head = self.lm_head
-        return Int4LinearMethod(config)
+        return config
+
+    def linear_method(self, layer: LinearBase, scheme: GptqScheme | None = None) -> LinearMethod | None:
+        return Int4LinearMethod(self.for_scheme(scheme))
 
 
 def _override(pattern: str, override: Any) -> dict[str, Any]:
@@ -209,8 +210,7 @@ def _override(pattern: str, override: Any) -> dict[str, Any]:
     try:
         re.compile(pattern.removeprefix("-:").removeprefix("+:"))
     except re.error as e:
-        raise ValueError(f"GPTQ quantization_config.dynamic pattern {pattern!r} is not a regular expression: {e}") \
-            from None
+        raise ValueError(f"GPTQ dynamic pattern {pattern!r} is not a regular expression: {e}") from None
     out: dict[str, Any] = {}
     if "bits" in override:
         out["bits"] = _bits(override, f"GPTQ dynamic[{pattern!r}]", "bits", allowed=(4, 8))

@@ -60,9 +60,63 @@ def test_mixed_precision_checkpoint_matches_hf(tmp_path, tp):
         llm.engine.shutdown()
 
 
+def _moe_mixed(src: str, dst: str, experts_target: str | None) -> dict[str, torch.Tensor]:
+    """`src` (a MoE model) with its dense linears in FP8 per channel (the `Linear` group) and its
+    experts, stored per expert, in their own group: INT4 (group 32, symmetric) for `experts_target`,
+    or with None left in full precision by `ignore`. Returns the values the quantized tensors hold."""
+    from tests.quantization.checkpoints import is_quantized_linear, write_quantized_checkpoint
+    from tests.quantization.ct_checkpoints import _int4_tensors
+    from tests.quantization.moe_checkpoints import CT_FP8_DYNAMIC, EXPERT, _expert_fp8
+    config = json.loads(json.dumps(CT_FP8_DYNAMIC))
+    config["format"] = "mixed-precision"
+    config["config_groups"]["group_0"]["format"] = "float-quantized"
+    if experts_target is None:
+        config["ignore"].append("re:.*\\.experts\\..*")
+    else:
+        config["config_groups"]["experts"] = {"targets": [experts_target], **_int4(32), "format": "pack-quantized"}
+
+    def quantize(base: str, t: torch.Tensor):
+        if EXPERT.search(base + ".weight"):
+            return _int4_tensors(base, t, 32, True, False)
+        return _expert_fp8(base, t, per_channel=True, static=False)
+    return write_quantized_checkpoint(src, dst, quantize, config, select=lambda name: (
+        experts_target is not None if EXPERT.search(name) else is_quantized_linear(name)))
+
+
+@pytest.mark.parametrize("arch,experts_target,tp", [
+    ("qwen3_moe", "re:.*mlp\\.experts\\..*", 1), ("qwen3_moe", "re:.*mlp\\.experts\\..*", 2),
+    ("mixtral", "re:.*block_sparse_moe\\.experts\\..*", 1),   # the checkpoint's names, not the model's mlp.experts
+    ("qwen3_moe", None, 1),
+])
+def test_moe_experts_in_a_scheme_of_their_own_match_hf(tmp_path, arch, experts_target, tp):
+    """MoE experts in another config group than the dense linears (INT4 experts beside FP8 attention,
+    llm-compressor's mixed recipes for MoE models), or left in full precision by `ignore`: the experts
+    take their own method before loading; against HF on the values the checkpoint holds."""
+    from shardserve.layers.moe import FusedMoE
+    from shardserve.quantization.compressed_tensors import CtInt4MoEMethod
+    from shardserve.quantization.fp8 import Fp8LinearMethod
+    from tests.quantization.moe_checkpoints import write_with_weights
+    from tests.tiny_models import load_hf_model
+    src = make_tiny_checkpoint(str(tmp_path / "src"), arch)
+    values = _moe_mixed(src, str(tmp_path / "ct"), experts_target)
+    hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
+    llm = LLM(str(tmp_path / "ct"), tensor_parallel_size=tp, **KW)
+    try:
+        if tp == 1:
+            model = llm.engine.executor.worker.model_runner.model
+            experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+            want = CtInt4MoEMethod if experts_target else type(None)
+            assert experts and {type(m.quant_method) for m in experts} == {want}
+            assert type(model.model.layers[0].self_attn.qkv_proj.quant_method) is Fp8LinearMethod
+        prompt = random_prompt(5, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_mixed_layouts_the_kernels_cannot_hold_are_refused(tmp_path):
-    """The parts of a fused layer in different schemes, and MoE experts in another scheme than the
-    model's linears, are refused while the model is built, naming the layer."""
+    """The parts of a fused layer in different schemes, and the experts of one MoE layer in several
+    schemes, are refused while the model is built, naming the layer."""
     from shardserve.models.loader import build_model
     config = json.loads(tiny_hf_config("llama").to_json_string())
     config["quantization_config"] = _config(config_groups={"q": {"targets": ["re:.*q_proj$"], **_int4(32)},
@@ -70,9 +124,9 @@ def test_mixed_layouts_the_kernels_cannot_hold_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"stores in different schemes the fused layer model.layers.0.self_attn.qkv"):
         build_model(config, torch.float32, torch.device("cpu"))
     config = json.loads(tiny_hf_config("qwen3_moe").to_json_string())
-    config["quantization_config"] = _config(config_groups={"experts": {"targets": ["re:.*experts.*"], **_int4(32)},
+    config["quantization_config"] = _config(config_groups={"e0": {"targets": ["re:.*experts\\.0\\..*"], **_int4(32)},
                                                            "rest": {"targets": ["Linear"], **_int4(None)}})
-    with pytest.raises(ValueError, match=r"stores the experts of model.layers.0.mlp.experts in another scheme"):
+    with pytest.raises(ValueError, match=r"stores the experts of model.layers.0.mlp.experts in several schemes: not"):
         build_model(config, torch.float32, torch.device("cpu"))
 
 

@@ -171,17 +171,24 @@ def test_unsupported_int4_experts_are_refused():
         layer.w13_bias.weight_loader(layer.w13_bias, torch.ones(64), (2, "up"))
 
 
-def test_awq_router_exclusions_pass_and_experts_left_out_are_refused():
+def test_awq_router_and_expert_exclusions():
     """AutoAWQ writes modules_to_not_convert ["gate"] for MoE models: the routers, full precision here
-    anyway. Experts left unquantized have no method beside INT4 experts: refused while building."""
+    anyway. Experts it leaves out run unquantized, all of one layer's or none: one FusedMoE holds
+    every expert in one layout."""
     import json
 
+    from shardserve.layers.moe import FusedMoE
     from shardserve.models.loader import build_model
+    from shardserve.quantization.int4_moe import Int4MoEMethod
     from tests.quantization.int4_checkpoints import awq_config
     from tests.tiny_models import tiny_hf_config
     hf_config = json.loads(tiny_hf_config("qwen3_moe").to_json_string())
-    hf_config["quantization_config"] = {**awq_config(32), "modules_to_not_convert": ["gate"]}
-    build_model(hf_config, torch.float32, torch.device("cpu"))
-    hf_config["quantization_config"]["modules_to_not_convert"] = [r".*\.experts"]
-    with pytest.raises(ValueError, match=r"leaves the experts of model.layers.0.mlp.experts in full precision"):
-        build_model(hf_config, torch.float32, torch.device("cpu"))
+
+    def experts_methods(left_out: list[str]) -> set[type]:
+        hf_config["quantization_config"] = {**awq_config(32), "modules_to_not_convert": left_out}
+        model = build_model(hf_config, torch.float32, torch.device("cpu"))
+        return {type(m.quant_method) for m in model.modules() if isinstance(m, FusedMoE)}
+    assert experts_methods(["gate"]) == {Int4MoEMethod}
+    assert experts_methods(["gate", r".*\.experts"]) == {type(None)}
+    with pytest.raises(ValueError, match=r"experts of model.layers.0.mlp.experts in several schemes \(some in full"):
+        experts_methods([r".*\.experts\.1"])
