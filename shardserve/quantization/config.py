@@ -78,8 +78,9 @@ def moe_method(config: QuantConfig, layer: FusedMoE, scheme: Any = None) -> MoEM
     (GGUF experts of a type not kept arrive dequantized, models/gguf_loader.py, and run unquantized).
     A format without one would be refused here, while the model is built, before any weight loads.
     scheme: the experts' own, where the checkpoint stores them in another scheme than the model's
-    linears (compressed-tensors groups, GPTQ's `dynamic`: models/loader.place_schemes)."""
-    if config.name == "fp8" or (config.name == "modelopt" and config.fp8):   # (ModelOpt's experts: as FP8's)
+    linears (compressed-tensors groups, GPTQ's `dynamic`, ModelOpt's MIXED_PRECISION:
+    models/loader.place_schemes)."""
+    if config.name == "fp8" or (config.name == "modelopt" and (scheme or config.algo) == "FP8"):   # (as FP8's)
         return Fp8BlockMoEMethod(config.block) if config.block else Fp8MoEMethod(config.from_checkpoint)
     if config.name in ("gptq", "awq"):
         int4 = config.for_scheme(scheme) if config.name == "gptq" else config
@@ -89,22 +90,38 @@ def moe_method(config: QuantConfig, layer: FusedMoE, scheme: Any = None) -> MoEM
         return Int4MoEMethod(int4)
     if config.name == "gguf":
         return GgufMoEMethod()
-    scheme = (scheme or config.scheme) if config.name == "compressed-tensors" else None
-    if scheme is not None and scheme.weights == "fp8":   # per-expert weight + weight_scale
-        return Fp8BlockMoEMethod(scheme.block, scale_name="weight_scale") if scheme.block else Fp8MoEMethod(True)
-    if scheme is not None and scheme.weights == "int4":
-        return CtInt4MoEMethod(config.int4_config(scheme), scheme.symmetric)
-    if scheme is not None and scheme.weights == "int8":
-        if scheme.symmetric and not scheme.packed and scheme.strategy in ("channel", "tensor"):
+    ct = (scheme or config.scheme) if config.name == "compressed-tensors" else None
+    if ct is not None and ct.weights == "fp8":   # per-expert weight + weight_scale
+        return Fp8BlockMoEMethod(ct.block, scale_name="weight_scale") if ct.block else Fp8MoEMethod(True)
+    if ct is not None and ct.weights == "int4":
+        return CtInt4MoEMethod(config.int4_config(ct), ct.symmetric)
+    if ct is not None and ct.weights == "int8":
+        if ct.symmetric and not ct.packed and ct.strategy in ("channel", "tensor"):
             return Int8MoEMethod()
         raise ValueError(f"compressed-tensors INT8 weights for the experts of a mixture-of-experts layer "
                          f"({layer.prefix}) are supported symmetric, per channel or per tensor, "
-                         f"`int-quantized` (the W8A8 presets); not {scheme.strategy} scales"
-                         f"{'' if scheme.symmetric else ', asymmetric'}{', pack-quantized' if scheme.packed else ''}")
-    what = (f"compressed-tensors {scheme.weights.upper()}" if scheme is not None
-            else f"ModelOpt {config.algo}" if config.name == "modelopt" else config.name.upper())
+                         f"`int-quantized` (the W8A8 presets); not {ct.strategy} scales"
+                         f"{'' if ct.symmetric else ', asymmetric'}{', pack-quantized' if ct.packed else ''}")
+    what = (f"compressed-tensors {ct.weights.upper()}" if ct is not None
+            else f"ModelOpt {scheme or config.algo}" if config.name == "modelopt" else config.name.upper())
     raise ValueError(f"{what} weights for the experts of a mixture-of-experts layer "
                      f"({layer.prefix}) are not supported")
+
+
+class UnplacedExperts(MoEMethod):
+    """Experts built in a scheme that has no expert method, in a checkpoint with several schemes:
+    models/loader.place_schemes gives them the method of the scheme the checkpoint stores them in,
+    or raises `error` where that is the built one. Holds no weights until then."""
+
+    def __init__(self, error: ValueError) -> None:
+        self.error = error
+
+    def create_weights(self, layer: FusedMoE) -> None:
+        pass
+
+    def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        raise self.error
 
 
 def linear_method_factory(config: QuantConfig | None) -> Callable[[nn.Module], LinearMethod | MoEMethod | None] | None:
@@ -115,7 +132,12 @@ def linear_method_factory(config: QuantConfig | None) -> Callable[[nn.Module], L
 
     def method(layer: nn.Module) -> LinearMethod | MoEMethod | None:
         if isinstance(layer, FusedMoE):
-            return moe_method(config, layer)
+            try:
+                return moe_method(config, layer)
+            except ValueError as e:   # the checkpoint may store the experts in another of its schemes
+                if not hasattr(config, "scheme_for"):
+                    raise
+                return UnplacedExperts(e)
         if isinstance(layer, ParallelLMHead):   # the head stays in the dtype unless the checkpoint says otherwise
             return config.linear_method(layer) if getattr(config, "lm_head", False) else None
         assert isinstance(layer, LinearBase)

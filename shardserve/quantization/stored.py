@@ -30,6 +30,14 @@ def modelopt_fields(q: dict[str, Any]) -> dict[str, Any]:
     return {**q, **(q.get("quantization") or {})}
 
 
+def _modelopt_algos(q: dict[str, Any]) -> set[str]:
+    """A ModelOpt config's algorithms: its `quant_algo`, or MIXED_PRECISION's per layer."""
+    fields = modelopt_fields(q)
+    if str(fields.get("quant_algo")).upper() == "MIXED_PRECISION":
+        return {str(s.get("quant_algo")).upper() for s in (fields.get("quantized_layers") or {}).values()}
+    return {str(fields.get("quant_algo")).upper()}
+
+
 def weight_dtype(q: dict[str, Any] | None) -> str | None:
     """"fp8", "int4" or "int8" for the linears of a quantized checkpoint as a GPU holds them; None for
     other formats (and for INT8 layouts widened at load). A checkpoint with layers in several schemes
@@ -37,8 +45,7 @@ def weight_dtype(q: dict[str, Any] | None) -> str | None:
     less than it holds)."""
     q = q or {}
     method = str(q.get("quant_method", "")).lower()
-    if method in ("fp8", "fbgemm_fp8") or (
-            method == "modelopt" and str(modelopt_fields(q).get("quant_algo")).upper() == "FP8"):
+    if method in ("fp8", "fbgemm_fp8") or (method == "modelopt" and _modelopt_algos(q) == {"FP8"}):
         return "fp8"
     if method == "compressed-tensors":
         dtypes = [_ct_dtype(g.get("weights") or {}) for g in _ct_groups(q)]

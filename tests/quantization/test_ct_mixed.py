@@ -114,6 +114,24 @@ def test_moe_experts_in_a_scheme_of_their_own_match_hf(tmp_path, arch, experts_t
         llm.engine.shutdown()
 
 
+def test_experts_take_their_group_where_the_linears_scheme_has_no_expert_method():
+    """Linears built in NVFP4 (no expert method): INT4 experts in their own group still build; the
+    same experts left in NVFP4 are refused, naming the scheme."""
+    from shardserve.layers.moe import FusedMoE
+    from shardserve.models.loader import build_model
+    from shardserve.quantization.compressed_tensors import CtInt4MoEMethod
+    config = json.loads(tiny_hf_config("qwen3_moe").to_json_string())
+    nvfp4 = {"targets": ["Linear"], "weights": dict(num_bits=4, type="float", strategy="tensor_group", group_size=16),
+             "format": "nvfp4-pack-quantized"}
+    config["quantization_config"] = _config(format="mixed-precision", config_groups={
+        "experts": {"targets": ["re:.*experts.*"], **_int4(32), "format": "pack-quantized"}, "rest": nvfp4})
+    model = build_model(config, torch.float32, torch.device("cpu"))
+    assert {type(m.quant_method) for m in model.modules() if isinstance(m, FusedMoE)} == {CtInt4MoEMethod}
+    config["quantization_config"] = _config(format="nvfp4-pack-quantized", config_groups={"rest": nvfp4})
+    with pytest.raises(ValueError, match=r"compressed-tensors NVFP4 weights for the experts of a mixture-of-experts"):
+        build_model(config, torch.float32, torch.device("cpu"))
+
+
 def test_mixed_layouts_the_kernels_cannot_hold_are_refused(tmp_path):
     """The parts of a fused layer in different schemes, and the experts of one MoE layer in several
     schemes, are refused while the model is built, naming the layer."""

@@ -120,18 +120,21 @@ def test_dynamic_overrides_on_cuda_track_hf(tmp_path):
 
 
 def test_dynamic_experts_take_their_own_scheme():
-    """Experts a `dynamic` override gives their own group size take it (INT4 experts' method); 8-bit
-    experts have no method (refused); all of one layer's experts share one scheme."""
+    """Experts a `dynamic` override gives their own group size or bits take them (INT4 experts' method,
+    also where the model's linears are 8-bit, which experts cannot be); 8-bit experts have no method
+    (refused); all of one layer's experts share one scheme."""
     from shardserve.layers.moe import FusedMoE
     hf_config = json.loads(tiny_hf_config("qwen3_moe").to_json_string())
 
-    def build(dynamic: dict):
-        hf_config["quantization_config"] = {**gptq_config(32), "dynamic": dynamic}
+    def build(dynamic: dict, bits: int = 4):
+        hf_config["quantization_config"] = {**gptq_config(32, bits=bits), "dynamic": dynamic}
         model = build_model(hf_config, torch.float32, torch.device("cpu"))
         return [m for m in model.modules() if isinstance(m, FusedMoE)], model.model.layers[0].self_attn.qkv_proj
     experts, qkv = build({r"+:.*\.experts\..*": {"group_size": 64}})
     assert {m.quant_method.config.group_size for m in experts} == {64} and qkv.quant_method.config.group_size == 32
     with pytest.raises(ValueError, match=r"8-bit GPTQ weights for the experts of a mixture-of-experts layer"):
         build({r".*\.experts\..*": {"bits": 8}})
+    experts, qkv = build({r".*\.experts\..*": {"bits": 4}}, bits=8)   # built in 8 bits, which experts cannot be
+    assert {m.quant_method.config.bits for m in experts} == {4} and qkv.quant_method.bits == 8
     with pytest.raises(ValueError, match=r"experts of model.layers.0.mlp.experts in several schemes: not supported"):
         build({r".*\.experts\.0\.down_proj": {"group_size": 64}})

@@ -79,8 +79,14 @@ def test_modelopt_fp8_checkpoint_matches_hf_on_its_values(tmp_path, tp, in_confi
 
 
 def test_other_modelopt_algorithms_are_refused():
+    mixed = {"quant_algo": "MIXED_PRECISION"}
     for quantization, message in (({"quant_algo": "INT4_AWQ"}, "quant_algo='INT4_AWQ' are not supported"),
                                   ({"quant_algo": "NVFP4", "group_size": 32}, "NVFP4 group_size=32"),
+                                  ({**mixed, "quantized_layers": {"a.q_proj": {"quant_algo": "W4A8_AWQ"}}},
+                                   r"quantized_layers\['a.q_proj'\].quant_algo='W4A8_AWQ' are not supported"),
+                                  ({**mixed, "quantized_layers": {"q": {"quant_algo": "NVFP4", "group_size": 8}}},
+                                   "NVFP4 group_size=8"),
+                                  (mixed, "MIXED_PRECISION checkpoint without quantized_layers"),
                                   ({"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"},
                                    "kv_cache_quant_algo='NVFP4' is not supported")):
         with pytest.raises(ValueError, match=message):
@@ -147,6 +153,57 @@ def test_modelopt_nvfp4_checkpoint_matches_hf_on_its_values(tmp_path, tp):
         if tp == 1:
             qkv = llm.engine.executor.worker.model_runner.model.model.layers[0].self_attn.qkv_proj
             assert isinstance(qkv.quant_method, Fp4LinearMethod) and qkv.weight.dtype == torch.float32
+        prompt = random_prompt(3, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf_with_weights(src, values), prompt)
+    finally:
+        llm.engine.shutdown()
+
+
+FP8_LAYERS = ("model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj",
+              "model.layers.1.self_attn.o_proj", "model.layers.0.mlp.down_proj")
+PLAIN = ("model.layers.0.self_attn.o_proj",)   # in no `quantized_layers` entry: stored in 16 bits
+
+
+def test_modelopt_mixed_precision_matches_hf_on_its_values(tmp_path):
+    """`quant_algo: MIXED_PRECISION`: NVFP4 layers (the most, so the layers are built in NVFP4), FP8 ones
+    named by module (layer 1's attention, through its `self_attn` entry, more specific than layer 1's)
+    or by layer, one layer left in 16 bits; each in its own method, against HF on the checkpoint's values."""
+    pytest.importorskip("compressed_tensors")
+    from safetensors.torch import load_file, save_file
+
+    from shardserve.quantization.fp4 import Fp4LinearMethod
+    from shardserve.quantization.fp8 import Fp8LinearMethod
+    from tests.quantization.checkpoints import _state_dict
+    from tests.quantization.ct_checkpoints import write_ct_checkpoint
+    from tests.quantization.test_fp4 import _values
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama")
+    path = write_ct_checkpoint(src, str(tmp_path / "mixed"), "NVFP4A16", "nvfp4-pack-quantized", dtype=torch.float32)
+    values, original = _values(path), _state_dict(src)
+    _as_modelopt_nvfp4(path)
+    nvfp4 = sorted({n[:-len(".weight")] for n in values} - set(FP8_LAYERS) - set(PLAIN))
+    (file,) = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    tensors = {n: t for n, t in load_file(os.path.join(path, file)).items()
+               if not n.startswith(tuple(f"{b}." for b in FP8_LAYERS + PLAIN))}
+    for base in FP8_LAYERS:
+        fp8, values[f"{base}.weight"] = _fp8_tensors(base, original[f"{base}.weight"], static=True)
+        tensors.update(fp8)
+    for base in PLAIN:
+        tensors[f"{base}.weight"] = original[f"{base}.weight"]
+        del values[f"{base}.weight"]
+    save_file(tensors, os.path.join(path, file))
+    layers = {**{b: {"quant_algo": "NVFP4", "group_size": 16} for b in nvfp4},
+              "model.layers.1": {"quant_algo": "NVFP4"}, "model.layers.1.self_attn": {"quant_algo": "FP8"},
+              "model.layers.0.mlp.down_proj": {"quant_algo": "FP8"}}
+    _hf_quant_config(path, {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers,
+                            "exclude_modules": ["lm_head"]})
+    llm = LLM(path, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1, dtype="float32")
+    try:
+        model = llm.engine.executor.worker.model_runner.model.model
+        assert isinstance(model.layers[0].self_attn.qkv_proj.quant_method, Fp4LinearMethod)
+        assert isinstance(model.layers[1].self_attn.qkv_proj.quant_method, Fp8LinearMethod)
+        assert isinstance(model.layers[1].self_attn.o_proj.quant_method, Fp8LinearMethod)
+        assert isinstance(model.layers[0].mlp.down_proj.quant_method, Fp8LinearMethod)
+        assert model.layers[0].self_attn.o_proj.quant_method is None
         prompt = random_prompt(3, 40)
         assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf_with_weights(src, values), prompt)
     finally:
