@@ -155,12 +155,15 @@ class FusedMoE(nn.Module):
     def requantize(self, method: MoEMethod | None) -> None:
         """The experts in another format, before any weight loads: the scheme their checkpoint stores
         them in where it is not the one the model was built in (models/loader.place_schemes); None:
-        unquantized. The format's tensors go; the expert map and load counts stay."""
-        device = next((p.device for p in self.parameters()), None) or torch.get_default_device()
+        unquantized. The format's tensors go (and what its method set on the layer); the expert map
+        and load counts stay. The new tensors go where the old ones are (the CPU for an offloaded
+        layer: layers/cpu_offload.py)."""
+        device = next(p.device for p in self.parameters())
         for name in list(self._parameters):
             del self._parameters[name]
         for name in [n for n in self._buffers if n not in ("expert_map", "load")]:
             del self._buffers[name]
+        self.__dict__.pop("packed_expert_weights", None)   # (INT4 experts' "nothing to repack")
         self.quant_method = method
         with torch.device(device):
             self._create_weights()

@@ -190,7 +190,7 @@ def place_schemes(model: nn.Module, config: Any) -> None:
         if isinstance(module, FusedMoE) and module.quant_method is not None:
             stored = {scheme_for(n) for e in range(module.num_experts) for n in model.expert_checkpoint_names(name, e)}
             if len(stored) > 1:   # one FusedMoE holds every expert's matrices in one layout
-                left = " (some in full precision: its ignore list)" if None in stored else ""
+                left = " (some of them unquantized)" if None in stored else ""
                 raise ValueError(f"the checkpoint stores the experts of {name} in several schemes{left}: "
                                  "not supported; all in one scheme (or all in full precision) is")
             (scheme,) = stored

@@ -55,7 +55,7 @@ class CompressedTensorsConfig:
 
     def __init__(self, layout: CtLayout) -> None:
         self.layout = layout
-        self.scheme = layout.default   # the scheme layers are built in, and MoE experts must be stored in
+        self.scheme = layout.default   # the scheme layers are built in (models/loader.place_schemes)
         self.lm_head = layout.scheme_for("lm_head") is not None
         self.block = self.scheme.block   # FP8 blocks: widened on GPUs without FP8 matmuls (config.check_device)
         self.fp8 = self.scheme.weights == "fp8"

@@ -111,13 +111,14 @@ def moe_method(config: QuantConfig, layer: FusedMoE, scheme: Any = None) -> MoEM
 class UnplacedExperts(MoEMethod):
     """Experts built in a scheme that has no expert method, in a checkpoint with several schemes:
     models/loader.place_schemes gives them the method of the scheme the checkpoint stores them in,
-    or raises `error` where that is the built one. Holds no weights until then."""
+    or raises `error` where that is the built one. Holds no weights until then, only an empty tensor
+    that goes where the layer goes (the CPU for an offloaded layer), for the weights to follow."""
 
     def __init__(self, error: ValueError) -> None:
         self.error = error
 
     def create_weights(self, layer: FusedMoE) -> None:
-        pass
+        layer.register_parameter("unplaced", nn.Parameter(torch.empty(0), requires_grad=False))
 
     def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ from shardserve.kernels.matmul import triton_skinny
 from shardserve.kernels.quant import triton_fp8_gemv, triton_fp8_quant
 from shardserve.layers.linear import LinearBase, LinearMethod, linear
 from shardserve.quantization.fp8_block import Fp8BlockLinearMethod
-from shardserve.quantization.stored import left_out
+from shardserve.quantization.stored import left_out, left_out_patterns
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)   # 448
@@ -79,7 +79,7 @@ class Fp8Config:
         if fmt != "e4m3":
             raise ValueError(f"FP8 format {fmt!r} is not supported; only e4m3 checkpoints are")
         # transformers' `modules_to_not_convert` (Qwen3-*-FP8), AutoFP8's / vLLM's `ignored_layers`
-        skip = tuple(cfg.get("modules_to_not_convert") or ()) + tuple(cfg.get("ignored_layers") or ())
+        skip = left_out_patterns(cfg, "modules_to_not_convert", "ignored_layers")
         block = cfg.get("weight_block_size")
         if block:
             if not (isinstance(block, (list, tuple)) and len(block) == 2
@@ -109,7 +109,7 @@ class FbgemmFp8Config(Fp8Config):
 
     @classmethod
     def from_quantization_config(cls, cfg: dict[str, Any]) -> "FbgemmFp8Config":
-        return cls(from_checkpoint=True, skip=tuple(cfg.get("modules_to_not_convert") or ()))
+        return cls(from_checkpoint=True, skip=left_out_patterns(cfg, "modules_to_not_convert"))
 
     def linear_method(self, layer: LinearBase) -> LinearMethod:
         return Fp8LinearMethod(from_checkpoint=True, per_channel=True)

@@ -61,7 +61,7 @@ from torch import nn
 
 from shardserve.kernels.quant import int4_layout, reference, triton_w4a16, triton_w4a16_gemv, tuned
 from shardserve.layers.linear import LinearBase, LinearMethod, RowParallelLinear, linear
-from shardserve.quantization.stored import left_out
+from shardserve.quantization.stored import left_out, left_out_patterns
 
 PACK = 8                                  # 4-bit values per int32 word
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # nibble i of an AWQ word holds output 8c + AWQ_ORDER[i]
@@ -236,7 +236,7 @@ class AwqConfig(Int4Config):
             raise ValueError("AWQ checkpoints without zero points (quantization_config.zero_point=false) are not "
                              "supported")
         config = cls(_group_size(cfg, "AWQ", "group_size", "q_group_size"))
-        config.skip = tuple(cfg.get("modules_to_not_convert") or ())
+        config.skip = left_out_patterns(cfg, "modules_to_not_convert")
         return config
 
     def ignores(self, name: str) -> bool:

@@ -41,8 +41,10 @@ def _modelopt_algos(q: dict[str, Any]) -> set[str]:
 def weight_dtype(q: dict[str, Any] | None) -> str | None:
     """"fp8", "int4" or "int8" for the linears of a quantized checkpoint as a GPU holds them; None for
     other formats (and for INT8 layouts widened at load). A checkpoint with layers in several schemes
-    (compressed-tensors groups, GPTQ's `dynamic`) counts at its widest (the planner then never plans
-    less than it holds)."""
+    (compressed-tensors groups, GPTQ's `dynamic`, ModelOpt's MIXED_PRECISION) counts at its widest
+    (the planner then never plans less than it holds). Layers a checkpoint leaves unquantized (its
+    ignore list, `modules_to_not_convert`, a "-:" override) are not counted wider: they are usually a
+    few (the head, the routers); a checkpoint that leaves its MoE experts in 16 bits plans low."""
     q = q or {}
     method = str(q.get("quant_method", "")).lower()
     if method in ("fp8", "fbgemm_fp8") or (method == "modelopt" and _modelopt_algos(q) == {"FP8"}):
@@ -55,6 +57,21 @@ def weight_dtype(q: dict[str, Any] | None) -> str | None:
     if method in ("gptq", "awq") and q.get("bits") == 4 and not wider:
         return "int4"
     return None   # (8-bit GPTQ is dequantized at load, quantization/int4.py)
+
+
+def left_out_patterns(cfg: dict[str, Any], *keys: str) -> tuple[str, ...]:
+    """The `left_out` patterns under `keys` of a quantization_config, each checked to be a regular
+    expression (a bad one is refused at start-up, naming the key)."""
+    patterns = []
+    for key in keys:
+        for pattern in cfg.get(key) or ():
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ValueError(f"quantization_config.{key} entry {pattern!r} is not a regular expression: {e}") \
+                    from None
+            patterns.append(pattern)
+    return tuple(patterns)
 
 
 def left_out(name: str, patterns: tuple[str, ...]) -> bool:

@@ -132,6 +132,24 @@ def test_experts_take_their_group_where_the_linears_scheme_has_no_expert_method(
         build_model(config, torch.float32, torch.device("cpu"))
 
 
+def test_experts_placed_later_follow_their_layer_to_its_device():
+    """An offloaded layer (layers/cpu_offload.py) is moved to the CPU while the model is built, before
+    experts waiting for their scheme get it: their weights then go where the layer went."""
+    from shardserve.layers.linear import linear_methods
+    from shardserve.layers.moe import FusedMoE
+    from shardserve.quantization.config import UnplacedExperts, linear_method_factory, moe_method, resolve_quantization
+    nvfp4 = {"targets": ["Linear"], "weights": dict(num_bits=4, type="float", strategy="tensor_group", group_size=16),
+             "format": "nvfp4-pack-quantized"}
+    config = resolve_quantization(None, {"quantization_config": _config(format="mixed-precision", config_groups={
+        "experts": {"targets": ["re:.*experts.*"], **_int4(32), "format": "pack-quantized"}, "rest": nvfp4})})
+    with linear_methods(linear_method_factory(config)):
+        experts = FusedMoE(4, 2, 64, 32, True, prefix="model.layers.0.mlp.experts")
+    assert isinstance(experts.quant_method, UnplacedExperts)
+    experts.unplaced = torch.nn.Parameter(torch.empty(0, device="meta"))   # as maybe_offload moves a layer's tensors
+    experts.requantize(moe_method(config, experts, config.scheme_for("model.layers.0.mlp.experts.0.up_proj")))
+    assert {p.device.type for p in experts.parameters()} == {"meta"} and hasattr(experts, "w13_weight_packed")
+
+
 def test_mixed_layouts_the_kernels_cannot_hold_are_refused(tmp_path):
     """The parts of a fused layer in different schemes, and the experts of one MoE layer in several
     schemes, are refused while the model is built, naming the layer."""

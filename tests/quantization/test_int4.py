@@ -152,6 +152,8 @@ def test_awq_left_out_rule_and_fused_parts():
     config = AwqConfig.from_quantization_config({**awq_config(128), "modules_to_not_convert": ["gate", "layers.1"]})
     assert config.ignores("model.layers.0.mlp.gate") and not config.ignores("model.layers.0.mlp.gate_proj")
     assert not config.ignores("model.layers.1.mlp.up_proj")   # a prefix matches from the name's start only
+    with pytest.raises(ValueError, match=r"modules_to_not_convert entry '\(gate' is not a regular expression"):
+        AwqConfig.from_quantization_config({**awq_config(128), "modules_to_not_convert": ["(gate"]})
     assert AwqConfig.from_quantization_config({**awq_config(128), "modules_to_not_convert": [r"model\.layers\.1"]}
                                               ).ignores("model.layers.1.mlp.up_proj")
     hf_config = json.loads(tiny_hf_config("llama").to_json_string())

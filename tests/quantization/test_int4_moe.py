@@ -183,12 +183,16 @@ def test_awq_router_and_expert_exclusions():
     from tests.quantization.int4_checkpoints import awq_config
     from tests.tiny_models import tiny_hf_config
     hf_config = json.loads(tiny_hf_config("qwen3_moe").to_json_string())
+    model = None
 
     def experts_methods(left_out: list[str]) -> set[type]:
         hf_config["quantization_config"] = {**awq_config(32), "modules_to_not_convert": left_out}
+        nonlocal model
         model = build_model(hf_config, torch.float32, torch.device("cpu"))
         return {type(m.quant_method) for m in model.modules() if isinstance(m, FusedMoE)}
     assert experts_methods(["gate"]) == {Int4MoEMethod}
-    assert experts_methods(["gate", r".*\.experts"]) == {type(None)}
-    with pytest.raises(ValueError, match=r"experts of model.layers.0.mlp.experts in several schemes \(some in full"):
+    assert experts_methods(["gate", r".*\.experts"]) == {type(None)}   # (and the native CPU kernels repack them:)
+    assert all(m.packed_expert_weights == FusedMoE.packed_expert_weights for m in model.modules()
+               if isinstance(m, FusedMoE))
+    with pytest.raises(ValueError, match=r"experts of model.layers.0.mlp.experts in several schemes \(some of th"):
         experts_methods([r".*\.experts\.1"])

@@ -165,9 +165,10 @@ PLAIN = ("model.layers.0.self_attn.o_proj",)   # in no `quantized_layers` entry:
 
 
 def test_modelopt_mixed_precision_matches_hf_on_its_values(tmp_path):
-    """`quant_algo: MIXED_PRECISION`: NVFP4 layers (the most, so the layers are built in NVFP4), FP8 ones
-    named by module (layer 1's attention, through its `self_attn` entry, more specific than layer 1's)
-    or by layer, one layer left in 16 bits; each in its own method, against HF on the checkpoint's values."""
+    """`quant_algo: MIXED_PRECISION`: NVFP4 layers (the most, so the layers are built in NVFP4) named
+    by layer or by a module holding them, FP8 ones by a module (layer 1's attention: its `self_attn`
+    entry comes before layer 1's) or by layer (layer 0's down_proj: after its `mlp`'s), so the most
+    specific entry decides, not the first or the last; layer 0's o_proj, in no entry, in 16 bits."""
     pytest.importorskip("compressed_tensors")
     from safetensors.torch import load_file, save_file
 
@@ -191,9 +192,13 @@ def test_modelopt_mixed_precision_matches_hf_on_its_values(tmp_path):
         tensors[f"{base}.weight"] = original[f"{base}.weight"]
         del values[f"{base}.weight"]
     save_file(tensors, os.path.join(path, file))
-    layers = {**{b: {"quant_algo": "NVFP4", "group_size": 16} for b in nvfp4},
-              "model.layers.1": {"quant_algo": "NVFP4"}, "model.layers.1.self_attn": {"quant_algo": "FP8"},
-              "model.layers.0.mlp.down_proj": {"quant_algo": "FP8"}}
+    layers = {"model.layers.1.self_attn": {"quant_algo": "FP8"}, "model.layers.1": {"quant_algo": "NVFP4"},
+              "model.layers.0.mlp": {"quant_algo": "NVFP4"}, "model.layers.0.mlp.down_proj": {"quant_algo": "FP8"},
+              **{b: {"quant_algo": "NVFP4", "group_size": 16} for b in nvfp4 if ".layers.0.self_attn." in b}}
+    assert set(nvfp4) == {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                          "model.layers.0.self_attn.v_proj", "model.layers.0.mlp.gate_proj",
+                          "model.layers.0.mlp.up_proj", "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj",
+                          "model.layers.1.mlp.down_proj"}
     _hf_quant_config(path, {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers,
                             "exclude_modules": ["lm_head"]})
     llm = LLM(path, kv_cache_memory="16MiB", show_progress=False, max_logprobs=-1, dtype="float32")
@@ -208,3 +213,24 @@ def test_modelopt_mixed_precision_matches_hf_on_its_values(tmp_path):
         assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf_with_weights(src, values), prompt)
     finally:
         llm.engine.shutdown()
+
+
+def test_modelopt_mixed_precision_experts_take_their_own_algorithm():
+    """FP8 experts (one entry for the module holding them) in a model built in NVFP4 (the attention's
+    entries outnumber theirs), which has no expert method: they take FP8's; NVFP4 experts are refused."""
+    from shardserve.layers.moe import FusedMoE
+    from shardserve.models.loader import build_model
+    from shardserve.quantization.fp8_moe import Fp8MoEMethod
+    from tests.tiny_models import tiny_hf_config
+    hf_config = json.loads(tiny_hf_config("qwen3_moe").to_json_string())
+    attention = {f"model.layers.{i}.self_attn.{p}_proj": {"quant_algo": "NVFP4"} for i in (0, 1) for p in "qkvo"}
+
+    def experts_methods(experts_algo: str) -> set[type]:
+        hf_config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
+                                            "quantized_layers": {**attention, "model.layers.0.mlp.experts": {
+                                                "quant_algo": experts_algo}}}
+        model = build_model(hf_config, torch.float32, torch.device("cpu"))
+        return {type(m.quant_method) for m in model.modules() if isinstance(m, FusedMoE)}
+    assert experts_methods("FP8") == {Fp8MoEMethod}
+    with pytest.raises(ValueError, match=r"ModelOpt NVFP4 weights for the experts of a mixture-of-experts layer"):
+        experts_methods("NVFP4")
