@@ -210,8 +210,9 @@ class FusedMoE(nn.Module):
         elif kind in ("gate", "up"):
             offset = 0 if kind == "gate" else inter
             default_weight_loader(param.data[local].narrow(0, offset, inter), loaded.narrow(0, rank * inter, inter))
-        elif kind == "down":
-            default_weight_loader(param.data[local], loaded.narrow(1, rank * inter, inter))
+        elif kind == "down":   # its inputs in the parameter's own units (packed FP4 bytes, scale groups)
+            cols = param.shape[-1]
+            default_weight_loader(param.data[local], loaded.narrow(1, rank * cols, cols))
         else:
             raise ValueError(f"unknown expert weight kind {kind!r}")
 

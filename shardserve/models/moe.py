@@ -24,7 +24,8 @@ from shardserve.models.llama import LlamaForCausalLM
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\."
                          r"(weight|weight_scale|weight_scale_inv|input_scale|qweight|qzeros|scales|g_idx|bias"
-                         r"|weight_packed|weight_zero_point|weight_shape|weight_g_idx)$")
+                         r"|weight_packed|weight_zero_point|weight_shape|weight_g_idx"
+                         r"|weight_global_scale|input_global_scale|weight_scale_2)$")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 _STACKED_KINDS = {"gate_up_proj": "gate_up", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 

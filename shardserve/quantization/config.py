@@ -12,6 +12,7 @@ from shardserve.layers.moe import FusedMoE, MoEMethod
 from shardserve.layers.vocab import ParallelLMHead
 from shardserve.quantization.compressed_tensors import CompressedTensorsConfig, CtInt4MoEMethod
 from shardserve.quantization.ct_scheme import sparsity_only
+from shardserve.quantization.fp4_moe import Fp4MoEMethod
 from shardserve.quantization.fp8 import FbgemmFp8Config, Fp8Config
 from shardserve.quantization.fp8_block_moe import Fp8BlockMoEMethod
 from shardserve.quantization.fp8_moe import Fp8MoEMethod
@@ -93,6 +94,10 @@ def moe_method(config: QuantConfig, layer: FusedMoE, scheme: Any = None) -> MoEM
     ct = (scheme or config.scheme) if config.name == "compressed-tensors" else None
     if ct is not None and ct.weights == "fp8":   # per-expert weight + weight_scale
         return Fp8BlockMoEMethod(ct.block, scale_name="weight_scale") if ct.block else Fp8MoEMethod(True)
+    if ct is not None and ct.weights in ("nvfp4", "mxfp4"):
+        return Fp4MoEMethod(ct.weights)
+    if config.name == "modelopt" and (scheme or config.algo) == "NVFP4":
+        return Fp4MoEMethod("nvfp4", modelopt=True)
     if ct is not None and ct.weights == "int4":
         return CtInt4MoEMethod(config.int4_config(ct), ct.symmetric)
     if ct is not None and ct.weights == "int8":

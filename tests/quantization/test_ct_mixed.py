@@ -115,20 +115,20 @@ def test_moe_experts_in_a_scheme_of_their_own_match_hf(tmp_path, arch, experts_t
 
 
 def test_experts_take_their_group_where_the_linears_scheme_has_no_expert_method():
-    """Linears built in NVFP4 (no expert method): INT4 experts in their own group still build; the
-    same experts left in NVFP4 are refused, naming the scheme."""
+    """Linears built in asymmetric INT8 (no expert method): INT4 experts in their own group still
+    build; the same experts left in that scheme are refused, naming it."""
     from shardserve.layers.moe import FusedMoE
     from shardserve.models.loader import build_model
     from shardserve.quantization.compressed_tensors import CtInt4MoEMethod
     config = json.loads(tiny_hf_config("qwen3_moe").to_json_string())
-    nvfp4 = {"targets": ["Linear"], "weights": dict(num_bits=4, type="float", strategy="tensor_group", group_size=16),
-             "format": "nvfp4-pack-quantized"}
+    int8 = {"targets": ["Linear"], "weights": dict(num_bits=8, type="int", strategy="channel", symmetric=False),
+            "format": "int-quantized"}   # (asymmetric INT8: dense layers only)
     config["quantization_config"] = _config(format="mixed-precision", config_groups={
-        "experts": {"targets": ["re:.*experts.*"], **_int4(32), "format": "pack-quantized"}, "rest": nvfp4})
+        "experts": {"targets": ["re:.*experts.*"], **_int4(32), "format": "pack-quantized"}, "rest": int8})
     model = build_model(config, torch.float32, torch.device("cpu"))
     assert {type(m.quant_method) for m in model.modules() if isinstance(m, FusedMoE)} == {CtInt4MoEMethod}
-    config["quantization_config"] = _config(format="nvfp4-pack-quantized", config_groups={"rest": nvfp4})
-    with pytest.raises(ValueError, match=r"compressed-tensors NVFP4 weights for the experts of a mixture-of-experts"):
+    config["quantization_config"] = _config(format="int-quantized", config_groups={"rest": int8})
+    with pytest.raises(ValueError, match=r"compressed-tensors INT8 weights for the experts of a mixture-of-experts"):
         build_model(config, torch.float32, torch.device("cpu"))
 
 
@@ -138,10 +138,10 @@ def test_experts_placed_later_follow_their_layer_to_its_device():
     from shardserve.layers.linear import linear_methods
     from shardserve.layers.moe import FusedMoE
     from shardserve.quantization.config import UnplacedExperts, linear_method_factory, moe_method, resolve_quantization
-    nvfp4 = {"targets": ["Linear"], "weights": dict(num_bits=4, type="float", strategy="tensor_group", group_size=16),
-             "format": "nvfp4-pack-quantized"}
+    int8 = {"targets": ["Linear"], "weights": dict(num_bits=8, type="int", strategy="channel", symmetric=False),
+            "format": "int-quantized"}   # (asymmetric INT8: dense layers only)
     config = resolve_quantization(None, {"quantization_config": _config(format="mixed-precision", config_groups={
-        "experts": {"targets": ["re:.*experts.*"], **_int4(32), "format": "pack-quantized"}, "rest": nvfp4})})
+        "experts": {"targets": ["re:.*experts.*"], **_int4(32), "format": "pack-quantized"}, "rest": int8})})
     with linear_methods(linear_method_factory(config)):
         experts = FusedMoE(4, 2, 64, 32, True, prefix="model.layers.0.mlp.experts")
     assert isinstance(experts.quant_method, UnplacedExperts)

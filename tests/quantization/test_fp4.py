@@ -103,7 +103,7 @@ def test_smollm2_nvfp4_answers(tmp_path):
     assert abs(ppl["nvfp4"] / ppl["bf16"] - 1) <= 0.3   # +21%: min-max scales, as W4A16's +25% (no calibration)
 
 
-def test_other_fp4_layouts_and_fp4_experts_are_refused():
+def test_other_fp4_layouts_are_refused():
     from shardserve.models.loader import build_model
     from shardserve.quantization.ct_scheme import parse
     from tests.tiny_models import tiny_hf_config
@@ -121,8 +121,69 @@ def test_other_fp4_layouts_and_fp4_experts_are_refused():
         parse(config({**nvfp4, "strategy": "group", "group_size": 32}))
     hf_config = json.loads(tiny_hf_config("qwen3_moe").to_json_string())
     hf_config["quantization_config"] = config(nvfp4)
-    with pytest.raises(ValueError, match="compressed-tensors NVFP4 weights for the experts .* are not supported"):
+    build_model(hf_config, torch.float32, torch.device("cpu"))   # FP4 experts (test_fp4_experts_match_hf_...)
+    hf_config["moe_intermediate_size"] = 24   # down's inputs: one and a half NVFP4 scales
+    with pytest.raises(ValueError, match=r"NVFP4 experts of model.layers.0.mlp.experts: 24 intermediate rows per rank"):
         build_model(hf_config, torch.float32, torch.device("cpu"))
+
+
+def _fp4_tensors(base: str, t: torch.Tensor, kind: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One weight as llm-compressor stores it in NVFP4 (E4M3 scales per 16 inputs under a global
+    divisor: `weight_global_scale`) or MXFP4 (E8M0 exponents per 32), min-max scales, E2M1 values
+    rounded to the nearest and packed by the library; and the values it holds."""
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+    w = t.float()
+    n, k = w.shape
+    group = 16 if kind == "nvfp4" else 32
+    amax = w.reshape(n, k // group, group).abs().amax(-1)
+    extra = {}
+    if kind == "nvfp4":
+        global_scale = 448 * 6 / w.abs().amax()
+        stored = (amax / 6 * global_scale).to(torch.float8_e4m3fn)
+        scale = stored.float() / global_scale
+        extra[f"{base}.weight_global_scale"] = global_scale.reshape(1)
+    else:
+        exponent = torch.ceil(torch.log2(amax.clamp(min=1e-30) / 6))
+        stored, scale = (exponent + 127).to(torch.uint8), torch.exp2(exponent)
+    scale = scale.repeat_interleave(group, dim=1)
+    x = (w / scale.clamp(min=1e-30)).clamp(-6, 6)
+    grid = torch.tensor(E2M1)
+    e2m1 = grid[(x.abs()[..., None] - grid).abs().argmin(-1)] * torch.where(x < 0, -1.0, 1.0)
+    return {f"{base}.weight_packed": pack_fp4_to_uint8(e2m1), f"{base}.weight_scale": stored, **extra}, e2m1 * scale
+
+
+@pytest.mark.parametrize("kind,tp", [("nvfp4", 1), ("nvfp4", 2), ("mxfp4", 1), ("modelopt", 1)])
+def test_fp4_experts_match_hf_on_their_values(tmp_path, kind, tp):
+    """A tiny Qwen3-MoE with every linear and expert projection in FP4, per expert as llm-compressor
+    stores them (ModelOpt: the NVFP4 names and scale convention): the experts dequantized after
+    loading, plain from then on; TP=2 cuts down's 64 inputs into 32 per rank, two NVFP4 scales each."""
+    from shardserve.layers.moe import FusedMoE
+    from tests.quantization.checkpoints import is_quantized_linear, write_quantized_checkpoint
+    from tests.quantization.moe_checkpoints import EXPERT, write_with_weights
+    from tests.quantization.test_modelopt import _as_modelopt_nvfp4
+    from tests.tiny_models import load_hf_model
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
+    fp4 = "nvfp4" if kind == "modelopt" else kind
+    weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group" if fp4 == "nvfp4" else "group",
+               "group_size": 16 if fp4 == "nvfp4" else 32}
+    config = {"quant_method": "compressed-tensors", "format": f"{fp4}-pack-quantized",
+              "quantization_status": "compressed", "ignore": ["lm_head", "re:.*mlp.gate$"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+    path = str(tmp_path / kind)
+    values = write_quantized_checkpoint(src, path, lambda base, t: _fp4_tensors(base, t, fp4), config,
+                                        select=lambda n: bool(EXPERT.search(n)) or is_quantized_linear(n))
+    if kind == "modelopt":
+        _as_modelopt_nvfp4(path)
+    hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
+    llm = LLM(path, tensor_parallel_size=tp, **KW)
+    try:
+        if tp == 1:
+            experts = [m for m in llm.engine.executor.worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
+            assert experts and all(m.quant_method is None and m.w13_weight.dtype == torch.float32 for m in experts)
+        prompt = random_prompt(5, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
+    finally:
+        llm.engine.shutdown()
 
 
 def test_mxfp4_shards_cutting_a_scale_are_refused(tmp_path):

@@ -217,9 +217,10 @@ def test_modelopt_mixed_precision_matches_hf_on_its_values(tmp_path):
 
 def test_modelopt_mixed_precision_experts_take_their_own_algorithm():
     """FP8 experts (one entry for the module holding them) in a model built in NVFP4 (the attention's
-    entries outnumber theirs), which has no expert method: they take FP8's; NVFP4 experts are refused."""
+    entries outnumber theirs): they take FP8's; NVFP4 experts NVFP4's (dequantized after loading)."""
     from shardserve.layers.moe import FusedMoE
     from shardserve.models.loader import build_model
+    from shardserve.quantization.fp4_moe import Fp4MoEMethod
     from shardserve.quantization.fp8_moe import Fp8MoEMethod
     from tests.tiny_models import tiny_hf_config
     hf_config = json.loads(tiny_hf_config("qwen3_moe").to_json_string())
@@ -232,5 +233,4 @@ def test_modelopt_mixed_precision_experts_take_their_own_algorithm():
         model = build_model(hf_config, torch.float32, torch.device("cpu"))
         return {type(m.quant_method) for m in model.modules() if isinstance(m, FusedMoE)}
     assert experts_methods("FP8") == {Fp8MoEMethod}
-    with pytest.raises(ValueError, match=r"ModelOpt NVFP4 weights for the experts of a mixture-of-experts layer"):
-        experts_methods("NVFP4")
+    assert experts_methods("NVFP4") == {Fp4MoEMethod}
