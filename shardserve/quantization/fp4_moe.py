@@ -23,9 +23,9 @@ class Fp4MoEMethod(MoEMethod):
     def create_weights(self, layer: FusedMoE) -> None:
         e, inter, hidden = layer.num_local_experts, layer.intermediate_size, layer.hidden_size
         if hidden % self.group or inter % self.group:
-            raise ValueError(f"{self.kind.upper()} experts of {layer.prefix}: {inter} intermediate rows per rank are "
-                             f"not a multiple of {self.group} (an FP4 scale's inputs); use a smaller "
-                             "tensor_parallel_size or --enable-expert-parallel")
+            raise ValueError(f"{self.kind.upper()} experts of {layer.prefix}: {inter} intermediate rows per rank "
+                             f"(hidden size {hidden}) are not a multiple of {self.group} (an FP4 scale's inputs); use "
+                             "a smaller tensor_parallel_size or --enable-expert-parallel")
         self.dtype = torch.get_default_dtype()
         packed, global_name, input_name = self.names
         scale_dtype = torch.float8_e4m3fn if self.kind == "nvfp4" else torch.uint8
