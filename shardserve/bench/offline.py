@@ -39,7 +39,7 @@ from shardserve.bench.shapes import (
     shape_config,
     write_shape_dir,
 )
-from shardserve.quantization.stored import head_quantized, weight_dtype
+from shardserve.quantization.stored import head_quantized, modelopt_fields, weight_dtype
 from shardserve.worker.profiler import require_profiler_dir
 
 
@@ -208,6 +208,9 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
     stored = (config.get("quantization_config") or {}).get("quant_method")
     if stored == "gguf":
         return None, " GGUF weights (bytes as held)"
+    algo = str(modelopt_fields(config["quantization_config"]).get("quant_algo")).upper() if stored == "modelopt" else ""
+    if algo == "MIXED_PRECISION":
+        return None, " weights in several schemes (modelopt MIXED_PRECISION; bytes as held)"
     if stored == "modelopt" and weight_dtype(config["quantization_config"]) != "fp8":   # NVFP4: dequantized at load
         return float(elem), " nvfp4 weights dequantized at load (modelopt)"
     # (block-scaled FP8: a scale per 128 x 128 weights, ~0.02%)

@@ -57,8 +57,7 @@ class CompressedTensorsConfig:
         self.layout = layout
         self.scheme = layout.default   # the scheme layers are built in (models/loader.place_schemes)
         self.lm_head = layout.scheme_for("lm_head") is not None
-        self.block = self.scheme.block   # FP8 blocks: widened on GPUs without FP8 matmuls (config.check_device)
-        self.fp8 = self.scheme.weights == "fp8"
+        # FP8 matmuls on CUDA (config.check_device); FP8 blocks are widened at load on GPUs without them
         self.fp8_matmuls = any(s.weights == "fp8" and not s.block for s in layout.schemes)
 
     @classmethod

@@ -63,9 +63,7 @@ def check_device(config: QuantConfig | None, device: torch.device, dtype: torch.
     """Refuse what cannot run, before any process starts."""
     if config is None or device.type != "cuda":
         return
-    # FP8 weights (compressed-tensors: in any of its schemes); block-scaled ones are widened at load where FP8
-    # is missing (fp8_block.py)
-    if getattr(config, "fp8_matmuls", getattr(config, "fp8", False) and not config.block):
+    if getattr(config, "fp8_matmuls", False):   # FP8 weights in any of the checkpoint's schemes, not block-scaled
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             raise ValueError(f"FP8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper); this one "

@@ -66,12 +66,14 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Fp8Config:
     name = "fp8"
-    fp8 = True   # (config.check_device)
 
     def __init__(self, from_checkpoint: bool, block: tuple[int, int] | None = None, skip: tuple[str, ...] = ()) -> None:
         self.from_checkpoint = from_checkpoint   # weights stored as FP8 (else quantized after loading)
         self.block = block                       # a block-scaled checkpoint's [rows, inputs] block
         self.skip = skip                         # layers the checkpoint leaves in 16 bits (`ignores`)
+        # FP8 matmuls on CUDA (config.check_device); block-scaled weights are widened at load where FP8
+        # is missing (fp8_block.py)
+        self.fp8_matmuls = block is None
 
     @classmethod
     def from_quantization_config(cls, cfg: dict[str, Any]) -> "Fp8Config":

@@ -39,7 +39,6 @@ class ModelOptConfig:
 
     def __init__(self, algo: str, exclude: tuple[str, ...], layers: dict[str, str] | None = None) -> None:
         self.algo = algo   # "FP8" | "NVFP4": the layers' (MIXED_PRECISION: the one they are built in)
-        self.fp8 = algo == "FP8"
         self.exclude = exclude
         self.layers = layers   # MIXED_PRECISION: each quantized layer's algorithm by name; else None
         self.fp8_matmuls = "FP8" in {algo, *(layers or {}).values()}   # FP8 matmuls on CUDA (config.check_device)
@@ -71,7 +70,7 @@ class ModelOptConfig:
             return None
         if self.layers is None:
             return self.algo
-        holders = [key for key in self.layers if name == key or name.startswith(key + ".")]
+        holders = [key for key in self.layers if _holds(key, name)]
         return self.layers[max(holders, key=len)] if holders else None   # the most specific entry
 
     def linear_method(self, layer: LinearBase, scheme: str | None = None) -> LinearMethod:
@@ -81,7 +80,12 @@ class ModelOptConfig:
 
     def ignores(self, name: str) -> bool:
         """ModelOpt's rule for `exclude_modules`: the module itself or one inside it, or a `*` pattern."""
-        return any(fnmatch.fnmatchcase(name, key) or name == key or name.startswith(key + ".") for key in self.exclude)
+        return any(fnmatch.fnmatchcase(name, key) or _holds(key, name) for key in self.exclude)
+
+
+def _holds(module: str, name: str) -> bool:
+    """Whether module `module` is layer `name` or holds it."""
+    return name == module or name.startswith(module + ".")
 
 
 def _algo(spec: dict[str, Any], cfg: dict[str, Any], what: str) -> str:

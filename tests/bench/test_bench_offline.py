@@ -139,6 +139,8 @@ def test_linear_bytes_follow_what_the_engine_holds():
     assert held({"quant_method": "fbgemm_fp8"}) == held({"quant_method": "fp8"}) == 1.0
     assert held({"quant_method": "modelopt", "quant_algo": "FP8"}) == 1.0
     assert held({"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}}) == 2.0
+    assert held({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",   # counted as held
+                 "quantized_layers": {"model.layers.0.mlp": {"quant_algo": "FP8"}}}) is None
     assert held({"quant_method": "gptq", "bits": 4, "group_size": 128}) < 0.6
     assert held({"quant_method": "gptq", "bits": 8, "group_size": 128}) == 2.0
     assert held({"quant_method": "compressed-tensors", "sparsity_config": {"format": "dense"}}) == 2.0

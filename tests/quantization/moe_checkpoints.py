@@ -86,6 +86,29 @@ def write_with_weights(src: str, dst: str, weights: dict[str, torch.Tensor]) -> 
     return dst
 
 
+def assert_moe_checkpoint_matches_hf(tmp_path, src: str, path: str, values: dict[str, torch.Tensor], tp: int,
+                                     check_experts=None, **llm_kwargs) -> None:
+    """The quantized MoE checkpoint at `path` served at TP `tp` gives HF transformers' log-probs on
+    `src` with the values the quantized tensors hold swapped in. check_experts(model, experts) first,
+    at TP=1 (experts: the model's FusedMoE layers)."""
+    from shardserve.layers.moe import FusedMoE
+    from shardserve.llm import LLM
+    from tests.models.test_parity import assert_matches_hf, full_logprob_params, random_prompt
+    from tests.tiny_models import load_hf_model
+    hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
+    llm = LLM(path, tensor_parallel_size=tp, **llm_kwargs)
+    try:
+        if tp == 1 and check_experts is not None:
+            model = llm.engine.executor.worker.model_runner.model
+            experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+            assert experts
+            check_experts(model, experts)
+        prompt = random_prompt(5, 40)
+        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
+    finally:
+        llm.engine.shutdown()
+
+
 def _set_quantization_config(path: str, cfg: dict) -> None:
     import json
     with open(os.path.join(path, "config.json")) as f:

@@ -274,24 +274,14 @@ def test_moe_checkpoint_matches_hf_on_its_values(tmp_path, arch, experts, tp):
     group and the inputs' g_idx), FP8 blocks kept E4M3 with their block scales (`weight_scale`),
     INT8 (W8A8, per channel, or per tensor: gate and up each with its own scale) kept INT8 on the CPU;
     FP8 experts per channel: tests/quantization/test_fp8_moe.py."""
-    from shardserve.layers.moe import FusedMoE
-    from tests.quantization.moe_checkpoints import write_with_weights
-    from tests.tiny_models import load_hf_model
+    from tests.quantization.moe_checkpoints import assert_moe_checkpoint_matches_hf
     src = make_tiny_checkpoint(str(tmp_path / "src"), arch)
     values = _moe_checkpoint(src, str(tmp_path / "ct"), experts)
-    hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
-    llm = LLM(str(tmp_path / "ct"), tensor_parallel_size=tp, **KW)
-    try:
-        if tp == 1:
-            model = llm.engine.executor.worker.model_runner.model
-            layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
-            held = [m.w13_qweight.dtype if experts.startswith("int4") else m.w13_weight.dtype for m in layers]
-            want = {"fp8-block": torch.float8_e4m3fn, "int8-channel": torch.int8}.get(experts, torch.int32)
-            assert layers and set(held) == {want}
-        prompt = random_prompt(5, 40)
-        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
-    finally:
-        llm.engine.shutdown()
+
+    def held(model, layers):
+        dtypes = {m.w13_qweight.dtype if experts.startswith("int4") else m.w13_weight.dtype for m in layers}
+        assert dtypes == {{"fp8-block": torch.float8_e4m3fn, "int8-channel": torch.int8}.get(experts, torch.int32)}
+    assert_moe_checkpoint_matches_hf(tmp_path, src, str(tmp_path / "ct"), values, tp, held, **KW)
 
 
 def test_quantization_flag_names_the_checkpoint_format(tmp_path):

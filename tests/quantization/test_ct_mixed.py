@@ -92,26 +92,16 @@ def test_moe_experts_in_a_scheme_of_their_own_match_hf(tmp_path, arch, experts_t
     """MoE experts in another config group than the dense linears (INT4 experts beside FP8 attention,
     llm-compressor's mixed recipes for MoE models), or left in full precision by `ignore`: the experts
     take their own method before loading; against HF on the values the checkpoint holds."""
-    from shardserve.layers.moe import FusedMoE
     from shardserve.quantization.compressed_tensors import CtInt4MoEMethod
     from shardserve.quantization.fp8 import Fp8LinearMethod
-    from tests.quantization.moe_checkpoints import write_with_weights
-    from tests.tiny_models import load_hf_model
+    from tests.quantization.moe_checkpoints import assert_moe_checkpoint_matches_hf
     src = make_tiny_checkpoint(str(tmp_path / "src"), arch)
     values = _moe_mixed(src, str(tmp_path / "ct"), experts_target)
-    hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
-    llm = LLM(str(tmp_path / "ct"), tensor_parallel_size=tp, **KW)
-    try:
-        if tp == 1:
-            model = llm.engine.executor.worker.model_runner.model
-            experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
-            want = CtInt4MoEMethod if experts_target else type(None)
-            assert experts and {type(m.quant_method) for m in experts} == {want}
-            assert type(model.model.layers[0].self_attn.qkv_proj.quant_method) is Fp8LinearMethod
-        prompt = random_prompt(5, 40)
-        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
-    finally:
-        llm.engine.shutdown()
+
+    def methods(model, experts):
+        assert {type(m.quant_method) for m in experts} == {CtInt4MoEMethod if experts_target else type(None)}
+        assert type(model.model.layers[0].self_attn.qkv_proj.quant_method) is Fp8LinearMethod
+    assert_moe_checkpoint_matches_hf(tmp_path, src, str(tmp_path / "ct"), values, tp, methods, **KW)
 
 
 def test_experts_take_their_group_where_the_linears_scheme_has_no_expert_method():

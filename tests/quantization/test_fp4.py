@@ -157,11 +157,9 @@ def test_fp4_experts_match_hf_on_their_values(tmp_path, kind, tp):
     """A tiny Qwen3-MoE with every linear and expert projection in FP4, per expert as llm-compressor
     stores them (ModelOpt: the NVFP4 names and scale convention): the experts dequantized after
     loading, plain from then on; TP=2 cuts down's 64 inputs into 32 per rank, two NVFP4 scales each."""
-    from shardserve.layers.moe import FusedMoE
     from tests.quantization.checkpoints import is_quantized_linear, write_quantized_checkpoint
-    from tests.quantization.moe_checkpoints import EXPERT, write_with_weights
+    from tests.quantization.moe_checkpoints import EXPERT, assert_moe_checkpoint_matches_hf
     from tests.quantization.test_modelopt import _as_modelopt_nvfp4
-    from tests.tiny_models import load_hf_model
     src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
     fp4 = "nvfp4" if kind == "modelopt" else kind
     weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group" if fp4 == "nvfp4" else "group",
@@ -174,16 +172,10 @@ def test_fp4_experts_match_hf_on_their_values(tmp_path, kind, tp):
                                         select=lambda n: bool(EXPERT.search(n)) or is_quantized_linear(n))
     if kind == "modelopt":
         _as_modelopt_nvfp4(path)
-    hf = load_hf_model(write_with_weights(src, str(tmp_path / "values"), values))
-    llm = LLM(path, tensor_parallel_size=tp, **KW)
-    try:
-        if tp == 1:
-            experts = [m for m in llm.engine.executor.worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
-            assert experts and all(m.quant_method is None and m.w13_weight.dtype == torch.float32 for m in experts)
-        prompt = random_prompt(5, 40)
-        assert_matches_hf(llm.generate([prompt], full_logprob_params())[0], hf, prompt)
-    finally:
-        llm.engine.shutdown()
+
+    def plain(model, experts):
+        assert all(m.quant_method is None and m.w13_weight.dtype == torch.float32 for m in experts)
+    assert_moe_checkpoint_matches_hf(tmp_path, src, path, values, tp, plain, **KW)
 
 
 def test_mxfp4_shards_cutting_a_scale_are_refused(tmp_path):

@@ -234,3 +234,22 @@ def test_modelopt_mixed_precision_experts_take_their_own_algorithm():
         return {type(m.quant_method) for m in model.modules() if isinstance(m, FusedMoE)}
     assert experts_methods("FP8") == {Fp8MoEMethod}
     assert experts_methods("NVFP4") == {Fp4MoEMethod}
+
+
+def test_fp8_matmuls_are_refused_on_gpus_without_them(monkeypatch):
+    """config.check_device on a compute capability 8.0 GPU: FP8 weights in any scheme (ModelOpt's
+    MIXED_PRECISION included) are refused; block-scaled FP8 (widened at load) and NVFP4 (dequantized) pass."""
+    from shardserve.quantization.config import check_device
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    cuda = torch.device("cuda")
+
+    def check(cfg: dict) -> None:
+        check_device(resolve_quantization(None, {"quantization_config": cfg}), cuda, torch.bfloat16)
+    mixed = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}
+    for cfg in ({"quant_method": "fp8"}, {"quant_method": "modelopt", "quant_algo": "FP8"},
+                {**mixed, "quantized_layers": {"a": {"quant_algo": "NVFP4"}, "b": {"quant_algo": "FP8"}}}):
+        with pytest.raises(ValueError, match="FP8 matmuls need a GPU of compute capability 8.9"):
+            check(cfg)
+    check({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    check({"quant_method": "modelopt", "quant_algo": "NVFP4"})
+    check({**mixed, "quantized_layers": {"a": {"quant_algo": "NVFP4"}}})
