@@ -155,12 +155,13 @@ def test_activation_order_on_cuda_tracks_hf(tmp_path):
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("experts", ["int4", "int4-actorder", "fp8-block", "int8"])
+@pytest.mark.parametrize("experts", ["int4", "int4-actorder", "fp8-block", "int8", "int4-own-group", "nvfp4"])
 def test_moe_experts_serve_on_gpu(tmp_path, experts):
     """A tiny Qwen3-MoE with compressed-tensors experts and linears on the GPU: INT4 experts stay 4-bit
-    in the INT4 MoE kernels' layout (with activation order too), FP8-block ones E4M3 with their
-    `weight_scale` blocks, INT8 (W8A8) ones widened to bf16 (INT8 on the CPU); its prompt log-probs
-    match the same checkpoint's CPU path (checked against HF in tests/quantization) up to bf16, as
+    in the INT4 MoE kernels' layout (with activation order too, and in a config group of their own
+    beside FP8 linears), FP8-block ones E4M3 with their `weight_scale` blocks, INT8 (W8A8) ones widened
+    to bf16 (INT8 on the CPU), NVFP4 ones dequantized to plain experts; its prompt log-probs match the
+    same checkpoint's CPU path (checked against HF in tests/quantization) up to bf16, as
     test_cuda_moe_int4.py's GPTQ test."""
     from shardserve import SamplingParams
     from shardserve.layers.moe import FusedMoE
@@ -170,6 +171,8 @@ def test_moe_experts_serve_on_gpu(tmp_path, experts):
         write_ct_int4_checkpoint,
         write_ct_int8_moe_checkpoint,
     )
+    from tests.quantization.test_ct_mixed import _moe_mixed
+    from tests.quantization.test_fp4 import write_fp4_moe_checkpoint
     src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
     path = str(tmp_path / "ct")
     if experts == "fp8-block":
@@ -177,10 +180,15 @@ def test_moe_experts_serve_on_gpu(tmp_path, experts):
         block_checkpoint_as_compressed_tensors(path, (32, 32))
     elif experts == "int8":
         write_ct_int8_moe_checkpoint(src, path)
+    elif experts == "int4-own-group":
+        _moe_mixed(src, path, "re:.*mlp\\.experts\\..*")
+    elif experts == "nvfp4":
+        write_fp4_moe_checkpoint(src, path, "nvfp4")
     else:
         write_ct_int4_checkpoint(src, path, 32, actorder=experts == "int4-actorder", moe=True)
     held = {"fp8-block": {"cuda": torch.float8_e4m3fn, "cpu": torch.float8_e4m3fn},
-            "int8": {"cuda": torch.bfloat16, "cpu": torch.int8}}.get(experts, {"cuda": torch.int32, "cpu": torch.int32})
+            "int8": {"cuda": torch.bfloat16, "cpu": torch.int8},
+            "nvfp4": {"cuda": torch.bfloat16, "cpu": None}}.get(experts, {"cuda": torch.int32, "cpu": torch.int32})
     prompt = list(range(3, 15))
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
     lps = []
@@ -190,8 +198,12 @@ def test_moe_experts_serve_on_gpu(tmp_path, experts):
         try:
             model = llm.engine.executor.worker.model_runner.model
             layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
-            assert layers and all((m.w13_qweight if experts.startswith("int4") else m.w13_weight).dtype == held[device]
-                                  for m in layers)
+            weights = [m.w13_qweight if experts.startswith("int4") else m.w13_weight for m in layers]
+            assert layers and (held[device] is None   # nvfp4 on the CPU: the CPU's compute dtype
+                               or all(w.dtype == held[device] for w in weights))
+            assert experts != "nvfp4" or all(m.quant_method is None for m in layers)
+            if experts == "int4-own-group" and device == "cuda":   # the linears in the `Linear` group's FP8
+                assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             lps.append(torch.tensor([row[t].logprob for row, t in zip(out.prompt_logprobs[1:], prompt[1:])]))
         finally:

@@ -152,26 +152,34 @@ def _fp4_tensors(base: str, t: torch.Tensor, kind: str) -> tuple[dict[str, torch
     return {f"{base}.weight_packed": pack_fp4_to_uint8(e2m1), f"{base}.weight_scale": stored, **extra}, e2m1 * scale
 
 
-@pytest.mark.parametrize("kind,tp", [("nvfp4", 1), ("nvfp4", 2), ("mxfp4", 1), ("modelopt", 1)])
-def test_fp4_experts_match_hf_on_their_values(tmp_path, kind, tp):
-    """A tiny Qwen3-MoE with every linear and expert projection in FP4, per expert as llm-compressor
-    stores them (ModelOpt: the NVFP4 names and scale convention): the experts dequantized after
-    loading, plain from then on; TP=2 cuts down's 64 inputs into 32 per rank, two NVFP4 scales each."""
+def write_fp4_moe_checkpoint(src: str, path: str, kind: str) -> dict[str, torch.Tensor]:
+    """`src` (a MoE model) with every linear and expert projection in FP4 ("nvfp4", "mxfp4", or
+    "modelopt": NVFP4 under ModelOpt's names and scale convention), per expert as llm-compressor
+    stores them; returns the values the quantized tensors hold."""
     from tests.quantization.checkpoints import is_quantized_linear, write_quantized_checkpoint
-    from tests.quantization.moe_checkpoints import EXPERT, assert_moe_checkpoint_matches_hf
+    from tests.quantization.moe_checkpoints import EXPERT
     from tests.quantization.test_modelopt import _as_modelopt_nvfp4
-    src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
     fp4 = "nvfp4" if kind == "modelopt" else kind
     weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group" if fp4 == "nvfp4" else "group",
                "group_size": 16 if fp4 == "nvfp4" else 32}
     config = {"quant_method": "compressed-tensors", "format": f"{fp4}-pack-quantized",
               "quantization_status": "compressed", "ignore": ["lm_head", "re:.*mlp.gate$"],
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
-    path = str(tmp_path / kind)
     values = write_quantized_checkpoint(src, path, lambda base, t: _fp4_tensors(base, t, fp4), config,
                                         select=lambda n: bool(EXPERT.search(n)) or is_quantized_linear(n))
     if kind == "modelopt":
         _as_modelopt_nvfp4(path)
+    return values
+
+
+@pytest.mark.parametrize("kind,tp", [("nvfp4", 1), ("nvfp4", 2), ("mxfp4", 1), ("modelopt", 1)])
+def test_fp4_experts_match_hf_on_their_values(tmp_path, kind, tp):
+    """A tiny Qwen3-MoE with every linear and expert projection in FP4: the experts dequantized after
+    loading, plain from then on; TP=2 cuts down's 64 inputs into 32 per rank, two NVFP4 scales each."""
+    from tests.quantization.moe_checkpoints import assert_moe_checkpoint_matches_hf
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "qwen3_moe")
+    path = str(tmp_path / kind)
+    values = write_fp4_moe_checkpoint(src, path, kind)
 
     def plain(model, experts):
         assert all(m.quant_method is None and m.w13_weight.dtype == torch.float32 for m in experts)
