@@ -46,10 +46,12 @@ class MoeForCausalLM(LlamaForCausalLM):
             return f"{match.group(1)}.{'w2' if kind == 'down' else 'w13'}_weight", (None, kind)
         return None
 
-    def expert_checkpoint_names(self, experts: str, expert: int) -> list[str]:
+    @classmethod
+    def expert_checkpoint_names(cls, experts: str, expert: int) -> list[str]:
         """The checkpoint's names of one expert's matrices in the FusedMoE named `experts` (a
-        quantization config names layers as the checkpoint does: models/loader.place_schemes)."""
-        return [f"{experts}.{expert}.{proj}" for proj in self.expert_weight_kinds]
+        quantization config names layers as the checkpoint does: models/loader.place_schemes, and
+        the planner sizing them: planner/catalog.checkpoint_expert_bytes)."""
+        return [f"{experts}.{expert}.{proj}" for proj in cls.expert_weight_kinds]
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):
@@ -66,5 +68,6 @@ class MixtralForCausalLM(MoeForCausalLM):
     def checkpoint_targets(self, checkpoint_name: str) -> list[str]:
         return super().checkpoint_targets(checkpoint_name.replace(".block_sparse_moe.", ".mlp."))
 
-    def expert_checkpoint_names(self, experts: str, expert: int) -> list[str]:
+    @classmethod
+    def expert_checkpoint_names(cls, experts: str, expert: int) -> list[str]:
         return [n.replace(".mlp.", ".block_sparse_moe.") for n in super().expert_checkpoint_names(experts, expert)]

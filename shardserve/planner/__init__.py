@@ -44,16 +44,15 @@ def predict_layout(model: str, gpu: str = "h100-80gb", tp: int = 1, pp: int = 1,
     from shardserve.planner.catalog import resolve_model
     from shardserve.planner.cost import Cluster, evaluate
     from shardserve.planner.hardware import apply_profile, load_profile, pick_gpu, pick_links
-    from shardserve.planner.memory import ModelShape
-    from shardserve.planner.plan import PlanInputs, layout_problem, resolve_dtypes
+    from shardserve.planner.plan import PlanInputs, layout_problem, model_shape, resolve_dtypes
     device = pick_gpu(gpu, None)
     intra, inter = pick_links(interconnect or [], device)
     if profile:
         device, intra, inter, _ = apply_profile(load_profile(profile), device, intra, inter)
-    name, config, _ = resolve_model(model)
+    name, config, source = resolve_model(model)
     cluster = Cluster(device, tp * pp * dp, 1, intra, inter, gpu_memory_utilization)
     weights, kv = resolve_dtypes(PlanInputs(name, config, cluster, dtype=dtype, kv_cache_dtype=kv_cache_dtype))
-    shape = ModelShape(config)
+    shape = model_shape(config, source, weights)
     problem = layout_problem(shape, tp, pp, dp, expert_parallel)
     if problem:
         raise ValueError(problem)

@@ -136,6 +136,47 @@ def gguf_expert_bytes(facts: dict[str, Any], dtype: str) -> float | None:
     return held / sum(layers.values())
 
 
+def checkpoint_expert_bytes(config: dict[str, Any], dtype: str) -> float | None:
+    """Bytes per weight a GPU holds for a quantized checkpoint's routed experts where they are stored
+    otherwise than `dtype` says of its linears: left in 16 bits (an ignore list, "-:" override or
+    exclusion naming them), or in a config group of their own. The engine's own rules decide
+    (the format's `scheme_for` / `ignores` on the checkpoint's expert names, as models/loader.
+    place_schemes asks them), for the first MoE layer; then how a GPU holds experts of that scheme:
+    FP8 and 4-bit ones as stored, INT8 ones widened (quantization/int8.Int8MoEMethod) and FP4 ones
+    dequantized (quantization/fp4_moe.py) to 16 bits. None: as the linears, or nothing to ask (no
+    quantization, a model the engine does not serve, `dtype` not the checkpoint's)."""
+    from shardserve.planner.memory import WEIGHT_BYTES, ModelShape, config_dtype
+    from shardserve.quantization.stored import weight_dtype
+    q, shape = config.get("quantization_config"), ModelShape(config)
+    if not q or dtype != config_dtype(config) or not any(shape.moe_layers):
+        return None
+    from shardserve.models.registry import resolve_model_class
+    from shardserve.quantization.config import resolve_quantization
+    try:
+        names = resolve_model_class(config).expert_checkpoint_names
+        quant = resolve_quantization(None, config)
+    except (ValueError, AttributeError):   # a model or format the engine refuses, or one without experts
+        return None
+
+    def held(name: str) -> str:
+        if quant is None:   # e.g. a pruned compressed-tensors checkpoint stored dense
+            return "bf16"
+        if hasattr(quant, "scheme_for"):
+            scheme = quant.scheme_for(name)
+        else:
+            scheme = None if getattr(quant, "ignores", lambda _: False)(name) else weight_dtype(q)
+        if scheme is None:
+            return "bf16"
+        if isinstance(scheme, tuple):   # GPTQ's (bits, group_size, desc_act): 8-bit experts are refused
+            return "int4" if scheme[0] == 4 else "bf16"
+        kind = str(getattr(scheme, "weights", scheme)).lower()   # compressed-tensors' CtScheme, ModelOpt's algo
+        return kind if kind in ("fp8", "int4") else "bf16"
+    layer = shape.moe_layers.index(True)
+    stored = {held(n) for e in range(shape.experts) for n in names(f"model.layers.{layer}.mlp.experts", e)}
+    widest = max((WEIGHT_BYTES[d] for d in stored), default=WEIGHT_BYTES[dtype])   # several: the engine refuses
+    return None if widest == WEIGHT_BYTES[dtype] else widest
+
+
 def gguf_embedding_bytes(facts: dict[str, Any], dtype: str) -> float | None:
     """Bytes per weight a GPU holds for a GGUF file's token embedding: an untied table of a type the
     GPU keeps stays in its blocks (layers/vocab.py); None where it is dequantized to `dtype`."""

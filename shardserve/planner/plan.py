@@ -9,7 +9,12 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shardserve.planner.catalog import gguf_embedding_bytes, gguf_expert_bytes, gguf_linear_bytes
+from shardserve.planner.catalog import (
+    checkpoint_expert_bytes,
+    gguf_embedding_bytes,
+    gguf_expert_bytes,
+    gguf_linear_bytes,
+)
 from shardserve.planner.cost import Cluster, LayoutCost, activation_reserve, ep_size, evaluate, offload_decode_ms
 from shardserve.planner.hardware import GPUS, LINKS
 from shardserve.planner.memory import WEIGHT_BYTES, ModelShape, config_dtype, norm_dtype
@@ -208,11 +213,17 @@ def advice(shape: ModelShape, inputs: PlanInputs, rows: list[dict[str, Any]], dt
     return out
 
 
+def model_shape(config: dict[str, Any], source: dict[str, Any], dtype: str) -> ModelShape:
+    """The sizing view of a model served in `dtype`, with the bytes a GPU holds where they are not
+    `dtype`'s: a GGUF file's blocks kept as they are, a checkpoint's experts stored apart."""
+    linear, embed = gguf_linear_bytes(source, dtype), gguf_embedding_bytes(source, dtype)
+    expert = gguf_expert_bytes(source, dtype) or checkpoint_expert_bytes(config, dtype)
+    return ModelShape(config, *({dtype: b} if b is not None else None for b in (linear, embed, expert)))
+
+
 def make_plan(inputs: PlanInputs) -> dict[str, Any]:
     dtype, kv = resolve_dtypes(inputs)
-    linear, embed = gguf_linear_bytes(inputs.source, dtype), gguf_embedding_bytes(inputs.source, dtype)
-    expert = gguf_expert_bytes(inputs.source, dtype)
-    shape = ModelShape(inputs.config, *({dtype: b} if b is not None else None for b in (linear, embed, expert)))
+    shape = model_shape(inputs.config, inputs.source, dtype)
     context = inputs.max_model_len or shape.max_position_embeddings
     if context < 1 or inputs.concurrency < 1:
         raise ValueError("--max-model-len and --concurrency must be positive")

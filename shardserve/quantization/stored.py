@@ -44,7 +44,8 @@ def weight_dtype(q: dict[str, Any] | None) -> str | None:
     (compressed-tensors groups, GPTQ's `dynamic`, ModelOpt's MIXED_PRECISION) counts at its widest
     (the planner then never plans less than it holds). Layers a checkpoint leaves unquantized (its
     ignore list, `modules_to_not_convert`, a "-:" override) are not counted wider: they are usually a
-    few (the head, the routers); a checkpoint that leaves its MoE experts in 16 bits plans low."""
+    few (the head, the routers); MoE experts stored apart from the linears are sized on their own
+    (planner/catalog.checkpoint_expert_bytes)."""
     q = q or {}
     method = str(q.get("quant_method", "")).lower()
     if method in ("fp8", "fbgemm_fp8") or (method == "modelopt" and _modelopt_algos(q) == {"FP8"}):

@@ -31,3 +31,44 @@ def test_planner_weight_bytes_match_the_built_model(shape, fmt):
     # What the planner leaves out: per-channel FP8 scales, the rotary table's few MiB. Within 0.5%
     # (each layer holding its own rotary table once cost 134 MB, 0.8%, on Llama-3-8B).
     assert abs(built / planned - 1) < 0.005, f"{shape} {fmt}: built {built / 2**30:.3f} GiB, plan {planned / 2**30:.3f}"
+
+
+# MoE checkpoints whose experts are stored otherwise than their linears (the planning dtype):
+# (shape, quantization_config, what a GPU holds the experts in)
+_CT_FP8_LINEARS = {"targets": ["Linear"], "format": "float-quantized", "weights": {
+    "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}}
+_CT_INT4_EXPERTS = {"targets": ["re:.*experts.*"], "format": "pack-quantized", "weights": {
+    "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True, "dynamic": False}}
+EXPERTS_APART = {
+    "fp8, experts left out": ("qwen3-30b-a3b", {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                "modules_to_not_convert": [".*experts"]}, "bf16"),
+    "gptq, experts '-:'": ("qwen3-30b-a3b", {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+                                             "dynamic": {"-:.*experts.*": {}}}, "bf16"),
+    "modelopt, experts excluded": ("mixtral-8x7b", {"quant_method": "modelopt", "quant_algo": "FP8",
+                                                    "exclude_modules": ["*block_sparse_moe.experts*"]}, "bf16"),
+    "compressed-tensors, int4 experts beside fp8": ("qwen3-30b-a3b", {
+        "quant_method": "compressed-tensors", "format": "mixed-precision", "quantization_status": "compressed",
+        "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"linears": _CT_FP8_LINEARS,
+                                                                   "experts": _CT_INT4_EXPERTS}}, "int4"),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPERTS_APART))
+def test_experts_stored_apart_are_planned_as_held(case):
+    """A checkpoint leaving its routed experts in 16 bits, or storing them in a scheme of their own,
+    is planned at the bytes the engine holds (built on the meta device, two layers of the real shape),
+    not at its linears' dtype: planning the experts at the linears' would plan too little memory."""
+    from shardserve.planner.catalog import checkpoint_expert_bytes
+    from shardserve.planner.memory import WEIGHT_BYTES, config_dtype
+    from shardserve.planner.plan import model_shape
+    name, quantization, experts_held = EXPERTS_APART[case]
+    config = {**shape_config(name), "num_hidden_layers": 2, "quantization_config": quantization}
+    dtype = config_dtype(config)
+    assert checkpoint_expert_bytes(config, dtype) == WEIGHT_BYTES[experts_held]
+    built = held_bytes(build_model(config, torch.bfloat16, torch.device("meta")))
+    planned = model_shape(config, {}, dtype).weight_bytes(dtype, 1, range(2), True, True)
+    unaware = ModelShape(config).weight_bytes(dtype, 1, range(2), True, True)
+    # within 3%: INT4 experts hold fp32 scales until the GPU repacks them (the planner counts the
+    # repacked layout), and the rotary table counts more in two layers
+    assert abs(built / planned - 1) < 0.03, f"{case}: built {built / 2**30:.3f} GiB, plan {planned / 2**30:.3f}"
+    assert abs(built / unaware - 1) > 0.1   # the case matters: ignoring where the experts sit is off by >10%
