@@ -9,7 +9,8 @@ Rounds alternate because the step drifts between calls and machines (BENCHMARKS.
 Formats: bf16 (the shape as it is); fp8, fp8-head (compressed-tensors FP8 per channel, dynamic
 per-token activations; -head: the LM head in FP8 too, `ignore: []`, for shapes with an untied head
 such as llama-3-8b); w8a8, w8a8-head (INT8 per
-channel, per-token activations); w4a16, w4a16-head (INT4 group 128, symmetric).
+channel, per-token activations); w4a16, w4a16-head (INT4 group 128, symmetric); nvfp4, nvfp4-head
+(llm-compressor's NVFP4A16: E2M1 weights, E4M3 scales per 16 inputs, kernels/quant/triton_fp4.py).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ _WEIGHTS = {
              "int-quantized"),
     "w4a16": ({"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": True,
                "dynamic": False}, None, "pack-quantized"),
+    "nvfp4": ({"type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+               "dynamic": False}, None, "nvfp4-pack-quantized"),
 }
 
 

@@ -211,8 +211,8 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
     algo = str(modelopt_fields(config["quantization_config"]).get("quant_algo")).upper() if stored == "modelopt" else ""
     if algo == "MIXED_PRECISION":
         return None, " weights in several schemes (modelopt MIXED_PRECISION; bytes as held)"
-    if stored == "modelopt" and weight_dtype(config["quantization_config"]) != "fp8":   # NVFP4: dequantized at load
-        return float(elem), " nvfp4 weights dequantized at load (modelopt)"
+    if stored == "modelopt" and weight_dtype(config["quantization_config"]) != "fp8":   # NVFP4 (quantization/fp4.py)
+        return None, " nvfp4 weights (modelopt; 4-bit on CUDA, dequantized on the CPU: bytes as held)"
     # (block-scaled FP8: a scale per 128 x 128 weights, ~0.02%)
     if (requested or stored) in ("fp8", "fbgemm_fp8", "modelopt"):
         block = (config.get("quantization_config") or {}).get("weight_block_size")
@@ -237,8 +237,9 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
         scheme = layout.default
         if scheme.weights == "fp8":
             return 1.0, f" fp8 weights (compressed-tensors, {scheme.strategy} scales)"
-        if scheme.weights in ("nvfp4", "mxfp4"):   # dequantized at load (quantization/fp4.py)
-            return float(elem), f" {scheme.weights} weights dequantized at load (compressed-tensors)"
+        if scheme.weights in ("nvfp4", "mxfp4"):   # quantization/fp4.py
+            return None, f" {scheme.weights} weights (compressed-tensors; 4-bit on CUDA, dequantized on the CPU: " \
+                "bytes as held)"
         if scheme.weights == "int8":   # kept INT8 on GPUs only in some layouts (quantization/int8.py)
             if weight_dtype(config["quantization_config"]) == "int8":
                 return 1.0, f" int8 weights (compressed-tensors, {scheme.strategy} scales)"

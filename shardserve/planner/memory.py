@@ -14,7 +14,9 @@ from shardserve.quantization.stored import head_quantized, weight_dtype
 
 # Bytes per weight. int4 adds, per group of 128 weights (GPTQ/AWQ's usual group), the fp16 scale
 # and uint8 zero point the CUDA kernels hold (kernels/quant/int4_layout.py).
-WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 3 / 128}
+# fp4: NVFP4's E2M1 values and an E4M3 scale per 16 (MXFP4's, one per 32, are fewer)
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 3 / 128,
+                "fp4": 0.5 + 1 / 16}
 KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
                   "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
@@ -41,10 +43,10 @@ class ModelShape:
         # Per dtype, bytes per weight of the (non-expert) linears, of the token embedding and of the
         # routed experts where they are not the dtype's: a GGUF file's, kept in blocks
         # (catalog.gguf_linear_bytes / _embedding_bytes / _expert_bytes). INT8 experts are widened to
-        # 16 bits at load on GPUs (quantization/int8.Int8MoEMethod).
+        # 16 bits at load on GPUs (quantization/int8.Int8MoEMethod), FP4 ones dequantized (fp4_moe.py).
         self.linear_bytes = linear_bytes or {}
         self.embed_bytes = embed_bytes or {}
-        self.expert_bytes = {"int8": 2.0, **(expert_bytes or {})}
+        self.expert_bytes = {"int8": 2.0, "fp4": 2.0, **(expert_bytes or {})}
         try:
             self.hidden, self.layers, self.heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
             self.vocab = c["vocab_size"]

@@ -1,7 +1,9 @@
-"""FP4 weights from compressed-tensors checkpoints, dequantized once after loading into an ordinary
-weight of the compute dtype on every device: the checkpoint's values, not FP4's memory saving (no
-kernel here multiplies FP4; Hopper has no FP4 tensor cores). A checkpoint's FP4 activation
-quantization (W4A4) is not applied: the layers compute in the model's dtype.
+"""FP4 weights from compressed-tensors checkpoints. On CUDA they stay 4-bit as stored (about 4.5
+bits a weight with their scales) and run on kernels/quant/triton_fp4.py's W4A16 matmul, which decodes
+them in registers and multiplies on the tensor cores in the activations' dtype (Hopper has no FP4
+tensor cores; Blackwell's are not used). On the CPU they are dequantized once after loading into an
+ordinary weight of the compute dtype. A checkpoint's FP4 activation quantization (W4A4) is not
+applied: the layers compute in the model's dtype.
 
 - NVFP4 (`nvfp4-pack-quantized`: llm-compressor's NVFP4A16 and NVFP4 presets, RedHatAI's `*-NVFP4`):
   an E4M3 `weight_scale` per 16 inputs [N, K / 16] and an fp32 `weight_global_scale` [1] per fused
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from shardserve.kernels.cpu.decoder_stack import StackLinear, panels_linear
+from shardserve.kernels.quant import triton_fp4
 from shardserve.layers.linear import LinearBase, LinearMethod, linear
 from shardserve.quantization.fp8 import register_optional_input_scale
 
@@ -62,21 +65,35 @@ class Fp4LinearMethod(LinearMethod):
 
     def process_after_loading(self, layer: LinearBase) -> None:
         packed_name, global_name, input_name = self.names
-        stored = layer.weight_scale.data
-        if self.kind == "nvfp4":
+        stored, packed = layer.weight_scale.data, getattr(layer, packed_name).data
+        if self.kind == "nvfp4":   # each row's part's global scale: a multiplier (ModelOpt) or a divisor
             sizes = torch.tensor(layer.output_shard_sizes, device=stored.device)
-            per_row = getattr(layer, global_name).data.float().repeat_interleave(sizes)[:, None]
-            scale = stored.float() * per_row if self.global_multiplies else stored.float() / per_row
-        else:
-            scale = torch.exp2(stored.float() - E8M0_BIAS)
-        weight = unpack_e2m1(getattr(layer, packed_name).data) * scale.repeat_interleave(self.group, dim=1)
+            per_row = getattr(layer, global_name).data.float().repeat_interleave(sizes)
         for name in (packed_name, "weight_scale", global_name, input_name):
             if hasattr(layer, name):
                 delattr(layer, name)
+        if packed.is_cuda:   # kept as stored, the scales as their bytes (triton_fp4's layout)
+            if self.kind == "nvfp4":
+                row_scale = per_row if self.global_multiplies else 1.0 / per_row
+            else:
+                row_scale = torch.ones(stored.shape[0], dtype=torch.float32, device=stored.device)
+            layer.fp4_packed = nn.Parameter(packed, requires_grad=False)
+            layer.fp4_scales = nn.Parameter(stored.view(torch.uint8), requires_grad=False)
+            layer.fp4_row_scale = nn.Parameter(row_scale, requires_grad=False)
+            return
+        if self.kind == "nvfp4":
+            scale = stored.float() * per_row[:, None] if self.global_multiplies else stored.float() / per_row[:, None]
+        else:
+            scale = torch.exp2(stored.float() - E8M0_BIAS)
+        weight = unpack_e2m1(packed) * scale.repeat_interleave(self.group, dim=1)
         layer.weight = nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, layer.weight, bias)
+        if not hasattr(layer, "fp4_packed"):
+            return linear(x, layer.weight, bias)
+        flat = x.reshape(-1, x.shape[-1])
+        out = triton_fp4.matmul(flat, layer.fp4_packed, layer.fp4_scales, layer.fp4_row_scale, bias, self.kind)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def stack_linear(self, layer: LinearBase, gated: bool) -> StackLinear | None:
         """Dequantized, the layer is a plain one to the CPU's one-call decoder stack."""

@@ -18,10 +18,10 @@ def _ct_dtype(w: dict[str, Any]) -> str | None:
         return "fp8"
     if kind == ("int", 8):   # held INT8 on GPUs only symmetric per channel or tensor, else widened at load
         return "int8" if w.get("symmetric", True) and w.get("strategy") in ("tensor", "channel") else None
-    return "int4" if kind == ("int", 4) else None
+    return {("int", 4): "int4", ("float", 4): "fp4"}.get(kind)
 
 
-_WIDTH = {"int4": 0, "int8": 1, "fp8": 1, None: 2}
+_WIDTH = {"int4": 0, "fp4": 1, "int8": 2, "fp8": 2, None: 3}
 
 
 def modelopt_fields(q: dict[str, Any]) -> dict[str, Any]:
@@ -39,17 +39,19 @@ def _modelopt_algos(q: dict[str, Any]) -> set[str]:
 
 
 def weight_dtype(q: dict[str, Any] | None) -> str | None:
-    """"fp8", "int4" or "int8" for the linears of a quantized checkpoint as a GPU holds them; None for
-    other formats (and for INT8 layouts widened at load). A checkpoint with layers in several schemes
-    (compressed-tensors groups, GPTQ's `dynamic`, ModelOpt's MIXED_PRECISION) counts at its widest
-    (the planner then never plans less than it holds). Layers a checkpoint leaves unquantized (its
-    ignore list, `modules_to_not_convert`, a "-:" override) are not counted wider: they are usually a
-    few (the head, the routers); MoE experts stored apart from the linears are sized on their own
-    (planner/catalog.checkpoint_expert_bytes)."""
+    """"fp8", "int4", "int8" or "fp4" (NVFP4 / MXFP4) for the linears of a quantized checkpoint as a
+    GPU holds them; None for other formats (and for INT8 layouts widened at load). A checkpoint with
+    layers in several schemes (compressed-tensors groups, GPTQ's `dynamic`, ModelOpt's
+    MIXED_PRECISION) counts at its widest (the planner then never plans less than it holds). Layers
+    a checkpoint leaves unquantized (its ignore list, `modules_to_not_convert`, a "-:" override) are
+    not counted wider: they are usually a few (the head, the routers); MoE experts stored apart from
+    the linears are sized on their own (planner/catalog.checkpoint_expert_bytes)."""
     q = q or {}
     method = str(q.get("quant_method", "")).lower()
     if method in ("fp8", "fbgemm_fp8") or (method == "modelopt" and _modelopt_algos(q) == {"FP8"}):
         return "fp8"
+    if method == "modelopt" and _modelopt_algos(q) == {"NVFP4"}:
+        return "fp4"
     if method == "compressed-tensors":
         dtypes = [_ct_dtype(g.get("weights") or {}) for g in _ct_groups(q)]
         return max(dtypes, key=_WIDTH.__getitem__) if dtypes else None

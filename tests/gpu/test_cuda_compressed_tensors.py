@@ -101,29 +101,36 @@ W4A16_G64 = dict(weights=dict(num_bits=4, type="int", strategy="group", group_si
     ("fp8", "FP8_DYNAMIC", "float-quantized", True),
     ("fp8-block", "FP8_BLOCK", "float-quantized", False),
     ("w4a16", W4A16_G64, "pack-quantized", True),
+    ("nvfp4", "NVFP4A16", "nvfp4-pack-quantized", True),   # kept 4-bit (kernels/quant/triton_fp4.py)
+    ("mxfp4", "MXFP4A16", "mxfp4-pack-quantized", False),
 ])
 def test_model_on_cuda_tracks_hf(tmp_path, name, scheme, fmt, head):
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama", hidden_size=256, intermediate_size=512)
     path = write_ct_checkpoint(src, str(tmp_path / name), scheme, fmt, ignore=() if head else ("lm_head",))
-    hf = hf_decompressed(path)
-    held = torch.int32 if fmt == "pack-quantized" else torch.float8_e4m3fn
+    if fmt.endswith("fp4-pack-quantized"):   # HF on the values the library unpacks (tests/quantization/test_fp4.py)
+        from tests.quantization.checkpoints import hf_with_weights
+        from tests.quantization.test_fp4 import _values
+        hf = hf_with_weights(src, _values(path))
+    else:
+        hf = hf_decompressed(path)
+    held = {"pack-quantized": torch.int32, "float-quantized": torch.float8_e4m3fn}.get(fmt, torch.uint8)
     llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, show_progress=False, max_logprobs=-1)
     try:
         prompt = random_prompt(1, 40)
         ids, ours, ref = _logprobs_beside_hf(llm, hf, prompt)
         if name == "fp8":
             _assert_within_rounded_hf(path, ids, ours, ref, len(prompt), _token_rounded, head, name)
-        else:   # W4A16, FP8 blocks' decode rows (W8A16; their prefill rounds activations on down_proj only at
+        else:   # W4A16, FP4, FP8 blocks' decode rows (W8A16; their prefill rounds activations on down_proj only at
             # this size): bf16 against fp32 over the whole vocabulary, as tests/quantization/test_int4.py's CUDA test
             rows = slice(len(prompt), None) if held == torch.float8_e4m3fn else slice(None)
             diff = (ours[rows] - ref[rows]).abs().max()
             assert diff < 0.15, f"{name} log-probs on CUDA are {diff:.3f} away from HF on the same checkpoint"
         runner = llm.engine.executor.worker.model_runner
+        weight = {torch.int32: "qweight", torch.uint8: "fp4_packed"}.get(held, "weight")
         qkv = runner.model.model.layers[0].self_attn.qkv_proj
-        assert (qkv.qweight if held == torch.int32 else qkv.weight).dtype == held and runner.wants_graphs()
+        assert getattr(qkv, weight).dtype == held and runner.wants_graphs()
         if head:
-            linear = runner.model.lm_head.linear
-            assert (linear.qweight if held == torch.int32 else linear.weight).dtype == held
+            assert getattr(runner.model.lm_head.linear, weight).dtype == held
     finally:
         llm.engine.shutdown()
         del llm

@@ -247,3 +247,19 @@ def test_fp8_group_quantization_matches_torch():
     want_q = (groups / want_s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(37, 4096)
     assert torch.equal(scales[:37], want_s) and torch.equal(q[:37].float(), want_q.float())
     assert not q[37:].float().any()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 200])
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 1056)])
+def test_fp4_matmul(n, k, kind, rows):
+    """kernels/quant/triton_fp4.py compiled: the FP4 layer's values (decoded by quantization/fp4.py's
+    unpacking) against dequantize-then-matmul, decode and prefill tiles, bf16 activations, a bias."""
+    from shardserve.kernels.quant import triton_fp4
+    from tests.quantization.test_fp4_kernels import fp4_case
+    packed, scales, row_scale, weight = fp4_case(kind, n, k, torch.Generator().manual_seed(n + k))
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    bias = torch.randn(n, device="cuda").bfloat16() if rows == 3 else None
+    want = x.float() @ weight.cuda().t() + (bias.float() if bias is not None else 0)
+    got = triton_fp4.matmul(x, packed.cuda(), scales.cuda(), row_scale.cuda(), bias, kind)
+    _close(got, want, rows, n)

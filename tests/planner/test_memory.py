@@ -77,9 +77,9 @@ def _compressed_tensors(weights: dict, ignore: list[str]) -> dict:
 
 
 def test_compressed_tensors_checkpoints_say_their_dtype_and_head():
-    """llm-compressor's configs carry no top-level bits: the scheme's weights say FP8, INT4 or INT8
-    (group-scaled INT8 is widened at load: 16 bits), and a head `ignore` leaves out is held like the
-    linears."""
+    """llm-compressor's configs carry no top-level bits: the scheme's weights say FP8, INT4, INT8 or
+    FP4 (group-scaled INT8 is widened at load: 16 bits), and a head `ignore` leaves out is held like
+    the linears."""
     config = model_config("llama-3.1-70b")
     fp8 = _compressed_tensors({"type": "float", "num_bits": 8, "strategy": "channel"}, ["lm_head"])
     w4 = _compressed_tensors({"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128}, [])
@@ -92,7 +92,9 @@ def test_compressed_tensors_checkpoints_say_their_dtype_and_head():
     modelopt = {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8"}}   # hf_quant_config.json's
     assert config_dtype({**config, "quantization_config": modelopt}) == "fp8"
     nvfp4 = _compressed_tensors({"type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16}, [])
-    assert config_dtype({**config, "quantization_config": nvfp4}) == "bf16"   # dequantized at load
+    assert config_dtype({**config, "quantization_config": nvfp4}) == "fp4"   # kept 4-bit on GPUs
+    nvfp4_modelopt = {"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}}
+    assert config_dtype({**config, "quantization_config": nvfp4_modelopt}) == "fp4"
     assert config_dtype({**config, "quantization_config": {"quant_method": "gptq", "bits": 8}}) == "bf16"   # the same
     assert not ModelShape({**config, "quantization_config": fp8}).head_quantized
     assert ModelShape({**config, "quantization_config": w4}).head_quantized
