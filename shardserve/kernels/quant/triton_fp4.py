@@ -37,36 +37,51 @@ except ImportError:   # CPU-only installs launch no Triton kernels
 
 if triton is not None:
     @triton.jit
-    def _weights(w_ptr, s_ptr, cols, col_ok, k0, k, stride_w, stride_s, kk, MX: tl.constexpr, GROUP: tl.constexpr):
-        """The weight tile [BLOCK_N, BLOCK_K] for inputs k0 + kk, decoded to fp32 (exact values)."""
-        idx = k0 + kk
-        ok = col_ok[:, None] & (idx < k)[None, :]
-        byte = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + (idx // 2)[None, :], mask=ok, other=0)
-        q = (byte.to(tl.int32) >> ((idx % 2) * 4)[None, :]) & 0xF        # input idx's nibble
-        e2m1 = (((q & 0x7) << 9) | ((q & 0x8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
-        s = tl.load(s_ptr + cols[:, None].to(tl.int64) * stride_s + (idx // GROUP)[None, :], mask=ok,
-                    other=0).to(tl.int32)
+    def _e2m1(q):
+        """Nibbles (int32, 0..15) -> fp32 E2M1 values times 2^-14 (their fp16 bit pattern)."""
+        return (((q & 0x7) << 9) | ((q & 0x8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _scales(s_ptr, cols, col_ok, k0, k, stride_s, MX: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The scales of inputs k0 .. k0 + BLOCK_K, one per byte of the packed tile [BLOCK_N, BLOCK_K / 2]
+        (a byte's two inputs share a group), in fp32 times 2^14 (undoing _e2m1's 2^-14)."""
+        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        s = tl.load(s_ptr + cols[:, None].to(tl.int64) * stride_s + g[None, :],
+                    mask=col_ok[:, None] & (g < k // GROUP)[None, :], other=0).to(tl.int32)
         if MX:   # E8M0: 2^(s - 127), built as an fp32's exponent field (s = 0, 2^-127, reads as 0)
-            scale = (s << 23).to(tl.float32, bitcast=True)
-            return e2m1.to(tl.float32) * scale * 16384.0
-        e4m3 = (((s & 0x7F) << 7) | ((s & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-        return e2m1.to(tl.float32) * e4m3.to(tl.float32) * 4194304.0   # 2^14 * 2^8
+            scale = (s << 23).to(tl.float32, bitcast=True) * 16384.0
+        else:    # E4M3's seven magnitude bits at bits 7-13 of an fp16: e4m3 * 2^-8
+            e4m3 = (((s & 0x7F) << 7) | ((s & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+            scale = e4m3.to(tl.float32) * 4194304.0   # 2^14 * 2^8
+        spread = tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2))
+        return tl.reshape(spread, (BLOCK_N, BLOCK_K // 2))
 
     @triton.jit
     def fp4_matmul_kernel(x_ptr, w_ptr, s_ptr, r_ptr, b_ptr, out_ptr, m, n, k, stride_x, stride_w, stride_s,
                           stride_o, MX: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Each K step loads the packed tile [BLOCK_N, BLOCK_K / 2] whole (contiguous bytes) and
+        # multiplies its lower nibbles (even inputs) and upper nibbles (odd inputs) as two products
+        # against the even and odd activations: no interleaving of nibbles in registers.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        kk = tl.arange(0, BLOCK_K)
+        jj = tl.arange(0, BLOCK_K // 2)
         col_ok = cols < n
         row_ok = rows < m
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+        x_rows = x_ptr + rows[None, :].to(tl.int64) * stride_x
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for k0 in range(0, k, BLOCK_K):
-            x = tl.load(x_ptr + rows[None, :].to(tl.int64) * stride_x + (k0 + kk)[:, None],
-                        mask=row_ok[None, :] & ((k0 + kk) < k)[:, None], other=0.0)                 # [K, M]
-            w = _weights(w_ptr, s_ptr, cols, col_ok, k0, k, stride_w, stride_s, kk, MX, GROUP)
-            acc = tl.dot(w.to(x.dtype), x, acc)
+            byte_ok = (k0 // 2 + jj) < k // 2
+            byte = tl.load(w_rows + (k0 // 2 + jj)[None, :], mask=col_ok[:, None] & byte_ok[None, :],
+                           other=0).to(tl.int32)
+            scale = _scales(s_ptr, cols, col_ok, k0, k, stride_s, MX, GROUP, BLOCK_N, BLOCK_K)
+            x_ok = row_ok[None, :] & byte_ok[:, None]
+            x_even = tl.load(x_rows + (k0 + 2 * jj)[:, None], mask=x_ok, other=0.0)                # [K / 2, M]
+            x_odd = tl.load(x_rows + (k0 + 2 * jj + 1)[:, None], mask=x_ok, other=0.0)
+            acc = tl.dot((_e2m1(byte & 0xF) * scale).to(x_even.dtype), x_even, acc)
+            acc = tl.dot((_e2m1(byte >> 4) * scale).to(x_odd.dtype), x_odd, acc)
         acc = acc * tl.load(r_ptr + cols, mask=col_ok, other=0.0)[:, None]
         if HAS_BIAS:   # added in fp32 before the one rounding
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
