@@ -1,9 +1,11 @@
-"""FP4 weights from compressed-tensors checkpoints. On CUDA they stay 4-bit as stored (about 4.5
-bits a weight with their scales) and run on kernels/quant/triton_fp4.py's W4A16 matmul, which decodes
-them in registers and multiplies on the tensor cores in the activations' dtype (Hopper has no FP4
-tensor cores; Blackwell's are not used). On the CPU they are dequantized once after loading into an
-ordinary weight of the compute dtype. A checkpoint's FP4 activation quantization (W4A4) is not
-applied: the layers compute in the model's dtype.
+"""FP4 weights from compressed-tensors checkpoints, dequantized once after loading into an ordinary
+weight of the compute dtype: the checkpoint's values at bf16's speed, not FP4's memory saving. With
+SHARDSERVE_FP4_KERNELS=1 they stay 4-bit on CUDA as stored (about 4.5 bits a weight with their
+scales) and run on kernels/quant/triton_fp4.py's W4A16 matmul, which decodes them in registers and
+multiplies on the tensor cores in the activations' dtype (Hopper has no FP4 tensor cores): 3.5x less
+weight memory, but today a slower decode than bf16's tuned GEMVs (docs/models.md has the figures),
+hence opt-in. A checkpoint's FP4 activation quantization (W4A4) is not applied: the layers compute
+in the model's dtype.
 
 - NVFP4 (`nvfp4-pack-quantized`: llm-compressor's NVFP4A16 and NVFP4 presets, RedHatAI's `*-NVFP4`):
   an E4M3 `weight_scale` per 16 inputs [N, K / 16] and an fp32 `weight_global_scale` [1] per fused
@@ -17,6 +19,9 @@ NVIDIA ModelOpt's NVFP4 (quantization/modelopt.py) is the same layout under othe
 `weight_scale`, a multiplier `weight_scale_2` (w = e2m1 * weight_scale * weight_scale_2), `input_scale`."""
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch import nn
 
@@ -24,6 +29,9 @@ from shardserve.kernels.cpu.decoder_stack import StackLinear, panels_linear
 from shardserve.kernels.quant import triton_fp4
 from shardserve.layers.linear import LinearBase, LinearMethod, linear
 from shardserve.quantization.fp8 import register_optional_input_scale
+from shardserve.quantization.stored import fp4_kept_on_gpus
+
+logger = logging.getLogger("shardserve")
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 GROUP = {"nvfp4": 16, "mxfp4": 32}   # inputs per scale
@@ -35,6 +43,12 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
     magnitude = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)[nibbles & 0x07]
     return torch.where(nibbles & 0x08 != 0, -magnitude, magnitude)
+
+
+@functools.cache
+def _say_dequantized() -> None:   # once per process, at the first FP4 layer on a GPU
+    logger.info("FP4 weights dequantized to the compute dtype at load (SHARDSERVE_FP4_KERNELS=1 keeps them "
+                "4-bit on CUDA: ~3.5x less weight memory, slower decode; docs/models.md)")
 
 
 class Fp4LinearMethod(LinearMethod):
@@ -72,7 +86,7 @@ class Fp4LinearMethod(LinearMethod):
         for name in (packed_name, "weight_scale", global_name, input_name):
             if hasattr(layer, name):
                 delattr(layer, name)
-        if packed.is_cuda:   # kept as stored, the scales as their bytes (triton_fp4's layout)
+        if packed.is_cuda and fp4_kept_on_gpus():   # kept as stored, the scales as their bytes (triton_fp4's layout)
             if self.kind == "nvfp4":
                 row_scale = per_row if self.global_multiplies else 1.0 / per_row
             else:
@@ -81,6 +95,8 @@ class Fp4LinearMethod(LinearMethod):
             layer.fp4_scales = nn.Parameter(stored.view(torch.uint8), requires_grad=False)
             layer.fp4_row_scale = nn.Parameter(row_scale, requires_grad=False)
             return
+        if packed.is_cuda:
+            _say_dequantized()
         if self.kind == "nvfp4":
             scale = stored.float() * per_row[:, None] if self.global_multiplies else stored.float() / per_row[:, None]
         else:

@@ -2,8 +2,16 @@
 planner and the benchmarks read it): the linears' weight type and whether the LM head is quantized."""
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
+
+
+def fp4_kept_on_gpus() -> bool:
+    """SHARDSERVE_FP4_KERNELS=1: FP4 (NVFP4 / MXFP4) linears stay 4-bit on CUDA, on
+    kernels/quant/triton_fp4.py (about 3.5x less weight memory, slower decode than bf16 today:
+    docs/models.md); by default they are dequantized at load, as on the CPU (quantization/fp4.py)."""
+    return os.environ.get("SHARDSERVE_FP4_KERNELS", "0") == "1"
 
 
 def _ct_groups(q: dict[str, Any]) -> list[dict[str, Any]]:
@@ -18,7 +26,9 @@ def _ct_dtype(w: dict[str, Any]) -> str | None:
         return "fp8"
     if kind == ("int", 8):   # held INT8 on GPUs only symmetric per channel or tensor, else widened at load
         return "int8" if w.get("symmetric", True) and w.get("strategy") in ("tensor", "channel") else None
-    return {("int", 4): "int4", ("float", 4): "fp4"}.get(kind)
+    if kind == ("float", 4):
+        return "fp4" if fp4_kept_on_gpus() else None
+    return "int4" if kind == ("int", 4) else None
 
 
 _WIDTH = {"int4": 0, "fp4": 1, "int8": 2, "fp8": 2, None: 3}
@@ -39,8 +49,9 @@ def _modelopt_algos(q: dict[str, Any]) -> set[str]:
 
 
 def weight_dtype(q: dict[str, Any] | None) -> str | None:
-    """"fp8", "int4", "int8" or "fp4" (NVFP4 / MXFP4) for the linears of a quantized checkpoint as a
-    GPU holds them; None for other formats (and for INT8 layouts widened at load). A checkpoint with
+    """"fp8", "int4", "int8" or "fp4" (NVFP4 / MXFP4 with SHARDSERVE_FP4_KERNELS=1) for the linears of a
+    quantized checkpoint as a GPU holds them; None for other formats (and for INT8 layouts widened and
+    FP4 ones dequantized at load). A checkpoint with
     layers in several schemes (compressed-tensors groups, GPTQ's `dynamic`, ModelOpt's
     MIXED_PRECISION) counts at its widest (the planner then never plans less than it holds). Layers
     a checkpoint leaves unquantized (its ignore list, `modules_to_not_convert`, a "-:" override) are
@@ -50,7 +61,7 @@ def weight_dtype(q: dict[str, Any] | None) -> str | None:
     method = str(q.get("quant_method", "")).lower()
     if method in ("fp8", "fbgemm_fp8") or (method == "modelopt" and _modelopt_algos(q) == {"FP8"}):
         return "fp8"
-    if method == "modelopt" and _modelopt_algos(q) == {"NVFP4"}:
+    if method == "modelopt" and _modelopt_algos(q) == {"NVFP4"} and fp4_kept_on_gpus():
         return "fp4"
     if method == "compressed-tensors":
         dtypes = [_ct_dtype(g.get("weights") or {}) for g in _ct_groups(q)]

@@ -101,10 +101,11 @@ W4A16_G64 = dict(weights=dict(num_bits=4, type="int", strategy="group", group_si
     ("fp8", "FP8_DYNAMIC", "float-quantized", True),
     ("fp8-block", "FP8_BLOCK", "float-quantized", False),
     ("w4a16", W4A16_G64, "pack-quantized", True),
-    ("nvfp4", "NVFP4A16", "nvfp4-pack-quantized", True),   # kept 4-bit (kernels/quant/triton_fp4.py)
-    ("mxfp4", "MXFP4A16", "mxfp4-pack-quantized", False),
+    ("nvfp4", "NVFP4A16", "nvfp4-pack-quantized", True),   # with SHARDSERVE_FP4_KERNELS=1: kept 4-bit
+    ("mxfp4", "MXFP4A16", "mxfp4-pack-quantized", False),   # (kernels/quant/triton_fp4.py)
 ])
-def test_model_on_cuda_tracks_hf(tmp_path, name, scheme, fmt, head):
+def test_model_on_cuda_tracks_hf(tmp_path, monkeypatch, name, scheme, fmt, head):
+    monkeypatch.setenv("SHARDSERVE_FP4_KERNELS", "1")
     src = make_tiny_checkpoint(str(tmp_path / "src"), "llama", hidden_size=256, intermediate_size=512)
     path = write_ct_checkpoint(src, str(tmp_path / name), scheme, fmt, ignore=() if head else ("lm_head",))
     if fmt.endswith("fp4-pack-quantized"):   # HF on the values the library unpacks (tests/quantization/test_fp4.py)

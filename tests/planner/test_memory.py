@@ -92,9 +92,12 @@ def test_compressed_tensors_checkpoints_say_their_dtype_and_head():
     modelopt = {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8"}}   # hf_quant_config.json's
     assert config_dtype({**config, "quantization_config": modelopt}) == "fp8"
     nvfp4 = _compressed_tensors({"type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16}, [])
-    assert config_dtype({**config, "quantization_config": nvfp4}) == "fp4"   # kept 4-bit on GPUs
     nvfp4_modelopt = {"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}}
-    assert config_dtype({**config, "quantization_config": nvfp4_modelopt}) == "fp4"
+    for fp4 in (nvfp4, nvfp4_modelopt):   # dequantized at load, unless SHARDSERVE_FP4_KERNELS=1 keeps them 4-bit
+        assert config_dtype({**config, "quantization_config": fp4}) == "bf16"
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("SHARDSERVE_FP4_KERNELS", "1")
+            assert config_dtype({**config, "quantization_config": fp4}) == "fp4"
     assert config_dtype({**config, "quantization_config": {"quant_method": "gptq", "bits": 8}}) == "bf16"   # the same
     assert not ModelShape({**config, "quantization_config": fp8}).head_quantized
     assert ModelShape({**config, "quantization_config": w4}).head_quantized
