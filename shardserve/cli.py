@@ -244,8 +244,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help=f"{', '.join(LINKS)}; nvlink/pcie* name the link inside a node, the others the one "
                    "between nodes; repeat or comma-separate for both (default: nvlink (pcie4 for l40s/rtx4090), "
                    "ib-ndr)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8", "int8", "int4"],
-                   help="weight dtype (default: auto, the checkpoint's own)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8", "int8", "int4", "fp4"],
+                   help="weight dtype (default: auto, the checkpoint's own; fp4: NVFP4 held 4-bit, "
+                   "SHARDSERVE_FP4_KERNELS=1)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8", "fp8_e4m3"],
                    help="default: auto, the activation dtype")
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (default: the model's)")

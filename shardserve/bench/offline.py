@@ -202,6 +202,11 @@ def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
             "dtype": str(model_config.dtype).replace("torch.", "") + label}
 
 
+def _fp4_held() -> str:
+    from shardserve.quantization.stored import fp4_kept_on_gpus
+    return "4-bit on CUDA, dequantized on the CPU" if fp4_kept_on_gpus() else "dequantized at load"
+
+
 def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> tuple[float | None, str]:
     """Bytes per weight of the quantized linear layers (None: counted as held, for GGUF blocks and
     layers in several schemes), and a label for the dtype line."""
@@ -212,7 +217,7 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
     if algo == "MIXED_PRECISION":
         return None, " weights in several schemes (modelopt MIXED_PRECISION; bytes as held)"
     if stored == "modelopt" and weight_dtype(config["quantization_config"]) != "fp8":   # NVFP4 (quantization/fp4.py)
-        return None, " nvfp4 weights (modelopt; 4-bit on CUDA, dequantized on the CPU: bytes as held)"
+        return None, f" nvfp4 weights (modelopt; {_fp4_held()}: bytes as held)"
     # (block-scaled FP8: a scale per 128 x 128 weights, ~0.02%)
     if (requested or stored) in ("fp8", "fbgemm_fp8", "modelopt"):
         block = (config.get("quantization_config") or {}).get("weight_block_size")
@@ -238,8 +243,7 @@ def _linear_bytes(requested: str | None, config: dict[str, Any], elem: int) -> t
         if scheme.weights == "fp8":
             return 1.0, f" fp8 weights (compressed-tensors, {scheme.strategy} scales)"
         if scheme.weights in ("nvfp4", "mxfp4"):   # quantization/fp4.py
-            return None, f" {scheme.weights} weights (compressed-tensors; 4-bit on CUDA, dequantized on the CPU: " \
-                "bytes as held)"
+            return None, f" {scheme.weights} weights (compressed-tensors; {_fp4_held()}: bytes as held)"
         if scheme.weights == "int8":   # kept INT8 on GPUs only in some layouts (quantization/int8.py)
             if weight_dtype(config["quantization_config"]) == "int8":
                 return 1.0, f" int8 weights (compressed-tensors, {scheme.strategy} scales)"

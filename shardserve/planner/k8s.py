@@ -58,6 +58,12 @@ def serve_args(plan: dict[str, Any], model: str, lay: dict[str, Any]) -> list[st
     return args
 
 
+def engine_env(plan: dict[str, Any]) -> dict[str, str]:
+    """Environment the pods need to hold the model as planned: FP4 planned at 4.5 bits a weight runs
+    only where SHARDSERVE_FP4_KERNELS=1 keeps it 4-bit (quantization/stored.fp4_kept_on_gpus)."""
+    return {"SHARDSERVE_FP4_KERNELS": "1"} if plan["settings"]["dtype"] == "fp4" else {}
+
+
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
             "timeoutSeconds": 5}
@@ -118,7 +124,7 @@ def manifests(plan: dict[str, Any], model: str, image: str = DEFAULT_IMAGE, name
                                 "spec": {"accessModes": ["ReadWriteMany"],
                                          "resources": {"requests": {"storage": "1Ti"}}}}]
     if lay["nodes"] == 1:
-        pod = _pod_spec([_container("shardserve", image, args, gpus, True, {})], gpus, rdma=False)
+        pod = _pod_spec([_container("shardserve", image, args, gpus, True, engine_env(plan))], gpus, rdma=False)
         out["deployment.yaml"] = [{
             "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, "server"),
             "spec": {"replicas": lay["replicas"], "selector": {"matchLabels": select},
@@ -126,7 +132,8 @@ def manifests(plan: dict[str, Any], model: str, image: str = DEFAULT_IMAGE, name
                      "template": {"metadata": {"labels": {**LABELS, **select}}, "spec": pod}}}]
     else:
         key_env = {"SHARDSERVE_CLUSTER_KEY": {"valueFrom": {"secretKeyRef": {"name": f"{name}-cluster-key",
-                                                                             "key": "key"}}}, **NCCL_ENV}
+                                                                             "key": "key"}}}, **NCCL_ENV,
+                   **engine_env(plan)}
         port = ["--master-port", str(MASTER_PORT)]
         leader = _pod_spec([_container("leader", image, args + port, gpus, True, key_env)], gpus, rdma=True)
         worker = _pod_spec([_container("worker", image, ["worker", "-tp", str(lay["tp"]), "-pp", str(lay["pp"]),

@@ -46,9 +46,12 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _say_dequantized() -> None:   # once per process, at the first FP4 layer on a GPU
-    logger.info("FP4 weights dequantized to the compute dtype at load (SHARDSERVE_FP4_KERNELS=1 keeps them "
-                "4-bit on CUDA: ~3.5x less weight memory, slower decode; docs/models.md)")
+def _say(kept: bool) -> None:   # once per process, at the first FP4 layer on a GPU
+    if kept:
+        logger.info("FP4 weights kept 4-bit on CUDA (SHARDSERVE_FP4_KERNELS=1, kernels/quant/triton_fp4.py)")
+    else:
+        logger.info("FP4 weights dequantized to the compute dtype at load (SHARDSERVE_FP4_KERNELS=1 keeps them "
+                    "4-bit on CUDA: ~3.5x less weight memory, slower decode; docs/models.md)")
 
 
 class Fp4LinearMethod(LinearMethod):
@@ -86,7 +89,12 @@ class Fp4LinearMethod(LinearMethod):
         for name in (packed_name, "weight_scale", global_name, input_name):
             if hasattr(layer, name):
                 delattr(layer, name)
-        if packed.is_cuda and fp4_kept_on_gpus():   # kept as stored, the scales as their bytes (triton_fp4's layout)
+        # kept as stored, the scales as their bytes (triton_fp4's layout), for 16-bit activations only
+        # (fp32 ones would reach the tensor cores as tf32)
+        kept = packed.is_cuda and fp4_kept_on_gpus() and layer.params_dtype in (torch.bfloat16, torch.float16)
+        if packed.is_cuda:
+            _say(kept)
+        if kept:
             if self.kind == "nvfp4":
                 row_scale = per_row if self.global_multiplies else 1.0 / per_row
             else:
@@ -95,8 +103,6 @@ class Fp4LinearMethod(LinearMethod):
             layer.fp4_scales = nn.Parameter(stored.view(torch.uint8), requires_grad=False)
             layer.fp4_row_scale = nn.Parameter(row_scale, requires_grad=False)
             return
-        if packed.is_cuda:
-            _say_dequantized()
         if self.kind == "nvfp4":
             scale = stored.float() * per_row[:, None] if self.global_multiplies else stored.float() / per_row[:, None]
         else:

@@ -84,6 +84,7 @@ def test_deploy_manifests_validate(example):
      ["-tp", "8", "-pp", "2", "--kv-cache-dtype", "fp8", "--master-port", "29500"]),
     (["llama-3.1-70b", "--dtype", "fp8", "--gpus-per-node", "4", "--max-model-len", "16384"], "Deployment",
      ["--quantization", "fp8"]),
+    (["llama-3.1-70b", "--dtype", "fp4", "--gpus-per-node", "2", "--max-model-len", "8192"], "Deployment", []),
 ])
 def test_plan_emit_k8s_writes_manifests_that_validate(tmp_path, argv, kind, flags):
     out = tmp_path / "k8s"
@@ -98,6 +99,8 @@ def test_plan_emit_k8s_writes_manifests_that_validate(tmp_path, argv, kind, flag
     pod = server["spec"]["leaderWorkerTemplate"]["leaderTemplate"] if kind == "LeaderWorkerSet" \
         else server["spec"]["template"]
     args = pod["spec"]["containers"][0]["args"]
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert (env.get("SHARDSERVE_FP4_KERNELS") == "1") == ("fp4" in argv)   # FP4 planned 4-bit runs 4-bit
     for i in range(0, len(flags), 2):
         assert args[args.index(flags[i]) + 1] == flags[i + 1]
     assert args[args.index("-tp") + 1] == str(plan["tp"]) and args[args.index("--model") + 1] == "org/model"

@@ -139,6 +139,31 @@ def test_model_on_cuda_tracks_hf(tmp_path, monkeypatch, name, scheme, fmt, head)
         torch.cuda.empty_cache()
 
 
+def test_modelopt_nvfp4_kept_4bit_on_cuda_tracks_hf(tmp_path, monkeypatch):
+    """ModelOpt's NVFP4 names and its multiplier `weight_scale_2` on the 4-bit kernel
+    (SHARDSERVE_FP4_KERNELS=1): against HF on the values the checkpoint holds, bf16 with CUDA graphs."""
+    from tests.quantization.checkpoints import hf_with_weights
+    from tests.quantization.test_fp4 import _values
+    from tests.quantization.test_modelopt import _as_modelopt_nvfp4
+    monkeypatch.setenv("SHARDSERVE_FP4_KERNELS", "1")
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama", hidden_size=256, intermediate_size=512)
+    path = write_ct_checkpoint(src, str(tmp_path / "modelopt"), "NVFP4A16", "nvfp4-pack-quantized")
+    hf = hf_with_weights(src, _values(path))   # the values, read under compressed-tensors' names first
+    _as_modelopt_nvfp4(path)
+    llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, show_progress=False, max_logprobs=-1)
+    try:
+        runner = llm.engine.executor.worker.model_runner
+        assert runner.model.model.layers[0].mlp.gate_up_proj.fp4_packed.dtype == torch.uint8 and runner.wants_graphs()
+        _, ours, ref = _logprobs_beside_hf(llm, hf, random_prompt(2, 40))
+        diff = (ours - ref).abs().max()
+        assert diff < 0.15, f"ModelOpt NVFP4 log-probs on CUDA are {diff:.3f} away from HF on its values"
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def test_activation_order_on_cuda_tracks_hf(tmp_path):
     """`actorder: group` W4A16 (inputs' groups in `weight_g_idx`): the inputs sorted by group once at
     load, so the W4A16 kernels run it as a plain grouped layer, against HF on the checkpoint's values."""

@@ -44,5 +44,29 @@ def check_kernels() -> None:
                 assert err < 2e-3, (kind, n, k, rows, tiles, err)
 
 
+def check_exact_decoding() -> None:
+    """Every nibble against every scale byte the format has (E4M3 with its sign bit and subnormals,
+    NaN excepted; E8M0 over the exponents whose products fp16 holds), read out bit for bit through
+    one-hot activation rows: the kernel's bit placement against quantization/fp4.py's decoding."""
+    from shardserve.kernels.quant import triton_fp4
+    from shardserve.quantization.fp4 import E8M0_BIAS, unpack_e2m1
+    k = 32   # 16 bytes: byte j holds nibbles j and 15 - j, so every nibble is in every row
+    nibbles = torch.arange(16, dtype=torch.uint8)
+    for kind, scale_bytes in (("nvfp4", [b for b in range(256) if b & 0x7F != 0x7F]),
+                              ("mxfp4", list(range(E8M0_BIAS - 20, E8M0_BIAS + 12)))):
+        n, group = len(scale_bytes), 16 if kind == "nvfp4" else 32
+        packed = (nibbles | ((15 - nibbles) << 4)).repeat(n, 1)
+        scales = torch.tensor(scale_bytes, dtype=torch.uint8)[:, None].repeat(1, k // group)
+        value = (scales.view(torch.float8_e4m3fn).float() if kind == "nvfp4"
+                 else torch.exp2(scales.float() - E8M0_BIAS))
+        want = (unpack_e2m1(packed) * value.repeat_interleave(group, dim=1)).half()
+        got = triton_fp4.matmul(torch.eye(k).half(), packed, scales, torch.ones(n), None, kind)   # [k, n]: w^T
+        assert torch.equal(got.t(), want), (kind, (got.t().float() - want.float()).abs().max())
+
+
 def test_kernels_under_the_interpreter():
     run_interpreted("tests.quantization.test_fp4_kernels", "check_kernels", timeout=900)
+
+
+def test_every_nibble_and_scale_byte_decodes_exactly():
+    run_interpreted("tests.quantization.test_fp4_kernels", "check_exact_decoding", timeout=900)
