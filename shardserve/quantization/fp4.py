@@ -45,6 +45,17 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(nibbles & 0x08 != 0, -magnitude, magnitude)
 
 
+def dequantize(packed: torch.Tensor, scale_bytes: torch.Tensor, kind: str, global_scale: torch.Tensor | None = None,
+               global_multiplies: bool = False) -> torch.Tensor:
+    """fp32 [N, K] from packed [N, K / 2] and the stored scales [N, K / G] (NVFP4: E4M3 under a global
+    scale per row [N, 1], a divisor, or with global_multiplies ModelOpt's multiplier; MXFP4: E8M0)."""
+    if kind == "nvfp4":
+        scale = scale_bytes.float() * global_scale if global_multiplies else scale_bytes.float() / global_scale
+    else:
+        scale = torch.exp2(scale_bytes.float() - E8M0_BIAS)
+    return unpack_e2m1(packed) * scale.repeat_interleave(GROUP[kind], dim=1)
+
+
 @functools.cache
 def _say(kept: bool) -> None:   # once per process, at the first FP4 layer on a GPU
     if kept:
@@ -103,11 +114,8 @@ class Fp4LinearMethod(LinearMethod):
             layer.fp4_scales = nn.Parameter(stored.view(torch.uint8), requires_grad=False)
             layer.fp4_row_scale = nn.Parameter(row_scale, requires_grad=False)
             return
-        if self.kind == "nvfp4":
-            scale = stored.float() * per_row[:, None] if self.global_multiplies else stored.float() / per_row[:, None]
-        else:
-            scale = torch.exp2(stored.float() - E8M0_BIAS)
-        weight = unpack_e2m1(packed) * scale.repeat_interleave(self.group, dim=1)
+        weight = dequantize(packed, stored, self.kind, per_row[:, None] if self.kind == "nvfp4" else None,
+                            self.global_multiplies)
         layer.weight = nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

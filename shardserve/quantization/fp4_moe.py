@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shardserve.layers.moe import FusedMoE, MoEMethod
-from shardserve.quantization.fp4 import E8M0_BIAS, GROUP, unpack_e2m1
+from shardserve.quantization.fp4 import GROUP, dequantize
 
 
 class Fp4MoEMethod(MoEMethod):
@@ -46,14 +46,10 @@ class Fp4MoEMethod(MoEMethod):
             stored = getattr(layer, f"{part}_weight_scale").data
             out = torch.empty(*stored.shape[:2], stored.shape[2] * self.group, dtype=self.dtype, device=stored.device)
             for expert in range(out.shape[0]):   # one expert at a time: the fp32 temporaries stay one expert's size
-                scale = stored[expert].float()
-                if self.kind == "nvfp4":
-                    per_row = getattr(layer, f"{part}_{global_name}").data[expert].float()[:, None]
-                    scale = scale * per_row if self.global_multiplies else scale / per_row
-                else:
-                    scale = torch.exp2(scale - E8M0_BIAS)
-                values = unpack_e2m1(getattr(layer, f"{part}_{packed}").data[expert])
-                out[expert] = values * scale.repeat_interleave(self.group, dim=1)
+                per_row = (getattr(layer, f"{part}_{global_name}").data[expert].float()[:, None]
+                           if self.kind == "nvfp4" else None)
+                out[expert] = dequantize(getattr(layer, f"{part}_{packed}").data[expert], stored[expert], self.kind,
+                                         per_row, self.global_multiplies)
             weights[part] = out
             for name in (packed, "weight_scale", global_name, input_name):
                 if hasattr(layer, f"{part}_{name}"):
