@@ -8,7 +8,8 @@ load_hf_config reads it when config.json has no `quantization_config`) or, flat,
 - `quant_algo: NVFP4` (`group_size` 16): `weight` uint8 [N, K / 2], two E2M1 values a byte, the lower
   nibble first; `weight_scale` E4M3 [N, K / 16]; `weight_scale_2` fp32 [1] per fused part, a
   multiplier (w = e2m1 * weight_scale * weight_scale_2); `input_scale` (read, not used):
-  quantization/fp4.py's method, dequantized once after loading; MoE experts too (quantization/fp4_moe.py).
+  quantization/fp4.py's method, dequantized once after loading (kept 4-bit on CUDA with
+  SHARDSERVE_FP4_KERNELS=1); MoE experts dequantized too (quantization/fp4_moe.py).
 - `kv_cache_quant_algo: FP8`: the KV-cache scales `k_proj.k_scale` / `v_proj.v_scale`
   (quantization/kv_scales.py, used with `--kv-cache-dtype fp8`).
 - `exclude_modules`: layers left in 16 bits, by name (the module and what it holds) or `*` pattern.
