@@ -22,7 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from shardserve.kernels.gemv import triton_gemv
-from shardserve.kernels.quant import int4_layout, triton_fp8_gemv, triton_w4a16, triton_w4a16_gemv, tuned
+from shardserve.kernels.quant import (
+    int4_layout,
+    triton_fp4,
+    triton_fp4_gemv,
+    triton_fp8_gemv,
+    triton_w4a16,
+    triton_w4a16_gemv,
+    tuned,
+)
 from shardserve.quantization.fp8 import quantize_rows, quantize_tokens
 
 SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (14336, 4096, True),
@@ -67,7 +75,10 @@ def make_weights(n: int, k: int, gated: bool):
     words = int4_layout.pack(q, RUN)
     s = (torch.rand(groups, rows, device="cuda") * 0.004 + 0.001).half()
     z = torch.randint(0, 16, (groups, rows), dtype=torch.uint8, device="cuda")
-    return {"bf16": bf, "fp8": (fp8, scale), "int4": (words, s, z)}
+    packed = torch.randint(0, 256, (rows, k // 2), dtype=torch.uint8, device="cuda")   # NVFP4: E4M3 scales
+    fp4_scales = (torch.rand(rows, k // 16, device="cuda") + 0.5).to(torch.float8_e4m3fn).view(torch.uint8)
+    fp4 = (triton_fp4.repack(packed), fp4_scales, torch.full((rows,), 0.01, device="cuda"))
+    return {"bf16": bf, "fp8": (fp8, scale), "int4": (words, s, z), "fp4": fp4}
 
 
 def replicate(w, c: int):
@@ -91,6 +102,9 @@ INT4_MMA = [("mma", 32, 32, 1, 2, 3), ("mma", 16, 32, 1, 1, 3), ("mma", 32, 64, 
             ("mma", 64, 32, 4, 4, 2), ("mmak", 16, 64, 1, 2, 3), ("mmak", 16, 64, 1, 2, 4), ("mmak", 16, 64, 2, 2, 3),
             ("mmak", 16, 32, 1, 4, 3), ("mmak", 32, 32, 1, 4, 3), ("mmak", 16, 32, 2, 4, 3), ("mmak", 32, 64, 1, 2, 2)]
 INT4_DOT = [(16, 64, 4, 2), (16, 64, 4, 3)]
+# (BLOCK_N, blocks side by side = warps, split-K parts, stages)
+FP4_GEMV = [(16, 2, 1, 3), (16, 4, 1, 3), (16, 4, 1, 4), (16, 8, 1, 3), (16, 4, 2, 3), (16, 2, 2, 4), (32, 4, 1, 3),
+            (16, 8, 2, 2), (32, 8, 1, 2), (16, 4, 4, 3)]
 
 
 def decode_variants(rows: int, n: int, k: int, gated: bool, sweep: bool):
@@ -125,6 +139,14 @@ def decode_variants(rows: int, n: int, k: int, gated: bool, sweep: bool):
         for t in tiles:
             v[f"int4 gemv {t}"] = ("int4", lambda x, w, t=t: triton_w4a16_gemv.gemv(x, *w, *args, gated=gated, tiles=t),
                                    gemv_key, list(t))
+    if rows <= triton_fp4_gemv.MAX_ROWS:
+        v["fp4 gemv default"] = ("fp4", lambda x, w: triton_fp4_gemv.gemv(x, *w, "nvfp4", k, gated=gated), None, None)
+        for t in FP4_GEMV if sweep else []:
+            v[f"fp4 gemv {t}"] = ("fp4", lambda x, w, t=t: triton_fp4_gemv.gemv(x, *w, "nvfp4", k, gated=gated,
+                                                                                tiles=t), None, list(t))
+    if rows >= 4:
+        v["fp4 dot"] = ("fp4", lambda x, w: (silu_mul if gated else (lambda y: y))(
+            triton_fp4.matmul(x, *w, None, "nvfp4", k)), None, None)
     if rows >= 4:
         dot_key = tuned.key("int4_dot", 2 * n if gated else n, k, False, rows)
 

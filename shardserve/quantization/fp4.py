@@ -1,11 +1,11 @@
 """FP4 weights from compressed-tensors checkpoints, dequantized once after loading into an ordinary
 weight of the compute dtype: the checkpoint's values at bf16's speed, not FP4's memory saving. With
-SHARDSERVE_FP4_KERNELS=1 they stay 4-bit on CUDA as stored (about 4.5 bits a weight with their
-scales) and run on kernels/quant/triton_fp4.py's W4A16 matmul, which decodes them in registers and
-multiplies on the tensor cores in the activations' dtype (Hopper has no FP4 tensor cores): 3.5x less
-weight memory, but today a slower decode than bf16's tuned GEMVs (docs/models.md has the figures),
-hence opt-in. A checkpoint's FP4 activation quantization (W4A4) is not applied: the layers compute
-in the model's dtype.
+SHARDSERVE_FP4_KERNELS=1 they stay 4-bit on CUDA (about 4.5 bits a weight with their scales),
+repacked once into kernels/quant/triton_fp4.py's layout: decode batches (1-4 rows) run the
+tensor-core GEMV of kernels/quant/triton_fp4_gemv.py (the gate_up pair with its SiLU-and-mul in one
+kernel), 5-16 rows triton_fp4.matmul, more rows cuBLAS on the weight dequantized for the call.
+Hopper has no FP4 tensor cores: the kernels multiply in the activations' dtype (W4A16), so a
+checkpoint's FP4 activation quantization (W4A4) is not applied. docs/models.md has the figures.
 
 - NVFP4 (`nvfp4-pack-quantized`: llm-compressor's NVFP4A16 and NVFP4 presets, RedHatAI's `*-NVFP4`):
   an E4M3 `weight_scale` per 16 inputs [N, K / 16] and an fp32 `weight_global_scale` [1] per fused
@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from shardserve.kernels.cpu.decoder_stack import StackLinear, panels_linear
-from shardserve.kernels.quant import triton_fp4
+from shardserve.kernels.quant import triton_fp4, triton_fp4_gemv
+from shardserve.kernels.quant.triton_fp4 import GROUP  # inputs a scale
 from shardserve.layers.linear import LinearBase, LinearMethod, linear
 from shardserve.quantization.fp8 import register_optional_input_scale
 from shardserve.quantization.stored import fp4_kept_on_gpus
@@ -34,13 +35,13 @@ from shardserve.quantization.stored import fp4_kept_on_gpus
 logger = logging.getLogger("shardserve")
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-GROUP = {"nvfp4": 16, "mxfp4": 32}   # inputs per scale
 E8M0_BIAS = 127
+DOT_MAX_ROWS = 16   # more rows: the weight dequantized for the call, then cuBLAS
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K / 2] -> fp32 [N, K]: each byte's lower nibble, then its upper one."""
-    nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
+    nibbles = triton_fp4.codes(packed)
     magnitude = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)[nibbles & 0x07]
     return torch.where(nibbles & 0x08 != 0, -magnitude, magnitude)
 
@@ -59,10 +60,10 @@ def dequantize(packed: torch.Tensor, scale_bytes: torch.Tensor, kind: str, globa
 @functools.cache
 def _say(kept: bool) -> None:   # once per process, at the first FP4 layer on a GPU
     if kept:
-        logger.info("FP4 weights kept 4-bit on CUDA (SHARDSERVE_FP4_KERNELS=1, kernels/quant/triton_fp4.py)")
+        logger.info("FP4 weights kept 4-bit on CUDA (SHARDSERVE_FP4_KERNELS=1, kernels/quant/triton_fp4_gemv.py)")
     else:
         logger.info("FP4 weights dequantized to the compute dtype at load (SHARDSERVE_FP4_KERNELS=1 keeps them "
-                    "4-bit on CUDA: ~3.5x less weight memory, slower decode; docs/models.md)")
+                    "4-bit on CUDA: ~3.5x less weight memory; docs/models.md)")
 
 
 class Fp4LinearMethod(LinearMethod):
@@ -100,7 +101,7 @@ class Fp4LinearMethod(LinearMethod):
         for name in (packed_name, "weight_scale", global_name, input_name):
             if hasattr(layer, name):
                 delattr(layer, name)
-        # kept as stored, the scales as their bytes (triton_fp4's layout), for 16-bit activations only
+        # kept 4-bit in the kernels' layout, the scales as their bytes, for 16-bit activations only
         # (fp32 ones would reach the tensor cores as tf32)
         kept = packed.is_cuda and fp4_kept_on_gpus() and layer.params_dtype in (torch.bfloat16, torch.float16)
         if packed.is_cuda:
@@ -110,20 +111,36 @@ class Fp4LinearMethod(LinearMethod):
                 row_scale = per_row if self.global_multiplies else 1.0 / per_row
             else:
                 row_scale = torch.ones(stored.shape[0], dtype=torch.float32, device=stored.device)
-            layer.fp4_packed = nn.Parameter(packed, requires_grad=False)
+            layer.fp4_words = nn.Parameter(triton_fp4.repack(packed), requires_grad=False)
             layer.fp4_scales = nn.Parameter(stored.view(torch.uint8), requires_grad=False)
             layer.fp4_row_scale = nn.Parameter(row_scale, requires_grad=False)
+            # MXFP4 exponents far from 2^0 would leave the GEMV's 16-bit range (triton_fp4_gemv.fits)
+            layer.fp4_gemv = triton_fp4_gemv.fits(layer.fp4_scales, self.kind, layer.params_dtype)
             return
         weight = dequantize(packed, stored, self.kind, per_row[:, None] if self.kind == "nvfp4" else None,
                             self.global_multiplies)
         layer.weight = nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not hasattr(layer, "fp4_packed"):
+        if not hasattr(layer, "fp4_words"):
             return linear(x, layer.weight, bias)
         flat = x.reshape(-1, x.shape[-1])
-        out = triton_fp4.matmul(flat, layer.fp4_packed, layer.fp4_scales, layer.fp4_row_scale, bias, self.kind)
+        args = (layer.fp4_words, layer.fp4_scales, layer.fp4_row_scale)
+        rows, k = flat.shape
+        if 0 < rows <= triton_fp4_gemv.MAX_ROWS and layer.fp4_gemv:
+            out = triton_fp4_gemv.gemv(flat, *args, self.kind, k, bias=bias)
+        elif rows <= DOT_MAX_ROWS:
+            out = triton_fp4.matmul(flat, *args, bias, self.kind, k)
+        else:
+            out = linear(flat, triton_fp4.dequantize(*args, self.kind, k, flat.dtype), bias)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+        if (not getattr(layer, "fp4_gemv", False) or x.dim() != 2
+                or not 0 < x.shape[0] <= triton_fp4_gemv.MAX_ROWS):
+            return None
+        return triton_fp4_gemv.gemv(x, layer.fp4_words, layer.fp4_scales, layer.fp4_row_scale, self.kind, x.shape[1],
+                                    gated=True)
 
     def stack_linear(self, layer: LinearBase, gated: bool) -> StackLinear | None:
         """Dequantized, the layer is a plain one to the CPU's one-call decoder stack."""

@@ -114,7 +114,7 @@ def test_model_on_cuda_tracks_hf(tmp_path, monkeypatch, name, scheme, fmt, head)
         hf = hf_with_weights(src, _values(path))
     else:
         hf = hf_decompressed(path)
-    held = {"pack-quantized": torch.int32, "float-quantized": torch.float8_e4m3fn}.get(fmt, torch.uint8)
+    held = {"float-quantized": torch.float8_e4m3fn}.get(fmt, torch.int32)   # INT4 and FP4: int32 words
     llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, show_progress=False, max_logprobs=-1)
     try:
         prompt = random_prompt(1, 40)
@@ -127,7 +127,7 @@ def test_model_on_cuda_tracks_hf(tmp_path, monkeypatch, name, scheme, fmt, head)
             diff = (ours[rows] - ref[rows]).abs().max()
             assert diff < 0.15, f"{name} log-probs on CUDA are {diff:.3f} away from HF on the same checkpoint"
         runner = llm.engine.executor.worker.model_runner
-        weight = {torch.int32: "qweight", torch.uint8: "fp4_packed"}.get(held, "weight")
+        weight = {"pack-quantized": "qweight", "float-quantized": "weight"}.get(fmt, "fp4_words")
         qkv = runner.model.model.layers[0].self_attn.qkv_proj
         assert getattr(qkv, weight).dtype == held and runner.wants_graphs()
         if head:
@@ -153,10 +153,39 @@ def test_modelopt_nvfp4_kept_4bit_on_cuda_tracks_hf(tmp_path, monkeypatch):
     llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, show_progress=False, max_logprobs=-1)
     try:
         runner = llm.engine.executor.worker.model_runner
-        assert runner.model.model.layers[0].mlp.gate_up_proj.fp4_packed.dtype == torch.uint8 and runner.wants_graphs()
+        assert runner.model.model.layers[0].mlp.gate_up_proj.fp4_words.dtype == torch.int32 and runner.wants_graphs()
         _, ours, ref = _logprobs_beside_hf(llm, hf, random_prompt(2, 40))
         diff = (ours - ref).abs().max()
         assert diff < 0.15, f"ModelOpt NVFP4 log-probs on CUDA are {diff:.3f} away from HF on its values"
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("layout", ["tp2", "fp32"])
+def test_fp4_switch_over_tp2_and_in_fp32(tmp_path, monkeypatch, layout):
+    """SHARDSERVE_FP4_KERNELS=1 over TP=2 (each rank's row-parallel inputs whole scale groups): the
+    4-bit kernels on both GPUs, against HF as closely as one GPU; in fp32 the layers are dequantized
+    instead (the kernels take 16-bit activations only), and track HF in fp32 closely."""
+    if layout == "tp2" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from tests.quantization.checkpoints import hf_with_weights
+    from tests.quantization.test_fp4 import _values
+    monkeypatch.setenv("SHARDSERVE_FP4_KERNELS", "1")
+    src = make_tiny_checkpoint(str(tmp_path / "src"), "llama", hidden_size=256, intermediate_size=512)
+    path = write_ct_checkpoint(src, str(tmp_path / "nvfp4"), "NVFP4A16", "nvfp4-pack-quantized")
+    hf = hf_with_weights(src, _values(path))
+    kwargs = dict(tensor_parallel_size=2, dtype="bfloat16") if layout == "tp2" else dict(dtype="float32")
+    llm = LLM(path, device="cuda", gpu_memory_utilization=0.3, show_progress=False, max_logprobs=-1, **kwargs)
+    try:
+        _, ours, ref = _logprobs_beside_hf(llm, hf, random_prompt(3, 40))
+        diff = (ours - ref).abs().max()
+        assert diff < (0.15 if layout == "tp2" else 0.02), f"NVFP4 {layout} log-probs are {diff:.4f} away from HF"
+        if layout == "fp32":
+            qkv = llm.engine.executor.worker.model_runner.model.model.layers[0].self_attn.qkv_proj
+            assert not hasattr(qkv, "fp4_words") and qkv.weight.dtype == torch.float32
     finally:
         llm.engine.shutdown()
         del llm

@@ -253,13 +253,64 @@ def test_fp8_group_quantization_matches_torch():
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 1056)])
 def test_fp4_matmul(n, k, kind, rows):
-    """kernels/quant/triton_fp4.py compiled: the FP4 layer's values (decoded by quantization/fp4.py's
-    unpacking) against dequantize-then-matmul, decode and prefill tiles, bf16 activations, a bias."""
+    """kernels/quant/triton_fp4.py compiled on its layout: the FP4 layer's values (decoded by
+    quantization/fp4.py's unpacking) against dequantize-then-matmul, 16-row and wider tiles, bf16
+    activations, a bias; and the dequantized weight, bit for bit."""
     from shardserve.kernels.quant import triton_fp4
     from tests.quantization.test_fp4_kernels import fp4_case
     packed, scales, row_scale, weight = fp4_case(kind, n, k, torch.Generator().manual_seed(n + k))
+    words, scales, row_scale = triton_fp4.repack(packed.cuda()), scales.cuda(), row_scale.cuda()
     x = torch.randn(rows, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16() if rows == 3 else None
     want = x.float() @ weight.cuda().t() + (bias.float() if bias is not None else 0)
-    got = triton_fp4.matmul(x, packed.cuda(), scales.cuda(), row_scale.cuda(), bias, kind)
-    _close(got, want, rows, n)
+    _close(triton_fp4.matmul(x, words, scales, row_scale, bias, kind, k), want, rows, n)
+    if rows == 1:
+        got = triton_fp4.dequantize(words, scales, row_scale, kind, k, torch.bfloat16)
+        assert torch.equal(got, weight.cuda().bfloat16())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n,k,gated,bias", [(6144, 4096, False, False), (4096, 14336, False, False),
+                                            (14336, 4096, True, False), (1000, 1056, False, True),
+                                            (328, 224, True, False)])
+def test_fp4_gemv(rows, kind, n, k, gated, bias):
+    """kernels/quant/triton_fp4_gemv.py against dequantize-then-matmul in fp32: 8B shapes and sizes
+    that are no multiple of a block, split-K (its counters back at zero: each setting runs twice),
+    the gated gate_up form, a bias."""
+    from shardserve.kernels.quant import reference, triton_fp4, triton_fp4_gemv
+    from tests.quantization.test_fp4_kernels import fp4_case
+    packed, scales, row_scale, weight = fp4_case(kind, 2 * n if gated else n, k, torch.Generator().manual_seed(n + k))
+    words, scales, row_scale = triton_fp4.repack(packed.cuda()), scales.cuda(), row_scale.cuda()
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    want = reference.matmul(x.float(), weight.cuda(), b.float() if b is not None else None, gated)
+    for tiles in (None, (16, 2, 1, 3), (16, 4, 3, 2), (32, 8, 2, 3)):
+        for _ in range(2):
+            _close(triton_fp4_gemv.gemv(x, words, scales, row_scale, kind, k, b, gated, tiles=tiles), want, rows, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
+def test_fp4_gemv_decodes_every_code_and_scale_exactly(kind, dtype):
+    """The compiled GEMV, one-hot activation rows reading its weights out: every code against every
+    scale byte it takes (tests/quantization/test_fp4_kernels.py runs its PTX on the CPU), bit for bit
+    against quantization/fp4.py's decoding rounded to the activations' dtype."""
+    from shardserve.kernels.quant import triton_fp4, triton_fp4_gemv
+    from shardserve.quantization.fp4 import GROUP, unpack_e2m1
+    k = 256
+    byte = torch.arange(k // 2, dtype=torch.int64)
+    if kind == "nvfp4":
+        scale_bytes = [b for b in range(256) if b & 0x7F != 0x7F]
+    else:
+        scale_bytes = list(range(9 if dtype == torch.bfloat16 else 111, 136))
+    n, group = len(scale_bytes), GROUP[kind]
+    packed = ((byte % 16) | (((byte * 7 + 3) % 16) << 4)).to(torch.uint8).repeat(n, 1)
+    scales = torch.tensor(scale_bytes, dtype=torch.uint8)[:, None].repeat(1, k // group)
+    value = (scales.view(torch.float8_e4m3fn).float() if kind == "nvfp4" else torch.exp2(scales.float() - 127))
+    want = (unpack_e2m1(packed) * value.repeat_interleave(group, dim=1)).to(dtype).cuda()
+    words, scales = triton_fp4.repack(packed).cuda(), scales.cuda()
+    eye = torch.eye(k, dtype=dtype, device="cuda")
+    got = torch.cat([triton_fp4_gemv.gemv(eye[i:i + 1], words, scales, torch.ones(n, device="cuda"), kind, k)
+                     for i in range(k)])   # row i: input i of every output
+    assert torch.equal(got.t(), want), (got.t().float() - want.float()).abs().max()

@@ -1,13 +1,21 @@
-"""The FP4 W4A16 matmul (kernels/quant/triton_fp4.py) under Triton's interpreter on the CPU
-(TRITON_INTERPRET=1, in a subprocess) against dequantize-then-matmul on quantization/fp4.py's own
-unpacking, so its bit decoding and index arithmetic are checked on every CI run: NVFP4 and MXFP4,
-every E2M1 nibble and a spread of scale bytes (E4M3 subnormals included), strips past N, K past
-the last step, decode and prefill tiles, a bias. tests/gpu runs it compiled."""
+"""The FP4 kernels on the CPU, against quantization/fp4.py's own unpacking:
+- the layout (kernels/quant/triton_fp4.py's repack) round trip;
+- the decode GEMV's PTX (kernels/quant/triton_fp4_gemv.py), run by a small interpreter of the few
+  instructions it uses: every code in every nibble of both words against every scale byte, bit for
+  bit, in bf16 and fp16 (tests/gpu runs the compiled kernel);
+- the plain Triton kernels (matmul, dequantize) under Triton's interpreter (TRITON_INTERPRET=1, in a
+  subprocess): NVFP4 and MXFP4, strips past N, K past the last block, a bias, and every code against
+  every scale byte through one-hot activation rows."""
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 
 from tests.triton_interpreter import run_interpreted
+
+MASK32 = 0xFFFFFFFF
 
 
 def fp4_case(kind: str, n: int, k: int, gen: torch.Generator):
@@ -29,28 +37,121 @@ def fp4_case(kind: str, n: int, k: int, gen: torch.Generator):
     return packed, scales, row_scale, weight
 
 
+def test_repack_round_trip():
+    from shardserve.kernels.quant import triton_fp4
+    packed = torch.randint(0, 256, (24, 200), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    words = triton_fp4.repack(packed)
+    assert words.dtype == torch.int32 and words.shape == (24, 512 // 8)   # K 400 padded to 4 blocks of 128
+    assert torch.equal(triton_fp4.unpack(words, 400), triton_fp4.codes(packed).int())
+    # nibble i of word w of a block: input 16 i + w
+    assert ((words[:, 3] >> 8) & 0xF).tolist() == triton_fp4.codes(packed)[:, 16 * 2 + 3].tolist()
+
+
+def _halves(r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int64 32-bit registers -> their two 16-bit halves as `dtype` values in fp32 [..., 2]."""
+    bits = torch.stack((r & 0xFFFF, (r >> 16) & 0xFFFF), dim=-1)
+    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(dtype).float()
+
+
+def _pack_halves(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    bits = v.to(dtype).view(torch.int16).long() & 0xFFFF
+    return bits[..., 0] | (bits[..., 1] << 16)
+
+
+def run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run the GEMV's unpacking PTX on int64 tensors of 32-bit values (operands $n, locals, immediates)."""
+    def val(x: str) -> torch.Tensor | int:
+        return int(x, 16) if x.startswith("0x") else regs[x]
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("}", "") or line.startswith("{"):
+            continue
+        op, args = line.split(None, 1)
+        a = [x.strip() for x in args.split(",")]
+        if op == "mov.b32":
+            regs[a[0]] = torch.zeros_like(regs["$8"]) + val(a[1])
+        elif op == "prmt.b32":   # bytes of (b, a) picked by the selector's four nibbles
+            src, sel = val(a[1]) | (val(a[2]) << 32), val(a[3])
+            regs[a[0]] = sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "shl.b32":
+            regs[a[0]] = (val(a[1]) << int(a[2])) & MASK32
+        elif op == "shr.u32":
+            regs[a[0]] = val(a[1]) >> int(a[2])
+        elif op == "and.b32":
+            regs[a[0]] = val(a[1]) & val(a[2])
+        elif op == "lop3.b32":
+            assert a[4] == "0xEA"   # (a & b) | c
+            regs[a[0]] = (val(a[1]) & val(a[2])) | val(a[3])
+        elif op in ("fma.rn.bf16x2", "mul.rn.f16x2"):   # exact products, one rounding
+            dtype = torch.bfloat16 if op.startswith("fma") else torch.float16
+            regs[a[0]] = _pack_halves(_halves(val(a[1]), dtype) * _halves(val(a[2]), dtype), dtype)
+        else:
+            raise AssertionError(f"the interpreter lacks {op}")
+    return regs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
+def test_gemv_ptx_decodes_every_code_and_scale_exactly(kind, dtype):
+    """The asm's weights are e2m1 * scale * 2^-SCALE_SHIFT for every code in every nibble of both
+    words, against every scale byte the GEMV takes (E4M3 but NaN; the E8M0 exponents `fits` admits),
+    with the scales s' the kernel forms (its docstring)."""
+    from shardserve.kernels.quant import triton_fp4_gemv as g
+    from shardserve.quantization.fp4 import E2M1
+    bf16 = dtype == torch.bfloat16
+    asm = g._unpack_asm(bf16)
+    assert set(re.findall(r"^\s*([a-z0-9.]+)\s", asm, re.M)) <= {
+        "mov.b32", "prmt.b32", "shl.b32", "shr.u32", "and.b32", "lop3.b32", "fma.rn.bf16x2", "mul.rn.f16x2"}
+    if kind == "nvfp4":
+        scale_bytes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+        scale = scale_bytes.view(torch.float8_e4m3fn).float().double()
+    else:
+        scale_bytes = torch.arange(9 if bf16 else 111, 136, dtype=torch.uint8)
+        assert g.fits(scale_bytes, kind, dtype) and not g.fits(scale_bytes - 1, kind, dtype)
+        scale = torch.exp2(scale_bytes.double() - 127)
+    s_prime = (scale * 2.0 ** (126 if bf16 else 14) * 2.0 ** -g.SCALE_SHIFT).to(dtype)
+    assert torch.equal(s_prime.double(), scale * 2.0 ** (126 if bf16 else 14) * 2.0 ** -g.SCALE_SHIFT)  # exact
+    codes = torch.arange(16, dtype=torch.int64)
+    value = torch.tensor(E2M1, dtype=torch.float64)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    for shift in range(16):   # word $8 nibble i holds code (i + shift) % 16, word $9 code (i + shift + 7) % 16
+        w0 = sum(((torch.tensor(i) + shift) % 16) << (4 * i) for i in range(8))
+        w1 = sum(((torch.tensor(i) + shift + 7) % 16) << (4 * i) for i in range(8))
+        regs = {"$8": torch.full((len(scale_bytes),), int(w0)), "$9": torch.full((len(scale_bytes),), int(w1))}
+        pair = _pack_halves(torch.stack((s_prime, s_prime), dim=-1).float(), dtype)
+        regs.update({f"${10 + i}": pair for i in range(8)})
+        out = run_ptx(asm, regs)
+        for i in range(8):
+            got = _halves(out[f"${i}"], dtype).double()
+            want = torch.stack((value[(i + shift) % 16] * scale, value[(i + shift + 7) % 16] * scale), dim=-1)
+            assert torch.equal(got * 2.0 ** g.SCALE_SHIFT, want), (kind, dtype, shift, i)
+
+
 def check_kernels() -> None:
     from shardserve.kernels.quant import triton_fp4
     gen = torch.Generator().manual_seed(0)
     for kind in ("nvfp4", "mxfp4"):
-        for n, k in ((40, 160), (24, 512)):   # strips past n; K past the last step, and K in whole steps
+        for n, k in ((40, 160), (24, 512)):   # strips past n; K past the last block, and K in whole blocks
             packed, scales, row_scale, weight = fp4_case(kind, n, k, gen)
-            for rows, tiles in ((1, None), (3, (16, 16, 64, 4)), (20, None), (70, (32, 16, 32, 4))):
+            words = triton_fp4.repack(packed)
+            got = triton_fp4.dequantize(words, scales, row_scale, kind, k, torch.float16).float()
+            assert torch.equal(got, weight.half().float()), (kind, n, k)
+            for rows, tiles in ((1, None), (3, (16, 16, 4, 1)), (20, None), (70, (32, 16, 4, 1))):
                 x = torch.randn(rows, k, generator=gen).half()   # the interpreter has no bf16 arithmetic
                 bias = torch.randn(n, generator=gen).half() if rows == 3 else None
                 want = x.float() @ weight.t() + (bias.float() if bias is not None else 0)
-                got = triton_fp4.matmul(x, packed, scales, row_scale, bias, kind, tiles).float()
+                got = triton_fp4.matmul(x, words, scales, row_scale, bias, kind, k, tiles).float()
                 err = ((got - want).norm() / want.norm()).item()
                 assert err < 2e-3, (kind, n, k, rows, tiles, err)
 
 
 def check_exact_decoding() -> None:
-    """Every nibble against every scale byte the format has (E4M3 with its sign bit and subnormals,
+    """Every code against every scale byte the format has (E4M3 with its sign bit and subnormals,
     NaN excepted; E8M0 over the exponents whose products fp16 holds), read out bit for bit through
-    one-hot activation rows: the kernel's bit placement against quantization/fp4.py's decoding."""
+    one-hot activation rows: the kernels' bit placement against quantization/fp4.py's decoding."""
     from shardserve.kernels.quant import triton_fp4
     from shardserve.quantization.fp4 import E8M0_BIAS, unpack_e2m1
-    k = 32   # 16 bytes: byte j holds nibbles j and 15 - j, so every nibble is in every row
+    k = 32   # 16 bytes: byte j holds codes j and 15 - j, so every code is in every row
     nibbles = torch.arange(16, dtype=torch.uint8)
     for kind, scale_bytes in (("nvfp4", [b for b in range(256) if b & 0x7F != 0x7F]),
                               ("mxfp4", list(range(E8M0_BIAS - 20, E8M0_BIAS + 12)))):
@@ -60,8 +161,10 @@ def check_exact_decoding() -> None:
         value = (scales.view(torch.float8_e4m3fn).float() if kind == "nvfp4"
                  else torch.exp2(scales.float() - E8M0_BIAS))
         want = (unpack_e2m1(packed) * value.repeat_interleave(group, dim=1)).half()
-        got = triton_fp4.matmul(torch.eye(k).half(), packed, scales, torch.ones(n), None, kind)   # [k, n]: w^T
+        words = triton_fp4.repack(packed)
+        got = triton_fp4.matmul(torch.eye(k).half(), words, scales, torch.ones(n), None, kind, k)   # [k, n]: w^T
         assert torch.equal(got.t(), want), (kind, (got.t().float() - want.float()).abs().max())
+        assert torch.equal(triton_fp4.dequantize(words, scales, torch.ones(n), kind, k, torch.float16), want)
 
 
 def test_kernels_under_the_interpreter():

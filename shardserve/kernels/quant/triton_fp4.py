@@ -1,33 +1,52 @@
-"""FP4 (E2M1) weights kept 4-bit on CUDA, times bf16/fp16 activations (W4A16), in Triton: the
-layout NVFP4 and MXFP4 checkpoints store (quantization/fp4.py), read as it is.
+"""FP4 (E2M1) weights kept 4-bit on CUDA, times bf16/fp16 activations (W4A16): the layout they are
+repacked into once after loading, and the plain Triton kernels on it (the decode GEMV, 1-4 rows, is
+kernels/quant/triton_fp4_gemv.py).
 
-- `packed` uint8 [N, K / 2]: two E2M1 values a byte, input 2j in the lower nibble, 2j + 1 in the
-  upper; a nibble is a sign bit and three bits of magnitude (0, 0.5, 1, 1.5, 2, 3, 4, 6).
-- `scales` uint8 [N, K / G]: one per G inputs, NVFP4's E4M3 bits (G = 16) or MXFP4's E8M0
-  exponent (G = 32, 2^(e - 127)).
-- `row_scale` fp32 [N]: NVFP4's global scale of the row's fused part (its inverse, compressed-
-  tensors' divisor, or ModelOpt's multiplier), applied to the fp32 sum; MXFP4: ones.
+What a checkpoint stores (quantization/fp4.py): `packed` uint8 [N, K / 2], two E2M1 codes a byte
+(input 2j in the lower nibble), a code being a sign bit and three bits of magnitude (0, 0.5, 1,
+1.5, 2, 3, 4, 6); `scales` uint8 [N, K / G], NVFP4's E4M3 bits (G = 16) or MXFP4's E8M0 exponent
+(G = 32, 2^(e - 127)); per row an fp32 global factor (NVFP4's, else 1).
 
-Decoding is bit arithmetic, exact, no table: a nibble's three magnitude bits placed at bits 9-11 of
-an fp16 (and its sign at bit 15) make the fp16 e2m1 * 2^-14, normal and subnormal values alike; an
-E4M3 byte's seven magnitude bits placed at bits 7-13 make the fp16 e4m3 * 2^-8. The product of the
-two (at most 3 + 4 significant bits) is exact in bf16 and fp16, so the tensor cores multiply the
-checkpoint's values against the activations as dequantize-then-matmul would, summing in fp32.
+The layout (`repack`): kernels/quant/int4_layout.py's with runs of RUN = 16 inputs, so a block is 8
+runs (128 inputs) in 16 int32 words a row, nibble i of word w holding input 16 i + w of the block,
+the code unchanged. A run then lies inside one scale group (16 or 32 inputs), so the GEMV
+multiplies a whole run by one scale, and one load of 16 words a row brings a block. K is padded
+with zero codes to whole blocks. The scales stay bytes [N, K / G]; `row_scale` [N] fp32 carries
+the global factor.
 
-One kernel for every row count: programs own BLOCK_N outputs x BLOCK_M rows and walk K, the
-weight tile decoded in registers for each row tile (decode batches: one row tile of 16, so each
-weight byte is read once; prefills decode it once per row tile, compute-bound anyway). Tiles
-(`tiles_for`) are fixed per row count, so CUDA graphs replay one variant. Not tuned per GPU, no PDL
-and no split-K yet: the bf16 and FP8 GEMVs (kernels/gemv, triton_fp8_gemv.py) are the faster-tuned
-neighbours; what FP4 brings here is its memory (about 4.5 bits a weight against 16).
+Decoding is bit arithmetic, exact: a code's magnitude bits placed at bits 9-11 of an fp16 (and its
+sign at bit 15) make the fp16 e2m1 * 2^-14, normal and subnormal values alike; an E4M3 byte's
+magnitude bits at bits 7-13 of an fp16 make e4m3 * 2^-8. `matmul` (5-16 rows) decodes each run
+into fp32, multiplies by its scale and rounds once into the activations' dtype (exact: at most
+2 + 4 significant bits) for the tensor cores; `dequantize` writes the whole weight for cuBLAS.
 """
 from __future__ import annotations
 
 import torch
 
+from shardserve.kernels import pdl
+from shardserve.kernels.quant import int4_layout
 from shardserve.utils import cdiv
 
 GROUP = {"nvfp4": 16, "mxfp4": 32}
+RUN = 16
+BLOCK = 8 * RUN   # inputs a block: 16 words a row
+
+
+def codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K / 2] -> the E2M1 codes [N, K] (int64), each byte's lower nibble first."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
+
+
+def repack(packed: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's bytes [N, K / 2] -> the kernels' words [N, padded(K) / 8] (int32)."""
+    return int4_layout.pack(codes(packed).t(), RUN)
+
+
+def unpack(words: torch.Tensor, k: int) -> torch.Tensor:
+    """The inverse of repack, as codes [N, K] (int32)."""
+    return int4_layout.unpack(words, k, RUN).t()
+
 
 try:
     import triton
@@ -37,81 +56,96 @@ except ImportError:   # CPU-only installs launch no Triton kernels
 
 if triton is not None:
     @triton.jit
-    def _e2m1(q):
-        """Nibbles (int32, 0..15) -> fp32 E2M1 values times 2^-14 (their fp16 bit pattern)."""
-        return (((q & 0x7) << 9) | ((q & 0x8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-    @triton.jit
-    def _scales(s_ptr, cols, col_ok, k0, k, stride_s, MX: tl.constexpr, GROUP: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The scales of inputs k0 .. k0 + BLOCK_K, one per byte of the packed tile [BLOCK_N, BLOCK_K / 2]
-        (a byte's two inputs share a group), in fp32 times 2^14 (undoing _e2m1's 2^-14)."""
-        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        s = tl.load(s_ptr + cols[:, None].to(tl.int64) * stride_s + g[None, :],
-                    mask=col_ok[:, None] & (g < k // GROUP)[None, :], other=0).to(tl.int32)
+    def scale_of(s_ptr, cols, ok, k0, stride_s, MX: tl.constexpr, GROUP: tl.constexpr):
+        """The fp32 scale of the group holding input k0 (a scalar or a tensor broadcasting against
+        cols) for the rows cols."""
+        s = tl.load(s_ptr + cols.to(tl.int64) * stride_s + k0 // GROUP, mask=ok, other=0).to(tl.int32)
         if MX:   # E8M0: 2^(s - 127), built as an fp32's exponent field (s = 0, 2^-127, reads as 0)
-            scale = (s << 23).to(tl.float32, bitcast=True) * 16384.0
-        else:    # E4M3's seven magnitude bits at bits 7-13 of an fp16: e4m3 * 2^-8
-            e4m3 = (((s & 0x7F) << 7) | ((s & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-            scale = e4m3.to(tl.float32) * 4194304.0   # 2^14 * 2^8
-        spread = tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2))
-        return tl.reshape(spread, (BLOCK_N, BLOCK_K // 2))
+            return (s << 23).to(tl.float32, bitcast=True)
+        e4m3 = (((s & 0x7F) << 7) | ((s & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        return e4m3.to(tl.float32) * 256.0
 
     @triton.jit
-    def fp4_matmul_kernel(x_ptr, w_ptr, s_ptr, r_ptr, b_ptr, out_ptr, m, n, k, stride_x, stride_w, stride_s,
+    def decode_run(P, i: tl.constexpr):
+        """Run i of the words P (nibble i of each) as fp32 E2M1 values."""
+        q = (P >> (4 * i)) & 0xF
+        bits = ((q & 0x7) << 9) | ((q & 0x8) << 12)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+    @triton.jit
+    def fp4_matmul_kernel(x_ptr, w_ptr, s_ptr, r_ptr, b_ptr, out_ptr, rows, n, k, words, stride_x, stride_s,
                           stride_o, MX: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Each K step loads the packed tile [BLOCK_N, BLOCK_K / 2] whole (contiguous bytes) and
-        # multiplies its lower nibbles (even inputs) and upper nibbles (odd inputs) as two products
-        # against the even and odd activations: no interleaving of nibbles in registers.
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        pdl.start(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        jj = tl.arange(0, BLOCK_K // 2)
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         col_ok = cols < n
-        row_ok = rows < m
-        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
-        x_rows = x_ptr + rows[None, :].to(tl.int64) * stride_x
+        m_ok = m < rows
+        j = tl.arange(0, 16)
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * words + j[None, :]
+        x_rows = x_ptr + m[None, :].to(tl.int64) * stride_x
+        dt = x_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            byte_ok = (k0 // 2 + jj) < k // 2
-            byte = tl.load(w_rows + (k0 // 2 + jj)[None, :], mask=col_ok[:, None] & byte_ok[None, :],
-                           other=0).to(tl.int32)
-            scale = _scales(s_ptr, cols, col_ok, k0, k, stride_s, MX, GROUP, BLOCK_N, BLOCK_K)
-            x_ok = row_ok[None, :] & byte_ok[:, None]
-            x_even = tl.load(x_rows + (k0 + 2 * jj)[:, None], mask=x_ok, other=0.0)                # [K / 2, M]
-            x_odd = tl.load(x_rows + (k0 + 2 * jj + 1)[:, None], mask=x_ok, other=0.0)
-            acc = tl.dot((_e2m1(byte & 0xF) * scale).to(x_even.dtype), x_even, acc)
-            acc = tl.dot((_e2m1(byte >> 4) * scale).to(x_odd.dtype), x_odd, acc)
+        for k0 in range(0, k, 128):
+            P = tl.load(w_rows + k0 // 8, mask=col_ok[:, None], other=0)
+            for i in tl.static_range(8):
+                kk = k0 + 16 * i + j
+                x = tl.load(x_rows + kk[:, None], mask=m_ok[None, :] & (kk < k)[:, None], other=0.0)   # [16, M]
+                s = scale_of(s_ptr, cols, col_ok & (cols * 0 + k0 + 16 * i < k), k0 + 16 * i, stride_s, MX, GROUP)
+                acc = tl.dot((decode_run(P, i) * s[:, None]).to(dt), x, acc)
         acc = acc * tl.load(r_ptr + cols, mask=col_ok, other=0.0)[:, None]
         if HAS_BIAS:   # added in fp32 before the one rounding
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_o + cols[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=col_ok[:, None] & row_ok[None, :])
+        tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + cols[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=col_ok[:, None] & m_ok[None, :])
+
+    @triton.jit
+    def fp4_dequantize_kernel(w_ptr, s_ptr, r_ptr, out_ptr, n, k, words, stride_s, MX: tl.constexpr,
+                              GROUP: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        pdl.start(PDL)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(1) * 128
+        col_ok = cols < n
+        j = tl.arange(0, 16)
+        P = tl.load(w_ptr + cols[:, None].to(tl.int64) * words + (k0 // 8 + j)[None, :], mask=col_ok[:, None], other=0)
+        r = tl.load(r_ptr + cols, mask=col_ok, other=0.0)
+        for i in tl.static_range(8):
+            kk = k0 + 16 * i + j
+            s = scale_of(s_ptr, cols, col_ok & (cols * 0 + k0 + 16 * i < k), k0 + 16 * i, stride_s, MX, GROUP)
+            w = decode_run(P, i) * (s * r)[:, None]
+            tl.store(out_ptr + cols[:, None].to(tl.int64) * k + kk[None, :], w.to(out_ptr.dtype.element_ty),
+                     mask=col_ok[:, None] & (kk < k)[None, :])
 
 
 def tiles_for(rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps) for a matmul of `rows` rows: decode batches one row tile of
-    16 and narrow strips (a 4096-output layer gets 256 programs), prefills wider tiles."""
-    if rows <= 16:
-        return 16, 16, 256, 4
-    if rows <= 64:
-        return 64, 64, 64, 4
-    return 128, 128, 64, 8
+    """(BLOCK_M, BLOCK_N, warps, stages) of `matmul`: 16 rows a tile up to 16 rows, wider beyond."""
+    return (16, 64, 4, 2) if rows <= 16 else (64, 64, 4, 2)
 
 
-def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor,
-           bias: torch.Tensor | None, kind: str, tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] (bf16 / fp16) @ the FP4 weight^T -> [M, N] in x's dtype (the module docstring has the layout)."""
-    m, k = x.shape
-    n = packed.shape[0]
-    x = x.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
+def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor,
+           bias: torch.Tensor | None, kind: str, k: int, tiles: tuple[int, int, int, int] | None = None
+           ) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16) @ the FP4 weight^T -> [M, N] in x's dtype, on the tensor cores."""
+    rows, n = x.shape[0], words.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0:
         return out
-    block_m, block_n, block_k, warps = tiles or tiles_for(m)
-    grid = (cdiv(n, block_n), cdiv(m, block_m))
-    fp4_matmul_kernel[grid](x, packed, scales, row_scale, bias if bias is not None else row_scale, out, m, n, k,
-                            x.stride(0), packed.stride(0), scales.stride(0), out.stride(0), MX=kind == "mxfp4",
-                            GROUP=GROUP[kind], HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-                            BLOCK_K=block_k, num_warps=warps)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_m, block_n, warps, stages = tiles or tiles_for(rows)
+    fp4_matmul_kernel[(cdiv(n, block_n), cdiv(rows, block_m))](
+        x, words, scales, row_scale, bias if bias is not None else row_scale, out, rows, n, k, words.shape[1],
+        x.stride(0), scales.stride(0), out.stride(0), MX=kind == "mxfp4", GROUP=GROUP[kind], HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **pdl.launch_args(x))
+    return out
+
+
+def dequantize(words: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor, kind: str, k: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in `dtype` (for cuBLAS on many rows), each value rounded once."""
+    n = words.shape[0]
+    out = torch.empty(n, k, dtype=dtype, device=words.device)
+    block_n = 32
+    fp4_dequantize_kernel[(cdiv(n, block_n), cdiv(k, BLOCK))](
+        words, scales, row_scale, out, n, k, words.shape[1], scales.stride(0), MX=kind == "mxfp4",
+        GROUP=GROUP[kind], BLOCK_N=block_n, num_warps=4, **pdl.launch_args(words))
     return out
