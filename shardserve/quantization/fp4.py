@@ -114,8 +114,8 @@ class Fp4LinearMethod(LinearMethod):
             layer.fp4_words = nn.Parameter(triton_fp4.repack(packed), requires_grad=False)
             layer.fp4_scales = nn.Parameter(stored.view(torch.uint8), requires_grad=False)
             layer.fp4_row_scale = nn.Parameter(row_scale, requires_grad=False)
-            # MXFP4 exponents far from 2^0 would leave the GEMV's 16-bit range (triton_fp4_gemv.fits)
-            layer.fp4_gemv = triton_fp4_gemv.fits(layer.fp4_scales, self.kind, layer.params_dtype)
+            # MXFP4 scales the GEMV's bf16 would not hold (triton_fp4_gemv.fits): 5-16 rows' kernel instead
+            layer.fp4_gemv = triton_fp4_gemv.fits(layer.fp4_scales, self.kind)
             return
         weight = dequantize(packed, stored, self.kind, per_row[:, None] if self.kind == "nvfp4" else None,
                             self.global_multiplies)

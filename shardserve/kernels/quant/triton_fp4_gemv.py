@@ -1,22 +1,25 @@
 """The FP4 (NVFP4 / MXFP4) decode GEMV on the tensor cores (1-4 rows), on kernels/quant/triton_fp4.py's
-layout: kernels/quant/triton_w4a16_gemv.py's design (its INT4 words, 8 runs a block, the tile's
-columns being runs x rows, one accumulator a run, picked once at the end), with E2M1 decoding:
+layout: kernels/quant/triton_w4a16_gemv.py's "mmak" design (its INT4 words, 8 runs a block, the
+tile's columns being runs x rows, one product a run, its scales spread over the columns by a small
+tensor-core product and applied to the runs' partial sums), with E2M1 decoding:
 
 - Decoding, in PTX (`tl.inline_asm_elementwise`), two weights at a time: a `prmt` puts byte b of two
   consecutive words into the high bytes of a register's halves, so the byte's upper code sits at
   bits 12-15 of each half: its sign is already at bit 15, and one shift, one mask and one `lop3`
-  move its three magnitude bits under the sign (bits 6-8 of a bf16: the value e2m1 * 2^-126, bits
-  9-11 of an fp16: e2m1 * 2^-14); a shift by 4 first does the same for the lower code. Exact, no
-  table: the e2m1 values that are subnormal in E2M1 (0.5) come out as subnormal bf16 / fp16 values.
-- The scale: a run lies in one scale group, so one packed multiply of each decoded pair by its run's
-  scale s' makes weights e2m1 * scale * 2^-7 exactly (at most 2 + 4 significant bits, in range): s'
-  = scale * 2^119 for bf16 (e2m1 * 2^-126 * s'), scale * 2^7 for fp16. The fp32 sums are multiplied
-  by 2^7 and the row's global factor at the end. MXFP4's power-of-two scales must keep s' and the
-  products normal (`fits`); NVFP4's E4M3 scales always do.
+  move its three magnitude bits under the sign (bits 9-11 of an fp16: e2m1 * 2^-14; bits 6-8 of a
+  bf16: e2m1 * 2^-126, which one packed multiply by 2^126 brings to e2m1 itself, as fp32 sums of
+  products that small would lose bits); a shift by 4 first does the same for the lower code. Exact,
+  no table: E2M1's subnormal 0.5 comes out as a subnormal fp16 / bf16 before that multiply.
+- The scales: a run (16 inputs) lies in one scale group, so each run's fp32 partial sums are
+  multiplied by its scale once a block (fp32, exact), as the INT4 GEMV's `fold_all` does: the
+  block's 8 scale bytes decoded to bf16 (E4M3 and E8M0 both exact there) and spread over their
+  runs' columns by a one-hot product. (Multiplying the decoded weights by their run's scale instead
+  measured 2x slower on an H200: each run's scales took a trip through shared memory to reach the
+  weights' register layout.) The fp32 sums take the row's global factor at the end.
 - The programs: BLOCK_N output rows (16: the tensor cores' tile) and H blocks side by side on the
   batch axis of the products (one warp each), walking K H blocks a step; split-K (grid axis 1,
-  kernels/quant/splitk.py) for layers with few outputs; the gated form (gate_up, SiLU-and-mul) keeps
-  both halves' accumulators. The next kernel launches after the loop's loads (kernels/pdl.py, late).
+  kernels/quant/splitk.py) for layers with few outputs; the gated form (gate_up, SiLU-and-mul) sums
+  both halves. The next kernel launches after the loop's loads (kernels/pdl.py, late release).
 """
 from __future__ import annotations
 
@@ -28,22 +31,21 @@ from shardserve.kernels.quant.triton_fp4 import BLOCK, GROUP
 from shardserve.utils import cdiv
 
 MAX_ROWS = 4
-SCALE_SHIFT = 7   # the decoded weights are e2m1 * scale * 2^-SCALE_SHIFT
 
 
 def _unpack_asm(bf16: bool) -> str:
-    """PTX: two words in ($8, $9: inputs 2v and 2v + 1 of each run), the runs' scale pairs in
-    $10-$17; run i out in $i as a packed pair of weights times the scale."""
+    """PTX: two words in ($8, $9: inputs 2v and 2v + 1 of each run); run i out in $i as a packed
+    pair of e2m1 values (fp16: times 2^-14)."""
     shift, magnitude = (6, "0x01C001C0") if bf16 else (3, "0x0E000E00")
-    lines = ["{ .reg .b32 t, u, v, z;", "mov.b32 z, 0x80008000;"]
+    lines = ["{ .reg .b32 t, u, v, c, z;", "mov.b32 c, 0x7E807E80;", "mov.b32 z, 0x80008000;"]   # 2^126, -0
     for b in range(4):
         select = b | b << 4 | (4 + b) << 8 | (4 + b) << 12    # byte b of $8, $9 into bytes 1 and 3
         lines += [f"prmt.b32 t, $8, $9, {select:#x};", "shl.b32 v, t, 4;"]
         for out, src in ((2 * b, "v"), (2 * b + 1, "t")):    # the lower code (nibble 2b), then the upper
             lines += [f"shr.u32 u, {src}, {shift};", f"and.b32 u, u, {magnitude};",
                       f"lop3.b32 ${out}, {src}, 0x80008000, u, 0xEA;"]   # (src & signs) | u
-            lines.append(f"fma.rn.bf16x2 ${out}, ${out}, ${10 + out}, z;" if bf16
-                         else f"mul.rn.f16x2 ${out}, ${out}, ${10 + out};")
+            if bf16:
+                lines.append(f"fma.rn.bf16x2 ${out}, ${out}, c, z;")
     return "\n".join(lines + ["}"])
 
 
@@ -58,62 +60,54 @@ if triton is not None:
 
     UNPACK_BF16 = tl.constexpr(_unpack_asm(True))
     UNPACK_FP16 = tl.constexpr(_unpack_asm(False))
-    CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
 
     @triton.jit
-    def unpack(P, S0, S1, S2, S3, S4, S5, S6, S7, BF16: tl.constexpr):
-        """The 8 runs of the words P [H, BLOCK_N, 16] as 8 tensors of weights times 2^-SCALE_SHIFT,
-        each run multiplied by its scale tensor S0..S7 (P's shape, in the activations' dtype)."""
+    def unpack(P, BF16: tl.constexpr):
+        """The 8 runs of the words P [H, BLOCK_N, 16] as 8 tensors of e2m1 values (fp16: times 2^-14)."""
         if BF16:
-            return tl.inline_asm_elementwise(UNPACK_BF16, CONSTRAINTS, [P, S0, S1, S2, S3, S4, S5, S6, S7],
+            return tl.inline_asm_elementwise(UNPACK_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [P],
                                              dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
         else:
-            return tl.inline_asm_elementwise(UNPACK_FP16, CONSTRAINTS, [P, S0, S1, S2, S3, S4, S5, S6, S7],
+            return tl.inline_asm_elementwise(UNPACK_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [P],
                                              dtype=(tl.float16,) * 8, is_pure=True, pack=2)
 
     @triton.jit
-    def run_scale(s_rows, blk, i: tl.constexpr, k, live, shape, MX: tl.constexpr, GROUP: tl.constexpr,
+    def spread_scales(s_rows, blk, k, live, E, MX: tl.constexpr, GROUP: tl.constexpr):
+        """[H, BLOCK_N, COLS] fp32: each column's run's scale, for the blocks blk [H] of the rows at
+        s_rows [1, BLOCK_N, 1] (0 past K): the 8 scale bytes decoded to bf16 (exact) in a
+        [H, BLOCK_N, 16] tile (columns 8 and up masked), times the one-hot E."""
+        i = tl.arange(0, 16)
+        k0 = blk[:, None, None] * 128 + 16 * i[None, None, :]
+        ok = live & ((i < 8)[None, None, :] & (k0 < k))
+        s = tl.load(s_rows + k0 // GROUP, mask=ok, other=0).to(tl.int32)
+        if MX:   # 2^(s - 127) as an fp32's exponent field (s = 0 reads as 2^-127, subnormal: 0)
+            v = (s << 23).to(tl.float32, bitcast=True)
+        else:    # E4M3 at bits 7-13 of an fp16 is e4m3 * 2^-8
+            v = (((s & 0x7F) << 7) | ((s & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            v = v * 256.0
+        return tl.dot(tl.where(ok, v, 0.0).to(tl.bfloat16), E)
+
+    @triton.jit
+    def block_sum(y, w_rows, s_rows, X, it, blk, k, live, lanes, E, MX: tl.constexpr, GROUP: tl.constexpr,
                   BF16: tl.constexpr):
-        """s' of run i of the blocks blk [H] for the rows at s_rows [1, BLOCK_N, 1], broadcast to
-        `shape` in the activations' dtype (0 past K)."""
-        k0 = blk * 128 + 16 * i
-        ok = live & (k0 < k)[:, None, None]
-        s = tl.load(s_rows + (k0 // GROUP)[:, None, None], mask=ok, other=0).to(tl.int32)
-        if MX:   # 2^(s - 127) * 2^119 (bf16) or * 2^7 (fp16), as an fp32's exponent field
-            v = ((s + (119 if BF16 else 7)) << 23).to(tl.float32, bitcast=True)
-            v = tl.where(ok, v, 0.0)
-        else:    # E4M3 at bits 7-13 of an fp16 is e4m3 * 2^-8: times 2^127 (bf16) or 2^15 (fp16)
-            e4m3 = (((s & 0x7F) << 7) | ((s & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-            v = e4m3.to(tl.float32) * (1.7014118346046923e38 if BF16 else 32768.0)
-        return tl.broadcast_to(v.to(tl.bfloat16 if BF16 else tl.float16), shape)
-
-    @triton.jit
-    def block_products(a0, a1, a2, a3, a4, a5, a6, a7, w_rows, s_rows, X, it, blk, k, live, MX: tl.constexpr,
-                       GROUP: tl.constexpr, BF16: tl.constexpr):
-        """The accumulators plus the H blocks at `it` of the rows at w_rows, s_rows times X."""
+        """y plus the H blocks at `it` of the rows at w_rows, s_rows times X: one product a run,
+        each column keeping its own run's sums, times that run's scale."""
         P = tl.load(w_rows + it * 16, mask=live, other=0, eviction_policy="evict_first")
-        shape: tl.constexpr = P.shape
-        w0, w1, w2, w3, w4, w5, w6, w7 = unpack(
-            P, run_scale(s_rows, blk, 0, k, live, shape, MX, GROUP, BF16),
-            run_scale(s_rows, blk, 1, k, live, shape, MX, GROUP, BF16),
-            run_scale(s_rows, blk, 2, k, live, shape, MX, GROUP, BF16),
-            run_scale(s_rows, blk, 3, k, live, shape, MX, GROUP, BF16),
-            run_scale(s_rows, blk, 4, k, live, shape, MX, GROUP, BF16),
-            run_scale(s_rows, blk, 5, k, live, shape, MX, GROUP, BF16),
-            run_scale(s_rows, blk, 6, k, live, shape, MX, GROUP, BF16),
-            run_scale(s_rows, blk, 7, k, live, shape, MX, GROUP, BF16), BF16)
-        return (tl.dot(w0, X, a0), tl.dot(w1, X, a1), tl.dot(w2, X, a2), tl.dot(w3, X, a3),
-                tl.dot(w4, X, a4), tl.dot(w5, X, a5), tl.dot(w6, X, a6), tl.dot(w7, X, a7))
+        w0, w1, w2, w3, w4, w5, w6, w7 = unpack(P, BF16)
+        t = pick(tl.dot(w0, X), tl.dot(w1, X), tl.dot(w2, X), tl.dot(w3, X), tl.dot(w4, X), tl.dot(w5, X),
+                 tl.dot(w6, X), tl.dot(w7, X), lanes[None, None, :])
+        return y + spread_scales(s_rows, blk, k, live, E, MX, GROUP) * t
 
     @triton.jit
-    def fold_runs(a0, a1, a2, a3, a4, a5, a6, a7, lanes, r_ptr, cols, col_ok, ROWS: tl.constexpr):
-        """[BLOCK_N, ROWS] fp32 outputs: each column's own run (pick), the H blocks and the runs summed
-        per row, times 2^SCALE_SHIFT and the rows' global factor."""
-        t = tl.sum(pick(a0, a1, a2, a3, a4, a5, a6, a7, lanes[None, None, :]), axis=0)
+    def fold_rows(y, r_ptr, cols, col_ok, ROWS: tl.constexpr, BF16: tl.constexpr):
+        """[BLOCK_N, ROWS] fp32 outputs: the H blocks and the runs summed per row, times the rows'
+        global factor (and 2^14 undoing the fp16 decoding's 2^-14)."""
+        t = tl.sum(y, axis=0)
         BLOCK_N: tl.constexpr = t.shape[0]
         COLS: tl.constexpr = t.shape[1]
         out = tl.sum(tl.reshape(t, [BLOCK_N, COLS // ROWS, ROWS]), axis=1)
-        return out * (tl.load(r_ptr + cols, mask=col_ok, other=0.0) * 128.0)[:, None]
+        factor = tl.load(r_ptr + cols, mask=col_ok, other=0.0) * (1.0 if BF16 else 16384.0)
+        return out * factor[:, None]
 
     @triton.jit
     def fp4_gemv_kernel(x_ptr, w_ptr, s_ptr, r_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, words, stride_x,
@@ -143,43 +137,31 @@ if triton is not None:
         per = tl.cdiv(blocks, SPLIT)
         first = tl.program_id(1) * per
         last = tl.minimum(first + per, blocks)
-        shape: tl.constexpr = [H, BLOCK_N, COLS]
-        a0, a1, a2, a3 = tl.zeros(shape, tl.float32), tl.zeros(shape, tl.float32), tl.zeros(shape, tl.float32), \
-            tl.zeros(shape, tl.float32)
-        a4, a5, a6, a7 = tl.zeros(shape, tl.float32), tl.zeros(shape, tl.float32), tl.zeros(shape, tl.float32), \
-            tl.zeros(shape, tl.float32)
-        g0, g1, g2, g3 = tl.zeros(shape, tl.float32), tl.zeros(shape, tl.float32), tl.zeros(shape, tl.float32), \
-            tl.zeros(shape, tl.float32)
-        g4, g5, g6, g7 = tl.zeros(shape, tl.float32), tl.zeros(shape, tl.float32), tl.zeros(shape, tl.float32), \
-            tl.zeros(shape, tl.float32)
+        i = tl.arange(0, 16)
+        E = tl.broadcast_to((((i[:, None] == lanes[None, :]) & (i < 8)[:, None]).to(tl.bfloat16))[None, :, :],
+                            [H, 16, COLS])   # run i -> its columns
+        y = tl.zeros([H, BLOCK_N, COLS], tl.float32)
+        y_up = tl.zeros([H, BLOCK_N, COLS], tl.float32)
         for it in range(first, last, H):
             blk = it + h
             live = col_ok[None, :, None] & (blk < last)[:, None, None]
             X = tl.load(x_cols + it * 128, mask=x_ok & (it * 128 + x_k < k) & (blk < last)[:, None, None],
                         other=0.0).to(dt)
-            a0, a1, a2, a3, a4, a5, a6, a7 = block_products(a0, a1, a2, a3, a4, a5, a6, a7, w_rows, s_rows, X, it,
-                                                            blk, k, live, MX, GROUP, BF16)
+            y = block_sum(y, w_rows, s_rows, X, it, blk, k, live, lanes, E, MX, GROUP, BF16)
             if GATED:
-                g0, g1, g2, g3, g4, g5, g6, g7 = block_products(g0, g1, g2, g3, g4, g5, g6, g7, w_up, s_up, X, it,
-                                                                blk, k, live, MX, GROUP, BF16)
+                y_up = block_sum(y_up, w_up, s_up, X, it, blk, k, live, lanes, E, MX, GROUP, BF16)
         pdl.release(PDL)
-        y = fold_runs(a0, a1, a2, a3, a4, a5, a6, a7, lanes, r_ptr, cols, col_ok, ROWS)
-        y_up = y
-        if GATED:
-            y_up = fold_runs(g0, g1, g2, g3, g4, g5, g6, g7, lanes, r_ptr, n + cols, col_ok, ROWS)
+        y = fold_rows(y, r_ptr, cols, col_ok, ROWS, BF16)
+        y_up = fold_rows(y_up, r_ptr, n + cols, col_ok, ROWS, BF16)
         r = tl.arange(0, ROWS)
         splitk.reduce_and_finish(y, y_up, ws_ptr, cnt_ptr, n, out_ptr, b_ptr, cols, col_ok, r, rows, stride_o,
                                  SPLIT, HAS_BIAS, GATED)
 
 
-def fits(scales: torch.Tensor, kind: str, dtype: torch.dtype) -> bool:
-    """Whether the GEMV's decoded weights hold these scales exactly: always for NVFP4's E4M3; for
-    MXFP4's exponents e (2^(e - 127)), s' and every product e2m1 * 2^(e - 134) must be normal in
-    `dtype` (bf16: 9 <= e <= 135; fp16: 111 <= e <= 135; checkpoints' exponents sit near 127)."""
-    if kind == "nvfp4":
-        return True
-    low = 9 if dtype == torch.bfloat16 else 111
-    return scales.numel() == 0 or (int(scales.min()) >= low and int(scales.max()) <= 135)
+def fits(scales: torch.Tensor, kind: str) -> bool:
+    """Whether the GEMV holds these scales exactly: always NVFP4's E4M3; MXFP4's exponents e (2^(e - 127))
+    must be normal bf16 values, 1 <= e <= 254 (checkpoints' sit near 127)."""
+    return kind == "nvfp4" or scales.numel() == 0 or (int(scales.min()) >= 1 and int(scales.max()) <= 254)
 
 
 def tiles_for(n: int, k: int) -> tuple[int, int, int, int]:
