@@ -27,7 +27,7 @@ import torch
 
 from shardserve.kernels import pdl
 from shardserve.kernels.quant import splitk
-from shardserve.kernels.quant.triton_fp4 import BLOCK, GROUP
+from shardserve.kernels.quant.triton_fp4 import GROUP
 from shardserve.utils import cdiv
 
 MAX_ROWS = 4
@@ -164,11 +164,15 @@ def fits(scales: torch.Tensor, kind: str) -> bool:
     return kind == "nvfp4" or scales.numel() == 0 or (int(scales.min()) >= 1 and int(scales.max()) <= 254)
 
 
-def tiles_for(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, H, SPLIT, stages): 16 rows a program, 4 blocks a step; layers with few outputs
-    split K so every SM gets programs."""
-    split = 1 if n >= 8192 else max(1, min(4, 8192 // n))
-    return 16, 4, min(split, max(1, cdiv(k, 4 * BLOCK))), 3
+def tiles_for(n: int, gated: bool, rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, H, SPLIT, stages): the fastest of a sweep over Llama-3-8B's shapes on an H200
+    (`benchmarks/quant_gemv.py --sweep`, BENCHMARKS.md session 35): 16 output rows and 4 blocks a
+    step; at 1-2 rows, 8 blocks for layers of up to 4096 outputs, 32 rows for gate_up."""
+    if rows > 2:
+        return 16, 4, 1, 3
+    if gated:
+        return 32, 4, 1, 3
+    return (16, 8, 1, 3) if n <= 4096 else (16, 4, 1, 3)
 
 
 def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor, kind: str, k: int,
@@ -180,7 +184,7 @@ def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, row_scale: 
     rows = x.shape[0]
     n = words.shape[0] // 2 if gated else words.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    block_n, h, split, stages = tiles or tiles_for(n, k)
+    block_n, h, split, stages = tiles or tiles_for(n, gated, rows)
     padded = max(1, 1 << (rows - 1).bit_length())
     grid = (cdiv(n, block_n), split)
     ws, counters = splitk.buffers(x.device, split * padded * 2 * n, grid[0])
