@@ -105,6 +105,8 @@ INT4_DOT = [(16, 64, 4, 2), (16, 64, 4, 3)]
 # (BLOCK_N, blocks side by side = warps, split-K parts, stages)
 FP4_GEMV = [(16, 2, 1, 3), (16, 4, 1, 3), (16, 4, 1, 4), (16, 8, 1, 3), (16, 4, 2, 3), (16, 2, 2, 4), (32, 4, 1, 3),
             (16, 8, 2, 2), (32, 8, 1, 2), (16, 4, 4, 3)]
+# (BLOCK_M, BLOCK_N, warps, stages) of triton_fp4.matmul
+FP4_DOT = [(16, 16, 1, 3), (16, 32, 2, 3), (16, 32, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2), (16, 64, 8, 2)]
 
 
 def decode_variants(rows: int, n: int, k: int, gated: bool, sweep: bool):
@@ -145,8 +147,9 @@ def decode_variants(rows: int, n: int, k: int, gated: bool, sweep: bool):
             v[f"fp4 gemv {t}"] = ("fp4", lambda x, w, t=t: triton_fp4_gemv.gemv(x, *w, "nvfp4", k, gated=gated,
                                                                                 tiles=t), None, list(t))
     if rows >= 4:
-        v["fp4 dot"] = ("fp4", lambda x, w: (silu_mul if gated else (lambda y: y))(
-            triton_fp4.matmul(x, *w, None, "nvfp4", k)), None, None)
+        for t in [None] + (FP4_DOT if sweep else []):
+            v[f"fp4 dot {t or 'default'}"] = ("fp4", lambda x, w, t=t: (silu_mul if gated else (lambda y: y))(
+                triton_fp4.matmul(x, *w, None, "nvfp4", k, tiles=t)), None, list(t or ()))
     if rows >= 4:
         dot_key = tuned.key("int4_dot", 2 * n if gated else n, k, False, rows)
 

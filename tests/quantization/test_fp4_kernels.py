@@ -42,7 +42,7 @@ def test_repack_round_trip():
     packed = torch.randint(0, 256, (24, 200), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     words = triton_fp4.repack(packed)
     assert words.dtype == torch.int32 and words.shape == (24, 512 // 8)   # K 400 padded to 4 blocks of 128
-    assert torch.equal(triton_fp4.unpack(words, 400), triton_fp4.codes(packed).int())
+    assert torch.equal(triton_fp4.codes_of(words, 400), triton_fp4.codes(packed).int())
     # nibble i of word w of a block: input 16 i + w
     assert ((words[:, 3] >> 8) & 0xF).tolist() == triton_fp4.codes(packed)[:, 16 * 2 + 3].tolist()
 
@@ -95,10 +95,10 @@ def run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gemv_ptx_decodes_every_code_exactly(dtype):
     """The asm's weights are e2m1 (fp16: times 2^-14) for every code in every nibble of both words."""
-    from shardserve.kernels.quant import triton_fp4_gemv as g
+    from shardserve.kernels.quant import triton_fp4
     from shardserve.quantization.fp4 import E2M1
     bf16 = dtype == torch.bfloat16
-    asm = g._unpack_asm(bf16)
+    asm = triton_fp4._unpack_asm(bf16)
     assert set(re.findall(r"^\s*([a-z0-9.]+)\s", asm, re.M)) <= {
         "mov.b32", "prmt.b32", "shl.b32", "shr.u32", "and.b32", "lop3.b32", "fma.rn.bf16x2"}
     codes = torch.arange(16, dtype=torch.int64)

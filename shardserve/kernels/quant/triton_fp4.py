@@ -22,6 +22,8 @@ into fp32, multiplies by its scale and rounds once into the activations' dtype (
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from shardserve.kernels import pdl
@@ -29,6 +31,7 @@ from shardserve.kernels.quant import int4_layout
 from shardserve.utils import cdiv
 
 GROUP = {"nvfp4": 16, "mxfp4": 32}
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # no PTX there: the kernels decode in plain Triton
 RUN = 16
 BLOCK = 8 * RUN   # inputs a block: 16 words a row
 
@@ -43,9 +46,25 @@ def repack(packed: torch.Tensor) -> torch.Tensor:
     return int4_layout.pack(codes(packed).t(), RUN)
 
 
-def unpack(words: torch.Tensor, k: int) -> torch.Tensor:
+def codes_of(words: torch.Tensor, k: int) -> torch.Tensor:
     """The inverse of repack, as codes [N, K] (int32)."""
     return int4_layout.unpack(words, k, RUN).t()
+
+
+def _unpack_asm(bf16: bool) -> str:
+    """PTX: two words in ($8, $9: inputs 2v and 2v + 1 of each run); run i out in $i as a packed
+    pair of e2m1 values (fp16: times 2^-14)."""
+    shift, magnitude = (6, "0x01C001C0") if bf16 else (3, "0x0E000E00")
+    lines = ["{ .reg .b32 t, u, v, c, z;", "mov.b32 c, 0x7E807E80;", "mov.b32 z, 0x80008000;"]   # 2^126, -0
+    for b in range(4):
+        select = b | b << 4 | (4 + b) << 8 | (4 + b) << 12    # byte b of $8, $9 into bytes 1 and 3
+        lines += [f"prmt.b32 t, $8, $9, {select:#x};", "shl.b32 v, t, 4;"]
+        for out, src in ((2 * b, "v"), (2 * b + 1, "t")):    # the lower code (nibble 2b), then the upper
+            lines += [f"shr.u32 u, {src}, {shift};", f"and.b32 u, u, {magnitude};",
+                      f"lop3.b32 ${out}, {src}, 0x80008000, u, 0xEA;"]   # (src & signs) | u
+            if bf16:
+                lines.append(f"fma.rn.bf16x2 ${out}, ${out}, c, z;")
+    return "\n".join(lines + ["}"])
 
 
 try:
@@ -55,11 +74,24 @@ except ImportError:   # CPU-only installs launch no Triton kernels
     triton = None
 
 if triton is not None:
+    UNPACK_BF16 = tl.constexpr(_unpack_asm(True))
+    UNPACK_FP16 = tl.constexpr(_unpack_asm(False))
+
     @triton.jit
-    def scale_of(s_ptr, cols, ok, k0, stride_s, MX: tl.constexpr, GROUP: tl.constexpr):
-        """The fp32 scale of the group holding input k0 (a scalar or a tensor broadcasting against
-        cols) for the rows cols."""
-        s = tl.load(s_ptr + cols.to(tl.int64) * stride_s + k0 // GROUP, mask=ok, other=0).to(tl.int32)
+    def decode(P, BF16: tl.constexpr):
+        """The 8 runs of the words P [H, BLOCK_N, 16] as 8 tensors of e2m1 values (fp16: times 2^-14)."""
+        if BF16:
+            return tl.inline_asm_elementwise(UNPACK_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [P],
+                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(UNPACK_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [P],
+                                             dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+
+    @triton.jit
+    def scale_of(s_rows, ok, k0, MX: tl.constexpr, GROUP: tl.constexpr):
+        """The fp32 scales of the groups holding inputs k0 (broadcasting against s_rows, the rows'
+        first scale bytes); 0 where masked."""
+        s = tl.load(s_rows + k0 // GROUP, mask=ok, other=0).to(tl.int32)
         if MX:   # E8M0: 2^(s - 127), built as an fp32's exponent field (s = 0, 2^-127, reads as 0)
             return (s << 23).to(tl.float32, bitcast=True)
         e4m3 = (((s & 0x7F) << 7) | ((s & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
@@ -73,27 +105,62 @@ if triton is not None:
         return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
 
     @triton.jit
+    def decode_runs(P, ASM: tl.constexpr, BF16: tl.constexpr):
+        """The 8 runs of the words P as tensors in the activations' dtype: e2m1 values (compiled
+        fp16: times 2^-14); the PTX when compiled, bit arithmetic in fp32 under the interpreter."""
+        if ASM:
+            return decode(P, BF16)
+        else:
+            dt = tl.bfloat16 if BF16 else tl.float16
+            return (decode_run(P, 0).to(dt), decode_run(P, 1).to(dt), decode_run(P, 2).to(dt),
+                    decode_run(P, 3).to(dt), decode_run(P, 4).to(dt), decode_run(P, 5).to(dt),
+                    decode_run(P, 6).to(dt), decode_run(P, 7).to(dt))
+
+    @triton.jit
+    def run_part(acc, w, S, i: tl.constexpr, x_rows, m_ok, k0, k, BLOCK_M: tl.constexpr):
+        """acc plus run i's products (w [BLOCK_N, 16] times its 16 activations of each row) times
+        the run's scales, spread over the rows by a one-hot product (exact, and in the accumulator's
+        layout: no trip through shared memory)."""
+        j = tl.arange(0, 16)
+        kk = k0 + 16 * i + j
+        x = tl.load(x_rows + kk[:, None], mask=m_ok[None, :] & (kk < k)[:, None], other=0.0)   # [16, M]
+        E = tl.where((j == i)[:, None] & m_ok[None, :], 1.0, 0.0).to(S.dtype)                # row i: ones
+        return acc + tl.dot(S, E) * tl.dot(w, x)
+
+    @triton.jit
     def fp4_matmul_kernel(x_ptr, w_ptr, s_ptr, r_ptr, b_ptr, out_ptr, rows, n, k, words, stride_x, stride_s,
                           stride_o, MX: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+        # Per block of 128 inputs: the 8 runs decoded at once, each run's product (K = 16) scaled by
+        # its scales spread over the rows; the fp32 sums take the rows' global factor at the end.
         pdl.start(PDL)
+        BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         col_ok = cols < n
         m_ok = m < rows
         j = tl.arange(0, 16)
         w_rows = w_ptr + cols[:, None].to(tl.int64) * words + j[None, :]
+        s_rows = s_ptr + cols[:, None].to(tl.int64) * stride_s
         x_rows = x_ptr + m[None, :].to(tl.int64) * stride_x
-        dt = x_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for k0 in range(0, k, 128):
             P = tl.load(w_rows + k0 // 8, mask=col_ok[:, None], other=0)
-            for i in tl.static_range(8):
-                kk = k0 + 16 * i + j
-                x = tl.load(x_rows + kk[:, None], mask=m_ok[None, :] & (kk < k)[:, None], other=0.0)   # [16, M]
-                s = scale_of(s_ptr, cols, col_ok & (cols * 0 + k0 + 16 * i < k), k0 + 16 * i, stride_s, MX, GROUP)
-                acc = tl.dot((decode_run(P, i) * s[:, None]).to(dt), x, acc)
-        acc = acc * tl.load(r_ptr + cols, mask=col_ok, other=0.0)[:, None]
+            w0, w1, w2, w3, w4, w5, w6, w7 = decode_runs(P, ASM, BF16)
+            k_run = k0 + 16 * j                        # the block's runs (columns 8 and up: none)
+            s_ok = col_ok[:, None] & ((j < 8) & (k_run < k))[None, :]
+            S = scale_of(s_rows, s_ok, k_run[None, :], MX, GROUP)   # [BLOCK_N, 16] fp32
+            S = S.to(tl.bfloat16) if ASM else S        # exact (E4M3, powers of two); the interpreter: fp32
+            acc = run_part(acc, w0, S, 0, x_rows, m_ok, k0, k, BLOCK_M)
+            acc = run_part(acc, w1, S, 1, x_rows, m_ok, k0, k, BLOCK_M)
+            acc = run_part(acc, w2, S, 2, x_rows, m_ok, k0, k, BLOCK_M)
+            acc = run_part(acc, w3, S, 3, x_rows, m_ok, k0, k, BLOCK_M)
+            acc = run_part(acc, w4, S, 4, x_rows, m_ok, k0, k, BLOCK_M)
+            acc = run_part(acc, w5, S, 5, x_rows, m_ok, k0, k, BLOCK_M)
+            acc = run_part(acc, w6, S, 6, x_rows, m_ok, k0, k, BLOCK_M)
+            acc = run_part(acc, w7, S, 7, x_rows, m_ok, k0, k, BLOCK_M)
+        unit = 16384.0 if ASM and not BF16 else 1.0   # the fp16 PTX's 2^-14
+        acc = acc * (tl.load(r_ptr + cols, mask=col_ok, other=0.0) * unit)[:, None]
         if HAS_BIAS:   # added in fp32 before the one rounding
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + cols[:, None], acc.to(out_ptr.dtype.element_ty),
@@ -108,10 +175,11 @@ if triton is not None:
         col_ok = cols < n
         j = tl.arange(0, 16)
         P = tl.load(w_ptr + cols[:, None].to(tl.int64) * words + (k0 // 8 + j)[None, :], mask=col_ok[:, None], other=0)
+        s_rows = s_ptr + cols.to(tl.int64) * stride_s
         r = tl.load(r_ptr + cols, mask=col_ok, other=0.0)
         for i in tl.static_range(8):
             kk = k0 + 16 * i + j
-            s = scale_of(s_ptr, cols, col_ok & (cols * 0 + k0 + 16 * i < k), k0 + 16 * i, stride_s, MX, GROUP)
+            s = scale_of(s_rows, col_ok & (cols * 0 + k0 + 16 * i < k), k0 + 16 * i, MX, GROUP)
             w = decode_run(P, i) * (s * r)[:, None]
             tl.store(out_ptr + cols[:, None].to(tl.int64) * k + kk[None, :], w.to(out_ptr.dtype.element_ty),
                      mask=col_ok[:, None] & (kk < k)[None, :])
@@ -135,7 +203,8 @@ def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, row_scale
     fp4_matmul_kernel[(cdiv(n, block_n), cdiv(rows, block_m))](
         x, words, scales, row_scale, bias if bias is not None else row_scale, out, rows, n, k, words.shape[1],
         x.stride(0), scales.stride(0), out.stride(0), MX=kind == "mxfp4", GROUP=GROUP[kind], HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **pdl.launch_args(x))
+        BLOCK_M=block_m, BLOCK_N=block_n, ASM=not INTERPRETED, num_warps=warps, num_stages=stages,
+        **pdl.launch_args(x))
     return out
 
 

@@ -27,26 +27,10 @@ import torch
 
 from shardserve.kernels import pdl
 from shardserve.kernels.quant import splitk
-from shardserve.kernels.quant.triton_fp4 import GROUP
+from shardserve.kernels.quant.triton_fp4 import GROUP, decode
 from shardserve.utils import cdiv
 
 MAX_ROWS = 4
-
-
-def _unpack_asm(bf16: bool) -> str:
-    """PTX: two words in ($8, $9: inputs 2v and 2v + 1 of each run); run i out in $i as a packed
-    pair of e2m1 values (fp16: times 2^-14)."""
-    shift, magnitude = (6, "0x01C001C0") if bf16 else (3, "0x0E000E00")
-    lines = ["{ .reg .b32 t, u, v, c, z;", "mov.b32 c, 0x7E807E80;", "mov.b32 z, 0x80008000;"]   # 2^126, -0
-    for b in range(4):
-        select = b | b << 4 | (4 + b) << 8 | (4 + b) << 12    # byte b of $8, $9 into bytes 1 and 3
-        lines += [f"prmt.b32 t, $8, $9, {select:#x};", "shl.b32 v, t, 4;"]
-        for out, src in ((2 * b, "v"), (2 * b + 1, "t")):    # the lower code (nibble 2b), then the upper
-            lines += [f"shr.u32 u, {src}, {shift};", f"and.b32 u, u, {magnitude};",
-                      f"lop3.b32 ${out}, {src}, 0x80008000, u, 0xEA;"]   # (src & signs) | u
-            if bf16:
-                lines.append(f"fma.rn.bf16x2 ${out}, ${out}, c, z;")
-    return "\n".join(lines + ["}"])
 
 
 try:
@@ -57,19 +41,6 @@ except ImportError:   # CPU-only installs launch no Triton kernels
 
 if triton is not None:
     from shardserve.kernels.quant.triton_w4a16_gemv import pick
-
-    UNPACK_BF16 = tl.constexpr(_unpack_asm(True))
-    UNPACK_FP16 = tl.constexpr(_unpack_asm(False))
-
-    @triton.jit
-    def unpack(P, BF16: tl.constexpr):
-        """The 8 runs of the words P [H, BLOCK_N, 16] as 8 tensors of e2m1 values (fp16: times 2^-14)."""
-        if BF16:
-            return tl.inline_asm_elementwise(UNPACK_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [P],
-                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
-        else:
-            return tl.inline_asm_elementwise(UNPACK_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [P],
-                                             dtype=(tl.float16,) * 8, is_pure=True, pack=2)
 
     @triton.jit
     def spread_scales(s_rows, blk, k, live, E, MX: tl.constexpr, GROUP: tl.constexpr):
@@ -93,7 +64,7 @@ if triton is not None:
         """y plus the H blocks at `it` of the rows at w_rows, s_rows times X: one product a run,
         each column keeping its own run's sums, times that run's scale."""
         P = tl.load(w_rows + it * 16, mask=live, other=0, eviction_policy="evict_first")
-        w0, w1, w2, w3, w4, w5, w6, w7 = unpack(P, BF16)
+        w0, w1, w2, w3, w4, w5, w6, w7 = decode(P, BF16)
         t = pick(tl.dot(w0, X), tl.dot(w1, X), tl.dot(w2, X), tl.dot(w3, X), tl.dot(w4, X), tl.dot(w5, X),
                  tl.dot(w6, X), tl.dot(w7, X), lanes[None, None, :])
         return y + spread_scales(s_rows, blk, k, live, E, MX, GROUP) * t
