@@ -105,8 +105,9 @@ INT4_DOT = [(16, 64, 4, 2), (16, 64, 4, 3)]
 # (BLOCK_N, blocks side by side = warps, split-K parts, stages)
 FP4_GEMV = [(16, 2, 1, 3), (16, 4, 1, 3), (16, 4, 1, 4), (16, 8, 1, 3), (16, 4, 2, 3), (16, 2, 2, 4), (32, 4, 1, 3),
             (16, 8, 2, 2), (32, 8, 1, 2), (16, 4, 4, 3)]
-# (BLOCK_M, BLOCK_N, warps, stages) of triton_fp4.matmul
-FP4_DOT = [(16, 16, 1, 3), (16, 32, 2, 3), (16, 32, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2), (16, 64, 8, 2)]
+# (BLOCK_M, BLOCK_N, warps, stages, split-K parts) of triton_fp4.matmul
+FP4_DOT = [(16, 32, 2, 3, 1), (16, 32, 2, 3, 2), (16, 32, 2, 3, 4), (16, 16, 1, 3, 2), (16, 64, 4, 3, 2),
+           (16, 64, 4, 3, 4)]
 
 
 def decode_variants(rows: int, n: int, k: int, gated: bool, sweep: bool):

@@ -254,8 +254,8 @@ def test_fp8_group_quantization_matches_torch():
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 1056)])
 def test_fp4_matmul(n, k, kind, rows):
     """kernels/quant/triton_fp4.py compiled on its layout: the FP4 layer's values (decoded by
-    quantization/fp4.py's unpacking) against dequantize-then-matmul, 16-row and wider tiles, bf16
-    activations, a bias; and the dequantized weight, bit for bit."""
+    quantization/fp4.py's unpacking) against dequantize-then-matmul, 16-row tiles with and without
+    split-K and wider ones, bf16 activations, a bias; and the dequantized weight, bit for bit."""
     from shardserve.kernels.quant import triton_fp4
     from tests.quantization.test_fp4_kernels import fp4_case
     packed, scales, row_scale, weight = fp4_case(kind, n, k, torch.Generator().manual_seed(n + k))
@@ -263,7 +263,9 @@ def test_fp4_matmul(n, k, kind, rows):
     x = torch.randn(rows, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16() if rows == 3 else None
     want = x.float() @ weight.cuda().t() + (bias.float() if bias is not None else 0)
-    _close(triton_fp4.matmul(x, words, scales, row_scale, bias, kind, k), want, rows, n)
+    for tiles in (None, (16, 32, 2, 3, 4), (16, 64, 4, 3, 1)) if rows <= 16 else (None,):
+        for _ in range(2):   # split-K's counters back at zero after each call
+            _close(triton_fp4.matmul(x, words, scales, row_scale, bias, kind, k, tiles), want, rows, n)
     if rows == 1:
         got = triton_fp4.dequantize(words, scales, row_scale, kind, k, torch.bfloat16)
         assert torch.equal(got, weight.cuda().bfloat16())

@@ -129,7 +129,7 @@ def check_kernels() -> None:
             words = triton_fp4.repack(packed)
             got = triton_fp4.dequantize(words, scales, row_scale, kind, k, torch.float16).float()
             assert torch.equal(got, weight.half().float()), (kind, n, k)
-            for rows, tiles in ((1, None), (3, (16, 16, 4, 1)), (20, None), (70, (32, 16, 4, 1))):
+            for rows, tiles in ((1, None), (3, (16, 16, 4, 1, 3)), (5, None), (20, None), (70, (32, 16, 4, 1, 1))):
                 x = torch.randn(rows, k, generator=gen).half()   # the interpreter has no bf16 arithmetic
                 bias = torch.randn(n, generator=gen).half() if rows == 3 else None
                 want = x.float() @ weight.t() + (bias.float() if bias is not None else 0)

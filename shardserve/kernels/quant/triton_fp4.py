@@ -27,7 +27,7 @@ import os
 import torch
 
 from shardserve.kernels import pdl
-from shardserve.kernels.quant import int4_layout
+from shardserve.kernels.quant import int4_layout, splitk
 from shardserve.utils import cdiv
 
 GROUP = {"nvfp4": 16, "mxfp4": 32}
@@ -128,15 +128,17 @@ if triton is not None:
         return acc + tl.dot(S, E) * tl.dot(w, x)
 
     @triton.jit
-    def fp4_matmul_kernel(x_ptr, w_ptr, s_ptr, r_ptr, b_ptr, out_ptr, rows, n, k, words, stride_x, stride_s,
-                          stride_o, MX: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    def fp4_matmul_kernel(x_ptr, w_ptr, s_ptr, r_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, words, stride_x,
+                          stride_s, stride_o, MX: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+                          PDL: tl.constexpr):
         # Per block of 128 inputs: the 8 runs decoded at once, each run's product (K = 16) scaled by
         # its scales spread over the rows; the fp32 sums take the rows' global factor at the end.
+        # Grid axis 1: the row tiles, or with SPLIT > 1 (one row tile) the parts of K (split-K).
         pdl.start(PDL)
         BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m = (tl.program_id(1) * BLOCK_M if SPLIT == 1 else 0) + tl.arange(0, BLOCK_M)
         col_ok = cols < n
         m_ok = m < rows
         j = tl.arange(0, 16)
@@ -144,7 +146,11 @@ if triton is not None:
         s_rows = s_ptr + cols[:, None].to(tl.int64) * stride_s
         x_rows = x_ptr + m[None, :].to(tl.int64) * stride_x
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k0 in range(0, k, 128):
+        blocks = tl.cdiv(k, 128)
+        per = tl.cdiv(blocks, SPLIT)
+        first = tl.program_id(1) * per if SPLIT > 1 else 0
+        for blk in range(first, tl.minimum(first + per, blocks)):
+            k0 = blk * 128
             P = tl.load(w_rows + k0 // 8, mask=col_ok[:, None], other=0)
             w0, w1, w2, w3, w4, w5, w6, w7 = decode_runs(P, ASM, BF16)
             k_run = k0 + 16 * j                        # the block's runs (columns 8 and up: none)
@@ -161,10 +167,8 @@ if triton is not None:
             acc = run_part(acc, w7, S, 7, x_rows, m_ok, k0, k, BLOCK_M)
         unit = 16384.0 if ASM and not BF16 else 1.0   # the fp16 PTX's 2^-14
         acc = acc * (tl.load(r_ptr + cols, mask=col_ok, other=0.0) * unit)[:, None]
-        if HAS_BIAS:   # added in fp32 before the one rounding
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + cols[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=col_ok[:, None] & m_ok[None, :])
+        splitk.reduce_and_finish(acc, acc, ws_ptr, cnt_ptr, n, out_ptr, b_ptr, cols, col_ok, m, rows, stride_o, SPLIT,
+                                 HAS_BIAS, False)
 
     @triton.jit
     def fp4_dequantize_kernel(w_ptr, s_ptr, r_ptr, out_ptr, n, k, words, stride_s, MX: tl.constexpr,
@@ -185,13 +189,17 @@ if triton is not None:
                      mask=col_ok[:, None] & (kk < k)[None, :])
 
 
-def tiles_for(rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) of `matmul`: 16 rows a tile up to 16 rows, wider beyond."""
-    return (16, 64, 4, 2) if rows <= 16 else (64, 64, 4, 2)
+def tiles_for(rows: int, n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages, SPLIT): for 5-16 rows the best or near it on Llama-3-8B's
+    shapes on an H100 (`benchmarks/quant_gemv.py --sweep`, BENCHMARKS.md session 35), split-K where
+    32-output strips leave SMs idle; wider tiles for more rows."""
+    if rows <= 16:
+        return 16, 32, 2, 3, 1 if n >= 8192 else 2
+    return 64, 64, 4, 2, 1
 
 
 def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor,
-           bias: torch.Tensor | None, kind: str, k: int, tiles: tuple[int, int, int, int] | None = None
+           bias: torch.Tensor | None, kind: str, k: int, tiles: tuple[int, int, int, int, int] | None = None
            ) -> torch.Tensor:
     """x [M, K] (bf16 / fp16) @ the FP4 weight^T -> [M, N] in x's dtype, on the tensor cores."""
     rows, n = x.shape[0], words.shape[0]
@@ -199,12 +207,15 @@ def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, row_scale
     if rows == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
-    block_m, block_n, warps, stages = tiles or tiles_for(rows)
-    fp4_matmul_kernel[(cdiv(n, block_n), cdiv(rows, block_m))](
-        x, words, scales, row_scale, bias if bias is not None else row_scale, out, rows, n, k, words.shape[1],
-        x.stride(0), scales.stride(0), out.stride(0), MX=kind == "mxfp4", GROUP=GROUP[kind], HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, ASM=not INTERPRETED, num_warps=warps, num_stages=stages,
-        **pdl.launch_args(x))
+    block_m, block_n, warps, stages, split = tiles or tiles_for(rows, n)
+    split = split if rows <= block_m else 1
+    grid = (cdiv(n, block_n), split if split > 1 else cdiv(rows, block_m))
+    ws, counters = splitk.buffers(x.device, split * block_m * 2 * n, grid[0])
+    fp4_matmul_kernel[grid](
+        x, words, scales, row_scale, bias if bias is not None else row_scale, out, ws, counters, rows, n, k,
+        words.shape[1], x.stride(0), scales.stride(0), out.stride(0), MX=kind == "mxfp4", GROUP=GROUP[kind],
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, ASM=not INTERPRETED,
+        num_warps=warps, num_stages=stages, **pdl.launch_args(x))
     return out
 
 
