@@ -295,9 +295,10 @@ def test_fp4_gemv(rows, kind, n, k, gated, bias):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
 def test_fp4_gemv_decodes_every_code_and_scale_exactly(kind, dtype):
-    """The compiled GEMV, one-hot activation rows reading its weights out: every code against every
-    scale byte it takes (tests/quantization/test_fp4_kernels.py runs its PTX on the CPU), bit for bit
-    against quantization/fp4.py's decoding rounded to the activations' dtype."""
+    """The compiled GEMV and the 5-16-row matmul, one-hot activation rows reading their weights out:
+    every code against every scale byte they take (tests/quantization/test_fp4_kernels.py runs their
+    PTX on the CPU), bit for bit against quantization/fp4.py's decoding rounded to the activations'
+    dtype."""
     from shardserve.kernels.quant import triton_fp4, triton_fp4_gemv
     from shardserve.quantization.fp4 import GROUP, unpack_e2m1
     k = 256
@@ -316,3 +317,6 @@ def test_fp4_gemv_decodes_every_code_and_scale_exactly(kind, dtype):
     got = torch.cat([triton_fp4_gemv.gemv(eye[i:i + 1], words, scales, torch.ones(n, device="cuda"), kind, k)
                      for i in range(k)])   # row i: input i of every output
     assert torch.equal(got.t(), want), (got.t().float() - want.float()).abs().max()
+    ones = torch.ones(n, device="cuda")
+    got = torch.cat([triton_fp4.matmul(eye[i:i + 16], words, scales, ones, None, kind, k) for i in range(0, k, 16)])
+    assert torch.equal(got.t(), want), (got.t().float() - want.float()).abs().max()   # 16 rows: the matmul

@@ -190,11 +190,11 @@ if triton is not None:
 
 
 def tiles_for(rows: int, n: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages, SPLIT): for 5-16 rows the best or near it on Llama-3-8B's
-    shapes on an H100 (`benchmarks/quant_gemv.py --sweep`, BENCHMARKS.md session 35), split-K where
-    32-output strips leave SMs idle; wider tiles for more rows."""
+    """(BLOCK_M, BLOCK_N, warps, stages, SPLIT): for 5-16 rows the fastest on Llama-3-8B's shapes at 8
+    rows on an H100 (`benchmarks/quant_gemv.py --sweep`, BENCHMARKS.md session 35): narrow strips and
+    K in 4 parts under 8192 outputs, else 64-output strips and 2 parts; wider tiles for more rows."""
     if rows <= 16:
-        return 16, 32, 2, 3, 1 if n >= 8192 else 2
+        return (16, 32, 2, 3, 4) if n < 8192 else (16, 64, 4, 3, 2)
     return 64, 64, 4, 2, 1
 
 
