@@ -63,7 +63,7 @@ def _say(kept: bool) -> None:   # once per process, at the first FP4 layer on a 
         logger.info("FP4 weights kept 4-bit on CUDA (SHARDSERVE_FP4_KERNELS=1, kernels/quant/triton_fp4_gemv.py)")
     else:
         logger.info("FP4 weights dequantized to the compute dtype at load (SHARDSERVE_FP4_KERNELS=1 keeps them "
-                    "4-bit on CUDA: ~3.5x less weight memory; docs/models.md)")
+                    "4-bit on CUDA: ~2.7x less weight memory; docs/models.md)")
 
 
 class Fp4LinearMethod(LinearMethod):

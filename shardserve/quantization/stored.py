@@ -9,8 +9,9 @@ from typing import Any
 
 def fp4_kept_on_gpus() -> bool:
     """SHARDSERVE_FP4_KERNELS=1: FP4 (NVFP4 / MXFP4) linears stay 4-bit on CUDA, on
-    kernels/quant/triton_fp4.py (about 3.5x less weight memory, slower decode than bf16 today:
-    docs/models.md); by default they are dequantized at load, as on the CPU (quantization/fp4.py)."""
+    kernels/quant/triton_fp4_gemv.py and triton_fp4.py (about 2.7x less weight memory, a faster
+    batch-1 decode than bf16, a slower first token: docs/models.md); by default they are
+    dequantized at load, as on the CPU (quantization/fp4.py)."""
     return os.environ.get("SHARDSERVE_FP4_KERNELS", "0") == "1"
 
 
