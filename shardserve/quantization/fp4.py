@@ -114,8 +114,6 @@ class Fp4LinearMethod(LinearMethod):
             layer.fp4_words = nn.Parameter(triton_fp4.repack(packed), requires_grad=False)
             layer.fp4_scales = nn.Parameter(stored.view(torch.uint8), requires_grad=False)
             layer.fp4_row_scale = nn.Parameter(row_scale, requires_grad=False)
-            # MXFP4 scales the GEMV's bf16 would not hold (triton_fp4_gemv.fits): 5-16 rows' kernel instead
-            layer.fp4_gemv = triton_fp4_gemv.fits(layer.fp4_scales, self.kind)
             return
         weight = dequantize(packed, stored, self.kind, per_row[:, None] if self.kind == "nvfp4" else None,
                             self.global_multiplies)
@@ -127,7 +125,7 @@ class Fp4LinearMethod(LinearMethod):
         flat = x.reshape(-1, x.shape[-1])
         args = (layer.fp4_words, layer.fp4_scales, layer.fp4_row_scale)
         rows, k = flat.shape
-        if 0 < rows <= triton_fp4_gemv.MAX_ROWS and layer.fp4_gemv:
+        if 0 < rows <= triton_fp4_gemv.MAX_ROWS:
             out = triton_fp4_gemv.gemv(flat, *args, self.kind, k, bias=bias)
         elif rows <= DOT_MAX_ROWS:
             out = triton_fp4.matmul(flat, *args, bias, self.kind, k)
@@ -136,8 +134,7 @@ class Fp4LinearMethod(LinearMethod):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
-        if (not getattr(layer, "fp4_gemv", False) or x.dim() != 2
-                or not 0 < x.shape[0] <= triton_fp4_gemv.MAX_ROWS):
+        if not hasattr(layer, "fp4_words") or x.dim() != 2 or not 0 < x.shape[0] <= triton_fp4_gemv.MAX_ROWS:
             return None
         return triton_fp4_gemv.gemv(x, layer.fp4_words, layer.fp4_scales, layer.fp4_row_scale, self.kind, x.shape[1],
                                     gated=True)

@@ -14,11 +14,15 @@ multiplies a whole run by one scale, and one load of 16 words a row brings a blo
 with zero codes to whole blocks. The scales stay bytes [N, K / G]; `row_scale` [N] fp32 carries
 the global factor.
 
-Decoding is bit arithmetic, exact: a code's magnitude bits placed at bits 9-11 of an fp16 (and its
-sign at bit 15) make the fp16 e2m1 * 2^-14, normal and subnormal values alike; an E4M3 byte's
-magnitude bits at bits 7-13 of an fp16 make e4m3 * 2^-8. `matmul` (5-16 rows) decodes each run
-into fp32, multiplies by its scale and rounds once into the activations' dtype (exact: at most
-2 + 4 significant bits) for the tensor cores; `dequantize` writes the whole weight for cuBLAS.
+Decoding is bit arithmetic, exact, no table (`_unpack_asm`, PTX: two codes into a bf16 / fp16 pair
+by a `prmt`, a shift, a mask and a `lop3`; triton_fp4_gemv.py's docstring has the details): a
+code's magnitude bits placed under its sign at bits 9-11 of an fp16 make the fp16 e2m1 * 2^-14,
+normal and subnormal values alike (bf16: bits 6-8, e2m1 * 2^-126, then one multiply by 2^126); an
+E4M3 scale byte's magnitude bits at bits 7-13 of an fp16 make e4m3 * 2^-8. Under Triton's
+interpreter (no PTX) `decode_run` does the same in plain Triton. `matmul` (5-16 rows) multiplies
+each run's 16 inputs on the tensor cores and scales the products by the run's scales, spread over
+the rows by a one-hot product (exact, in the accumulators' layout), with split-K for layers with
+few outputs; `dequantize` writes the whole weight, each value rounded once, for cuBLAS.
 """
 from __future__ import annotations
 

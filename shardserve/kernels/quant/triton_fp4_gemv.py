@@ -18,8 +18,8 @@ tensor-core product and applied to the runs' partial sums), with E2M1 decoding:
   weights' register layout.) The fp32 sums take the row's global factor at the end.
 - The programs: BLOCK_N output rows (16: the tensor cores' tile) and H blocks side by side on the
   batch axis of the products (one warp each), walking K H blocks a step; split-K (grid axis 1,
-  kernels/quant/splitk.py) for layers with few outputs; the gated form (gate_up, SiLU-and-mul) sums
-  both halves. The next kernel launches after the loop's loads (kernels/pdl.py, late release).
+  kernels/quant/splitk.py) for layers with few outputs; the gated form (gate_up, SiLU-and-mul) keeps
+  both halves' sums. The next kernel launches after the loop's loads (kernels/pdl.py, late release).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 
 from shardserve.kernels import pdl
 from shardserve.kernels.quant import splitk
-from shardserve.kernels.quant.triton_fp4 import GROUP, decode
+from shardserve.kernels.quant.triton_fp4 import GROUP, decode, scale_of
 from shardserve.utils import cdiv
 
 MAX_ROWS = 4
@@ -50,13 +50,8 @@ if triton is not None:
         i = tl.arange(0, 16)
         k0 = blk[:, None, None] * 128 + 16 * i[None, None, :]
         ok = live & ((i < 8)[None, None, :] & (k0 < k))
-        s = tl.load(s_rows + k0 // GROUP, mask=ok, other=0).to(tl.int32)
-        if MX:   # 2^(s - 127) as an fp32's exponent field (s = 0 reads as 2^-127, subnormal: 0)
-            v = (s << 23).to(tl.float32, bitcast=True)
-        else:    # E4M3 at bits 7-13 of an fp16 is e4m3 * 2^-8
-            v = (((s & 0x7F) << 7) | ((s & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            v = v * 256.0
-        return tl.dot(tl.where(ok, v, 0.0).to(tl.bfloat16), E)
+        v = scale_of(s_rows, ok, k0, MX, GROUP)
+        return tl.dot(tl.where(ok, v, 0.0).to(tl.bfloat16), E)   # (with the where: 86 registers; 104 without)
 
     @triton.jit
     def block_sum(y, w_rows, s_rows, X, it, blk, k, live, lanes, E, MX: tl.constexpr, GROUP: tl.constexpr,
@@ -127,12 +122,6 @@ if triton is not None:
         r = tl.arange(0, ROWS)
         splitk.reduce_and_finish(y, y_up, ws_ptr, cnt_ptr, n, out_ptr, b_ptr, cols, col_ok, r, rows, stride_o,
                                  SPLIT, HAS_BIAS, GATED)
-
-
-def fits(scales: torch.Tensor, kind: str) -> bool:
-    """Whether the GEMV holds these scales exactly: always NVFP4's E4M3; MXFP4's exponents e (2^(e - 127))
-    must be normal bf16 values, 1 <= e <= 254 (checkpoints' sit near 127)."""
-    return kind == "nvfp4" or scales.numel() == 0 or (int(scales.min()) >= 1 and int(scales.max()) <= 254)
 
 
 def tiles_for(n: int, gated: bool, rows: int) -> tuple[int, int, int, int]:
