@@ -141,7 +141,8 @@ def checkpoint_expert_bytes(config: dict[str, Any], dtype: str) -> float | None:
     otherwise than `dtype` says of its linears: left in 16 bits (an ignore list, "-:" override or
     exclusion naming them), or in a config group of their own. The engine's own rules decide
     (the format's `scheme_for` / `ignores` on the checkpoint's expert names, as models/loader.
-    place_schemes asks them), for the first MoE layer; then how a GPU holds experts of that scheme:
+    place_schemes asks them), layer by layer (the mean over the MoE layers: a checkpoint may leave
+    some layers' experts in 16 bits); then how a GPU holds experts of that scheme:
     FP8 and 4-bit ones as stored, INT8 ones widened (quantization/int8.Int8MoEMethod) and FP4 ones
     dequantized (quantization/fp4_moe.py) to 16 bits. None: as the linears, or nothing to ask (no
     quantization, a model the engine does not serve, `dtype` not the checkpoint's)."""
@@ -171,10 +172,12 @@ def checkpoint_expert_bytes(config: dict[str, Any], dtype: str) -> float | None:
             return "int4" if scheme[0] == 4 else "bf16"
         kind = str(getattr(scheme, "weights", scheme)).lower()   # compressed-tensors' CtScheme, ModelOpt's algo
         return kind if kind in ("fp8", "int4") else "bf16"
-    layer = shape.moe_layers.index(True)
-    stored = {held(n) for e in range(shape.experts) for n in names(f"model.layers.{layer}.mlp.experts", e)}
-    widest = max((WEIGHT_BYTES[d] for d in stored), default=WEIGHT_BYTES[dtype])   # several: the engine refuses
-    return None if widest == WEIGHT_BYTES[dtype] else widest
+    per_layer = []   # each MoE layer's experts (one scheme a layer: the engine refuses several; the widest)
+    for layer in (i for i, moe in enumerate(shape.moe_layers) if moe):
+        stored = {held(n) for e in range(shape.experts) for n in names(f"model.layers.{layer}.mlp.experts", e)}
+        per_layer.append(max(WEIGHT_BYTES[d] for d in stored))
+    mean = sum(per_layer) / len(per_layer)   # the layers' experts are the same size
+    return None if mean == WEIGHT_BYTES[dtype] else mean
 
 
 def gguf_embedding_bytes(facts: dict[str, Any], dtype: str) -> float | None:

@@ -72,3 +72,19 @@ def test_experts_stored_apart_are_planned_as_held(case):
     # repacked layout), and the rotary table counts more in two layers
     assert abs(built / planned - 1) < 0.03, f"{case}: built {built / 2**30:.3f} GiB, plan {planned / 2**30:.3f}"
     assert abs(built / unaware - 1) > 0.1   # the case matters: ignoring where the experts sit is off by >10%
+
+
+def test_experts_apart_in_some_layers_are_planned_layer_by_layer():
+    """An FP8 checkpoint leaving only the first layer's experts in 16 bits: the experts are planned
+    at the mean of their layers' bytes, as the built model holds them."""
+    from shardserve.planner.catalog import checkpoint_expert_bytes
+    from shardserve.planner.memory import WEIGHT_BYTES, config_dtype
+    from shardserve.planner.plan import model_shape
+    quantization = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                    "modules_to_not_convert": ["model.layers.0.mlp.experts"]}
+    config = {**shape_config("qwen3-30b-a3b"), "num_hidden_layers": 2, "quantization_config": quantization}
+    dtype = config_dtype(config)
+    assert checkpoint_expert_bytes(config, dtype) == (WEIGHT_BYTES["bf16"] + WEIGHT_BYTES["fp8"]) / 2
+    built = held_bytes(build_model(config, torch.bfloat16, torch.device("meta")))
+    planned = model_shape(config, {}, dtype).weight_bytes(dtype, 1, range(2), True, True)
+    assert abs(built / planned - 1) < 0.03, f"built {built / 2**30:.3f} GiB, plan {planned / 2**30:.3f}"
