@@ -190,7 +190,7 @@ def _limits(llm, config: dict[str, Any]) -> dict[str, Any]:
     in_dtype = counts["embed"] + (0 if head else counts["lm_head"]) + counts["experts"]
     if linear_elem is None:   # what the ranks hold as loaded (GGUF: blocks kept, parts dequantized)
         total = tp * max(llm.engine.executor.collective_rpc("weight_bytes"))
-        experts = total * counts["experts"] / counts["total"]
+        experts = tp * max(llm.engine.executor.collective_rpc("weight_bytes", (True,)))
     else:
         total = (counts["total"] - in_dtype) * linear_elem + in_dtype * elem
         experts = counts["experts"] * elem

@@ -65,9 +65,13 @@ class Worker:
                                                          else tuple(p.shape))
                 for n, p in self.model_runner.model.named_parameters()}
 
-    def weight_bytes(self) -> int:
-        """Bytes of this rank's parameters as held (each tensor once: "Model loading took ...")."""
-        return sum({p.data_ptr(): p.numel() * p.element_size() for p in self.model_runner.model.parameters()}.values())
+    def weight_bytes(self, experts_only: bool = False) -> int:
+        """Bytes of this rank's parameters as held (each tensor once: "Model loading took ..."); with
+        experts_only, those of its routed experts (the FusedMoE layers)."""
+        from shardserve.layers.moe import FusedMoE
+        model = self.model_runner.model
+        modules = [m for m in model.modules() if isinstance(m, FusedMoE)] if experts_only else [model]
+        return sum({p.data_ptr(): p.numel() * p.element_size() for m in modules for p in m.parameters()}.values())
 
     def cpu_offload_bytes(self) -> int:
         """Bytes of this rank's weights streamed from pinned CPU memory (--cpu-offload-gb)."""

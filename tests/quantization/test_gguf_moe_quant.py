@@ -184,3 +184,20 @@ def test_experts_not_kept_are_dequantized(tmp_path, monkeypatch, experts):
                 p.copy_(torch.from_numpy(gguf_files.roundtrip(fresh[name].numpy().copy(), experts.get("down", "Q8_0"))))
     diff = (ours - hf_logprobs(hf, prompt)[:len(prompt) - 1]).abs().max().item()
     assert diff <= 1e-4, f"log-probs differ from HF on the file's weights by {diff:.2e}"
+
+
+def test_bench_roofline_counts_the_experts_as_held(moe_file):
+    """`bench`'s roofline reads a GGUF MoE model's routed experts at the bytes their blocks hold
+    (the worker's FusedMoE parameters), apart from the dense part, not by parameter count."""
+    from shardserve.bench.offline import _limits
+    from shardserve.models.loader import load_hf_config
+    _, path = moe_file
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", show_progress=False)
+    try:
+        lim = _limits(llm, load_hf_config(path))
+        experts = sum({p.data_ptr(): p.numel() * p.element_size() for m in _experts(llm)
+                       for p in m.parameters()}.values())
+        assert lim["expert_bytes_per_rank"] == experts > 0
+        assert lim["dense_bytes_per_rank"] + experts == lim["weight_bytes_per_rank"] == _held_bytes(llm)
+    finally:
+        llm.engine.shutdown()
