@@ -159,3 +159,20 @@ def test_kernels_under_the_interpreter():
 
 def test_every_nibble_and_scale_byte_decodes_exactly():
     run_interpreted("tests.quantization.test_fp4_kernels", "check_exact_decoding", timeout=900)
+
+
+def test_split_k_workspace_outgrown_stays_alive():
+    """A split-K workspace replaced by a larger one is kept (CUDA graphs captured before write to it),
+    and the FP4 matmul's default tiles never split an LM head's outputs (which would grow it)."""
+    from shardserve.kernels.quant import splitk, triton_fp4
+    device = torch.device("cpu")
+    splitk._BUFFERS.pop(None, None)
+    small, _ = splitk.buffers(device, 16, 4)
+    large, _ = splitk.buffers(device, splitk.MIN_FLOATS + 1, 4)
+    assert large.numel() > small.numel() and any(t is small for t in splitk._OUTGROWN)
+    assert splitk.buffers(device, 16, 4)[0] is large
+    block_m, block_n, _, _, split = triton_fp4.tiles_for(16, 128256)
+    assert split == 1
+    for n in (4096, 6144, 28672):
+        block_m, block_n, _, _, split = triton_fp4.tiles_for(16, n)
+        assert split * block_m * 2 * n <= splitk.MIN_FLOATS

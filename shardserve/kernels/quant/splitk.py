@@ -22,6 +22,7 @@ except ImportError:   # CPU-only installs launch no Triton kernels
     triton = None
 
 _BUFFERS: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN: list[torch.Tensor | None] = []   # buffers replaced by larger ones: graphs may hold them
 MIN_FLOATS = 4 << 20     # 16 MiB: 16 rows x 2 x 14336 outputs x 8 parts fit
 MIN_COUNTERS = 1 << 16
 
@@ -29,12 +30,15 @@ MIN_COUNTERS = 1 << 16
 def buffers(device: torch.device, floats: int, strips: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 workspace of at least `floats`, int32 counters, zero, at least `strips`) for `device`,
     allocated once (sized so the 8B shapes never grow it, as growing inside a CUDA graph capture
-    would take graph-pool memory)."""
+    would take graph-pool memory). A buffer outgrown is kept alive, never freed: CUDA graphs captured
+    before still write to it."""
     index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
     ws, counters = _BUFFERS.get(index, (None, None))
     if ws is None or ws.numel() < floats:
+        _OUTGROWN.append(ws)
         ws = torch.empty(max(floats, MIN_FLOATS), dtype=torch.float32, device=device)
     if counters is None or counters.numel() < strips:
+        _OUTGROWN.append(counters)
         counters = torch.zeros(max(strips, MIN_COUNTERS), dtype=torch.int32, device=device)
     _BUFFERS[index] = (ws, counters)
     return ws, counters

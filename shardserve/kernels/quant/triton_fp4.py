@@ -21,8 +21,9 @@ normal and subnormal values alike (bf16: bits 6-8, e2m1 * 2^-126, then one multi
 E4M3 scale byte's magnitude bits at bits 7-13 of an fp16 make e4m3 * 2^-8. Under Triton's
 interpreter (no PTX) `decode_run` does the same in plain Triton. `matmul` (5-16 rows) multiplies
 each run's 16 inputs on the tensor cores and scales the products by the run's scales, spread over
-the rows by a one-hot product (exact, in the accumulators' layout), with split-K for layers with
-few outputs; `dequantize` writes the whole weight, each value rounded once, for cuBLAS.
+the rows by a one-hot product (exact, in the accumulators' layout), with split-K for layers of up
+to 32768 outputs; `dequantize` writes the whole weight for cuBLAS (e2m1 * scale * the row's factor
+in fp32, then rounded to the dtype).
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def _unpack_asm(bf16: bool) -> str:
     """PTX: two words in ($8, $9: inputs 2v and 2v + 1 of each run); run i out in $i as a packed
     pair of e2m1 values (fp16: times 2^-14)."""
     shift, magnitude = (6, "0x01C001C0") if bf16 else (3, "0x0E000E00")
-    lines = ["{ .reg .b32 t, u, v, c, z;", "mov.b32 c, 0x7E807E80;", "mov.b32 z, 0x80008000;"]   # 2^126, -0
+    lines = ["{ .reg .b32 t, u, v, c, z;"] + (["mov.b32 c, 0x7E807E80;", "mov.b32 z, 0x80008000;"]   # 2^126, -0
+                                               if bf16 else [])
     for b in range(4):
         select = b | b << 4 | (4 + b) << 8 | (4 + b) << 12    # byte b of $8, $9 into bytes 1 and 3
         lines += [f"prmt.b32 t, $8, $9, {select:#x};", "shl.b32 v, t, 4;"]
@@ -188,7 +190,7 @@ if triton is not None:
         for i in tl.static_range(8):
             kk = k0 + 16 * i + j
             s = scale_of(s_rows, col_ok & (cols * 0 + k0 + 16 * i < k), k0 + 16 * i, MX, GROUP)
-            w = decode_run(P, i) * (s * r)[:, None]
+            w = decode_run(P, i) * s[:, None] * r[:, None]   # e2m1 * scale exact in fp32, then the factor
             tl.store(out_ptr + cols[:, None].to(tl.int64) * k + kk[None, :], w.to(out_ptr.dtype.element_ty),
                      mask=col_ok[:, None] & (kk < k)[None, :])
 
@@ -196,9 +198,11 @@ if triton is not None:
 def tiles_for(rows: int, n: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages, SPLIT): for 5-16 rows the fastest on Llama-3-8B's shapes at 8
     rows on an H100 (`benchmarks/quant_gemv.py --sweep`, BENCHMARKS.md session 35): narrow strips and
-    K in 4 parts under 8192 outputs, else 64-output strips and 2 parts; wider tiles for more rows."""
+    K in 4 parts under 8192 outputs, 64-output strips and 2 parts up to 32768, no split beyond (an LM
+    head's strips fill the GPU, and its parts would outgrow splitk's workspace); wider tiles for more
+    rows."""
     if rows <= 16:
-        return (16, 32, 2, 3, 4) if n < 8192 else (16, 64, 4, 3, 2)
+        return (16, 32, 2, 3, 4) if n < 8192 else (16, 64, 4, 3, 2 if n <= 32768 else 1)
     return 64, 64, 4, 2, 1
 
 
@@ -212,7 +216,7 @@ def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, row_scale
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     block_m, block_n, warps, stages, split = tiles or tiles_for(rows, n)
-    split = split if rows <= block_m else 1
+    split = min(split, cdiv(k, BLOCK)) if rows <= block_m else 1
     grid = (cdiv(n, block_n), split if split > 1 else cdiv(rows, block_m))
     ws, counters = splitk.buffers(x.device, split * block_m * 2 * n, grid[0])
     fp4_matmul_kernel[grid](

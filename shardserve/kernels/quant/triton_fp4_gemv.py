@@ -18,7 +18,8 @@ tensor-core product and applied to the runs' partial sums), with E2M1 decoding:
   weights' register layout.) The fp32 sums take the row's global factor at the end.
 - The programs: BLOCK_N output rows (16: the tensor cores' tile) and H blocks side by side on the
   batch axis of the products (one warp each), walking K H blocks a step; split-K (grid axis 1,
-  kernels/quant/splitk.py) for layers with few outputs; the gated form (gate_up, SiLU-and-mul) keeps
+  kernels/quant/splitk.py) where the tiles ask for it (the tuned defaults do not: it did not pay on
+  the 8B shapes); the gated form (gate_up, SiLU-and-mul) keeps
   both halves' sums. The next kernel launches after the loop's loads (kernels/pdl.py, late release).
 """
 from __future__ import annotations
@@ -146,6 +147,7 @@ def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, row_scale: 
     x = x if x.stride(-1) == 1 else x.contiguous()
     block_n, h, split, stages = tiles or tiles_for(n, gated, rows)
     padded = max(1, 1 << (rows - 1).bit_length())
+    split = min(split, cdiv(k, 128 * h))
     grid = (cdiv(n, block_n), split)
     ws, counters = splitk.buffers(x.device, split * padded * 2 * n, grid[0])
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
