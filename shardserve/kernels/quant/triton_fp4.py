@@ -218,7 +218,8 @@ def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, row_scale
     block_m, block_n, warps, stages, split = tiles or tiles_for(rows, n)
     split = min(split, cdiv(k, BLOCK)) if rows <= block_m else 1
     grid = (cdiv(n, block_n), split if split > 1 else cdiv(rows, block_m))
-    ws, counters = splitk.buffers(x.device, split * block_m * 2 * n, grid[0])
+    # (no split: no workspace, which an LM head's outputs would outgrow)
+    ws, counters = splitk.buffers(x.device, split * block_m * 2 * n, grid[0]) if split > 1 else (out, out)
     fp4_matmul_kernel[grid](
         x, words, scales, row_scale, bias if bias is not None else row_scale, out, ws, counters, rows, n, k,
         words.shape[1], x.stride(0), scales.stride(0), out.stride(0), MX=kind == "mxfp4", GROUP=GROUP[kind],
