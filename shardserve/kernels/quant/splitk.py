@@ -22,7 +22,7 @@ except ImportError:   # CPU-only installs launch no Triton kernels
     triton = None
 
 _BUFFERS: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
-_OUTGROWN: list[torch.Tensor | None] = []   # buffers replaced by larger ones: graphs may hold them
+_OUTGROWN: list[torch.Tensor] = []   # buffers replaced by larger ones: graphs may hold them
 MIN_FLOATS = 4 << 20     # 16 MiB: 16 rows x 2 x 14336 outputs x 8 parts fit
 MIN_COUNTERS = 1 << 16
 
@@ -35,10 +35,10 @@ def buffers(device: torch.device, floats: int, strips: int) -> tuple[torch.Tenso
     index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
     ws, counters = _BUFFERS.get(index, (None, None))
     if ws is None or ws.numel() < floats:
-        _OUTGROWN.append(ws)
+        _OUTGROWN.extend([ws] if ws is not None else [])
         ws = torch.empty(max(floats, MIN_FLOATS), dtype=torch.float32, device=device)
     if counters is None or counters.numel() < strips:
-        _OUTGROWN.append(counters)
+        _OUTGROWN.extend([counters] if counters is not None else [])
         counters = torch.zeros(max(strips, MIN_COUNTERS), dtype=torch.int32, device=device)
     _BUFFERS[index] = (ws, counters)
     return ws, counters
