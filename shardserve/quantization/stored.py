@@ -52,12 +52,12 @@ def _modelopt_algos(q: dict[str, Any]) -> set[str]:
 def weight_dtype(q: dict[str, Any] | None) -> str | None:
     """"fp8", "int4", "int8" or "fp4" (NVFP4 / MXFP4 with SHARDSERVE_FP4_KERNELS=1) for the linears of a
     quantized checkpoint as a GPU holds them; None for other formats (and for INT8 layouts widened and
-    FP4 ones dequantized at load). A checkpoint with
-    layers in several schemes (compressed-tensors groups, GPTQ's `dynamic`, ModelOpt's
-    MIXED_PRECISION) counts at its widest (the planner then never plans less than it holds). Layers
-    a checkpoint leaves unquantized (its ignore list, `modules_to_not_convert`, a "-:" override) are
-    not counted wider: they are usually a few (the head, the routers); MoE experts stored apart from
-    the linears are sized on their own (planner/catalog.checkpoint_expert_bytes)."""
+    FP4 ones dequantized at load). A checkpoint with layers in several schemes (compressed-tensors
+    groups, GPTQ's `dynamic`, ModelOpt's MIXED_PRECISION) counts at its widest (the planner then
+    never plans less than it holds). Layers a checkpoint leaves unquantized (its ignore list,
+    `modules_to_not_convert`, a "-:" override) are not counted wider: they are usually a few (the
+    head, the routers); MoE experts stored apart from the linears are sized on their own
+    (planner/catalog.checkpoint_expert_bytes)."""
     q = q or {}
     method = str(q.get("quant_method", "")).lower()
     if method in ("fp8", "fbgemm_fp8") or (method == "modelopt" and _modelopt_algos(q) == {"FP8"}):

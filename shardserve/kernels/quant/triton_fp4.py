@@ -60,8 +60,8 @@ def _unpack_asm(bf16: bool) -> str:
     """PTX: two words in ($8, $9: inputs 2v and 2v + 1 of each run); run i out in $i as a packed
     pair of e2m1 values (fp16: times 2^-14)."""
     shift, magnitude = (6, "0x01C001C0") if bf16 else (3, "0x0E000E00")
-    lines = ["{ .reg .b32 t, u, v, c, z;"] + (["mov.b32 c, 0x7E807E80;", "mov.b32 z, 0x80008000;"]   # 2^126, -0
-                                               if bf16 else [])
+    lines = (["{ .reg .b32 t, u, v, c, z;", "mov.b32 c, 0x7E807E80;", "mov.b32 z, 0x80008000;"] if bf16   # 2^126, -0
+             else ["{ .reg .b32 t, u, v;"])
     for b in range(4):
         select = b | b << 4 | (4 + b) << 8 | (4 + b) << 12    # byte b of $8, $9 into bytes 1 and 3
         lines += [f"prmt.b32 t, $8, $9, {select:#x};", "shl.b32 v, t, 4;"]
