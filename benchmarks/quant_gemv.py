@@ -149,8 +149,10 @@ def decode_variants(rows: int, n: int, k: int, gated: bool, sweep: bool):
                                                                                 tiles=t), None, list(t))
     if rows >= 4:
         for t in [None] + (FP4_DOT if sweep else []):
-            v[f"fp4 dot {t or 'default'}"] = ("fp4", lambda x, w, t=t: (silu_mul if gated else (lambda y: y))(
-                triton_fp4.matmul(x, *w, None, "nvfp4", k, tiles=t)), None, list(t or ()))
+            for first, tag in ((False, "dot"), (True, "dot scale-first")):
+                v[f"fp4 {tag} {t or 'default'}"] = ("fp4", lambda x, w, t=t, first=first: (
+                    silu_mul if gated else (lambda y: y))(triton_fp4.matmul(x, *w, None, "nvfp4", k, tiles=t,
+                                                                            scale_first=first)), None, list(t or ()))
     if rows >= 4:
         dot_key = tuned.key("int4_dot", 2 * n if gated else n, k, False, rows)
 
@@ -221,6 +223,9 @@ def best_configs(decode: list[dict]) -> dict[str, list]:
 # (BLOCK_M, BLOCK_N, warps, stages) of the tensor-core W4A16 kernel on prefill row counts
 INT4_DOT_PREFILL = [(16, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3),
                     (64, 128, 8, 3), (128, 128, 4, 3)]
+# (BLOCK_M, BLOCK_N, warps, stages, split) of the FP4 matmul (weights scaled first) on prefill row counts
+FP4_DOT_PREFILL = [(64, 64, 4, 3, 1), (64, 64, 4, 3, 2), (64, 64, 4, 3, 4), (32, 64, 4, 3, 4), (128, 64, 4, 3, 1),
+                   (128, 64, 4, 3, 2), (128, 128, 8, 3, 1), (256, 128, 8, 3, 1), (32, 32, 2, 3, 4), (64, 32, 4, 3, 4)]
 
 
 def int4_weight(n: int, k: int, group: int, run: int) -> tuple:
@@ -230,12 +235,15 @@ def int4_weight(n: int, k: int, group: int, run: int) -> tuple:
     return int4_layout.pack(q, run), s, z
 
 
-def run_prefill(rows_list: list[int], sweep: bool = False) -> list[dict]:
+
+def run_prefill(rows_list: list[int], sweep: bool = False, shapes: tuple[str, ...] = ("qkv", "down"),
+                only: list[str] = ()) -> list[dict]:
     results = []
-    for name in ("qkv", "down"):
+    for name in shapes:
         n, k, _ = SHAPES[name]
         base = make_weights(n, k, False)
         g32 = int4_weight(n, k, 32, 32)   # GGUF Q4_0 / Q4_1 / Q4_K's groups
+        pools = {fmt: replicate(w, copies(nbytes(w))) for fmt, w in (*base.items(), ("g32", g32))}
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
 
@@ -248,22 +256,28 @@ def run_prefill(rows_list: list[int], sweep: bool = False) -> list[dict]:
                             x, triton_w4a16.dequantize(*w, k, GROUP, RUN, torch.bfloat16))),
                         "int4 g32 dequantize+cuBLAS": ("g32", lambda w: F.linear(
                             x, triton_w4a16.dequantize(*w, k, 32, 32, torch.bfloat16)))}
+            variants["fp4 dequantize+cuBLAS"] = ("fp4", lambda w: F.linear(
+                x, triton_fp4.dequantize(*w, "nvfp4", k, torch.bfloat16)))
+            for t in [None] + (FP4_DOT_PREFILL if sweep else []):
+                variants[f"fp4 dot {t or 'default'}"] = ("fp4", lambda w, t=t: triton_fp4.matmul(
+                    x, *w, None, "nvfp4", k, tiles=t))
             for t in INT4_DOT_PREFILL if sweep else INT4_DOT_PREFILL[:1]:
                 variants[f"int4 dot {t}"] = ("int4", lambda w, t=t: triton_w4a16.matmul_dot(
                     x, *w, k, GROUP, RUN, tiles=t))
                 variants[f"int4 g32 dot {t}"] = ("g32", lambda w, t=t: triton_w4a16.matmul_dot(
                     x, *w, k, 32, 32, tiles=t))
             for label, (fmt, fn) in variants.items():
-                weight = g32 if fmt == "g32" else base[fmt]
+                if only and not any(part in label for part in only):
+                    continue
                 try:
-                    t = graph_time(fn, [weight] * 2, reps=5)
+                    t = graph_time(fn, pools[fmt], reps=5)
                 except Exception as e:
                     print(f"prefill {name} rows {rows} {label}: {type(e).__name__}: {str(e)[:200]}")
                     continue
                 results.append({"shape": name, "rows": rows, "variant": label, "format": fmt, "us": t * 1e6,
                                 "tflops": 2 * rows * n * k / t / 1e12})
                 print(f"  prefill {name} rows {rows} {label}: {t * 1e6:.1f} us", flush=True)
-        del base, g32
+        del base, g32, pools
         torch.cuda.empty_cache()
     return results
 
@@ -273,6 +287,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also try the kernels' tile settings")
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--prefill-rows", default="64,256,1024,4096")
+    p.add_argument("--prefill-shapes", default="qkv,down")
     p.add_argument("--json", default=None)
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--only", default="", help="time only the variants whose names hold one of these "
@@ -295,7 +310,9 @@ def main() -> None:
         warm(ns.sweep, rows_list, shapes)
         return
     decode = run_decode(ns.sweep, rows_list, save, shapes, [part for part in ns.only.split(",") if part])
-    prefill = run_prefill([int(r) for r in ns.prefill_rows.split(",")], ns.sweep) if ns.prefill_rows else []
+    only = [part for part in ns.only.split(",") if part]
+    prefill = (run_prefill([int(r) for r in ns.prefill_rows.split(",")], ns.sweep, tuple(ns.prefill_shapes.split(",")),
+                           only) if ns.prefill_rows else [])
     save(decode, prefill)
     for (shape, rows) in dict.fromkeys((r["shape"], r["rows"]) for r in decode):
         rs = [r for r in decode if r["shape"] == shape and r["rows"] == rows]

@@ -3,7 +3,8 @@ weight of the compute dtype: the checkpoint's values at bf16's speed, not FP4's 
 SHARDSERVE_FP4_KERNELS=1 they stay 4-bit on CUDA (about 4.5 bits a weight with their scales),
 repacked once into kernels/quant/triton_fp4.py's layout: decode batches (1-4 rows) run the
 tensor-core GEMV of kernels/quant/triton_fp4_gemv.py (the gate_up pair with its SiLU-and-mul in one
-kernel), 5-16 rows triton_fp4.matmul, more rows cuBLAS on the weight dequantized for the call.
+kernel), 5-64 rows triton_fp4.matmul (its 17-64-row form scales the weights before their products),
+more rows cuBLAS on the weight dequantized for the call.
 Hopper has no FP4 tensor cores: the kernels multiply in the activations' dtype (W4A16), so a
 checkpoint's FP4 activation quantization (W4A4) is not applied. docs/models.md has the figures.
 
@@ -36,7 +37,7 @@ logger = logging.getLogger("shardserve")
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E8M0_BIAS = 127
-DOT_MAX_ROWS = 16   # more rows: the weight dequantized for the call, then cuBLAS
+DOT_MAX_ROWS = 64   # more rows: the weight dequantized for the call, then cuBLAS (faster past 64: BENCHMARKS.md)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:

@@ -249,13 +249,14 @@ def test_fp8_group_quantization_matches_torch():
     assert not q[37:].float().any()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 200])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 64, 200])
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 1056)])
 def test_fp4_matmul(n, k, kind, rows):
     """kernels/quant/triton_fp4.py compiled on its layout: the FP4 layer's values (decoded by
     quantization/fp4.py's unpacking) against dequantize-then-matmul, 16-row tiles with and without
-    split-K and wider ones, bf16 activations, a bias; and the dequantized weight, bit for bit."""
+    split-K and wider ones, the scales applied after the products and to the weights first, bf16
+    activations, a bias; and the dequantized weight, bit for bit."""
     from shardserve.kernels.quant import triton_fp4
     from tests.quantization.test_fp4_kernels import fp4_case
     packed, scales, row_scale, weight = fp4_case(kind, n, k, torch.Generator().manual_seed(n + k))
@@ -263,9 +264,11 @@ def test_fp4_matmul(n, k, kind, rows):
     x = torch.randn(rows, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16() if rows == 3 else None
     want = x.float() @ weight.cuda().t() + (bias.float() if bias is not None else 0)
-    for tiles in (None, (16, 32, 2, 3, 4), (16, 64, 4, 3, 1)) if rows <= 16 else (None,):
+    settings = ([(None, None), ((16, 32, 2, 3, 4), None), ((16, 64, 4, 3, 1), None), ((16, 64, 4, 3, 2), True)]
+                if rows <= 16 else [(None, None), ((128, 128, 8, 3, 1), None), (None, False)])
+    for tiles, first in settings:
         for _ in range(2):   # split-K's counters back at zero after each call
-            _close(triton_fp4.matmul(x, words, scales, row_scale, bias, kind, k, tiles), want, rows, n)
+            _close(triton_fp4.matmul(x, words, scales, row_scale, bias, kind, k, tiles, first), want, rows, n)
     if rows == 1:
         got = triton_fp4.dequantize(words, scales, row_scale, kind, k, torch.bfloat16)
         assert torch.equal(got, weight.cuda().bfloat16())
@@ -320,3 +323,5 @@ def test_fp4_gemv_decodes_every_code_and_scale_exactly(kind, dtype):
     ones = torch.ones(n, device="cuda")
     got = torch.cat([triton_fp4.matmul(eye[i:i + 16], words, scales, ones, None, kind, k) for i in range(0, k, 16)])
     assert torch.equal(got.t(), want), (got.t().float() - want.float()).abs().max()   # 16 rows: the matmul
+    got = triton_fp4.matmul(eye, words, scales, ones, None, kind, k)   # 256 rows: the weights scaled first
+    assert torch.equal(got.t(), want), (got.t().float() - want.float()).abs().max()

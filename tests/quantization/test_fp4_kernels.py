@@ -122,13 +122,16 @@ def check_kernels() -> None:
             words = triton_fp4.repack(packed)
             got = triton_fp4.dequantize(words, scales, row_scale, kind, k, torch.float16).float()
             assert torch.equal(got, weight.half().float()), (kind, n, k)
-            for rows, tiles in ((1, None), (3, (16, 16, 4, 1, 3)), (5, None), (20, None), (70, (32, 16, 4, 1, 1))):
+            for rows, tiles, first in ((1, None, None), (3, (16, 16, 4, 1, 3), None), (5, None, None),
+                                       (20, None, None), (40, None, None), (70, (32, 16, 4, 1, 1), None),
+                                       (20, None, False),
+                                       (3, (16, 16, 4, 1, 3), True), (5, None, True)):
                 x = torch.randn(rows, k, generator=gen).half()   # the interpreter has no bf16 arithmetic
-                bias = torch.randn(n, generator=gen).half() if rows == 3 else None
+                bias = torch.randn(n, generator=gen).half() if rows in (3, 70) else None
                 want = x.float() @ weight.t() + (bias.float() if bias is not None else 0)
-                got = triton_fp4.matmul(x, words, scales, row_scale, bias, kind, k, tiles).float()
+                got = triton_fp4.matmul(x, words, scales, row_scale, bias, kind, k, tiles, first).float()
                 err = ((got - want).norm() / want.norm()).item()
-                assert err < 2e-3, (kind, n, k, rows, tiles, err)
+                assert err < 2e-3, (kind, n, k, rows, tiles, first, err)
 
 
 def check_exact_decoding() -> None:
@@ -148,8 +151,10 @@ def check_exact_decoding() -> None:
                  else torch.exp2(scales.float() - E8M0_BIAS))
         want = (unpack_e2m1(packed) * value.repeat_interleave(group, dim=1)).half()
         words = triton_fp4.repack(packed)
-        got = triton_fp4.matmul(torch.eye(k).half(), words, scales, torch.ones(n), None, kind, k)   # [k, n]: w^T
-        assert torch.equal(got.t(), want), (kind, (got.t().float() - want.float()).abs().max())
+        for first in (False, True):   # scales after the products, or on the weights first
+            got = triton_fp4.matmul(torch.eye(k).half(), words, scales, torch.ones(n), None, kind, k,
+                                    scale_first=first)   # [k, n]: w^T
+            assert torch.equal(got.t(), want), (kind, first, (got.t().float() - want.float()).abs().max())
         assert torch.equal(triton_fp4.dequantize(words, scales, torch.ones(n), kind, k, torch.float16), want)
 
 
@@ -171,8 +176,9 @@ def test_split_k_workspace_outgrown_stays_alive():
     large, _ = splitk.buffers(device, splitk.MIN_FLOATS + 1, 4)
     assert large.numel() > small.numel() and any(t is small for t in splitk._OUTGROWN)
     assert splitk.buffers(device, 16, 4)[0] is large
-    block_m, block_n, _, _, split = triton_fp4.tiles_for(16, 128256)
-    assert split == 1
-    for n in (4096, 6144, 28672):
-        block_m, block_n, _, _, split = triton_fp4.tiles_for(16, n)
-        assert split * block_m * 2 * n <= splitk.MIN_FLOATS
+    for rows in (16, 32, 64):
+        block_m, block_n, _, _, split = triton_fp4.tiles_for(rows, 128256)
+        assert split == 1
+        for n in (4096, 6144, 28672):
+            block_m, block_n, _, _, split = triton_fp4.tiles_for(rows, n)
+            assert split * block_m * 2 * n <= splitk.MIN_FLOATS and block_m >= rows

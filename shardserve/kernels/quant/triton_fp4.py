@@ -19,17 +19,21 @@ by a `prmt`, a shift, a mask and a `lop3`; triton_fp4_gemv.py's docstring has th
 code's magnitude bits placed under its sign at bits 9-11 of an fp16 make the fp16 e2m1 * 2^-14,
 normal and subnormal values alike (bf16: bits 6-8, e2m1 * 2^-126, then one multiply by 2^126); an
 E4M3 scale byte's magnitude bits at bits 7-13 of an fp16 make e4m3 * 2^-8. Under Triton's
-interpreter (no PTX) `decode_run` does the same in plain Triton. `matmul` (5-16 rows) multiplies
-each run's 16 inputs on the tensor cores and scales the products by the run's scales, spread over
-the rows by a one-hot product (exact, in the accumulators' layout), with split-K for layers of up
-to 32768 outputs; `dequantize` writes the whole weight for cuBLAS (e2m1 * scale * the row's factor
-in fp32, then rounded to the dtype).
+interpreter (no PTX) `decode_run` does the same in plain Triton. `matmul`, 5-16 rows: each run's
+16 inputs multiplied on the tensor cores, the products scaled by the run's scales spread over the
+rows by a one-hot product (exact, in the accumulators' layout). 17-64 rows (scale-first): each
+run's weights times their scale (exact in the activations' dtype), four runs joined into one
+[strip, 64] operand against activations permuted to the joined order (`_JOINED`), so the scaling
+costs per weight, not per output. Both with split-K where the workspace allows. `dequantize`
+writes the whole weight for cuBLAS (e2m1 * scale * the row's factor in fp32, then rounded to the
+dtype), the faster way past 64 rows: every row tile of the kernels decodes the weights again.
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 
 from shardserve.kernels import pdl
 from shardserve.kernels.quant import int4_layout, splitk
@@ -39,6 +43,10 @@ GROUP = {"nvfp4": 16, "mxfp4": 32}
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"   # no PTX there: the kernels decode in plain Triton
 RUN = 16
 BLOCK = 8 * RUN   # inputs a block: 16 words a row
+# The input at each column of the scale-first kernel's joined tiles (4 runs, 64 inputs, a product):
+# column 64 h + 4 w + 2 a + b holds input w of run 4 h + 2 b + a (tl.join nests the innermost first).
+_JOINED_ON: dict[torch.device, torch.Tensor] = {}   # _JOINED per device (made before any graph capture)
+_JOINED = torch.tensor([16 * (4 * (c // 64) + 2 * (c & 1) + ((c >> 1) & 1)) + (c % 64) // 4 for c in range(BLOCK)])
 
 
 def codes(packed: torch.Tensor) -> torch.Tensor:
@@ -134,23 +142,39 @@ if triton is not None:
         return acc + tl.dot(S, E) * tl.dot(w, x)
 
     @triton.jit
+    def scaled(w, i: tl.constexpr, s_rows, col_ok, k0, k, unit, MX: tl.constexpr, GROUP: tl.constexpr, dt):
+        """Run i's weights w [BLOCK_N, 16] times their scale (and `unit`) in fp32, rounded to dt:
+        exact, e2m1 times a scale needing at most 6 bits."""
+        s_ok = (col_ok & (col_ok.to(tl.int32) * 0 + k0 + 16 * i < k))[:, None]   # (a tensor: the interpreter's masks)
+        return (w.to(tl.float32) * (scale_of(s_rows, s_ok, k0 + 16 * i, MX, GROUP) * unit)).to(dt)
+
+    @triton.jit
     def fp4_matmul_kernel(x_ptr, w_ptr, s_ptr, r_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, words, stride_x,
                           stride_s, stride_o, MX: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                          PDL: tl.constexpr):
-        # Per block of 128 inputs: the 8 runs decoded at once, each run's product (K = 16) scaled by
-        # its scales spread over the rows; the fp32 sums take the rows' global factor at the end.
-        # Grid axis 1: the row tiles, or with SPLIT > 1 (one row tile) the parts of K (split-K).
+                          SCALE_FIRST: tl.constexpr, PDL: tl.constexpr):
+        # Per block of 128 inputs: the 8 runs decoded at once. Else SCALE_FIRST: each run's product
+        # (K = 16) scaled by its scales spread over the rows. SCALE_FIRST: each run's weights times
+        # their scale (exact in the activations' dtype), runs joined four by four into [BLOCK_N, 64]
+        # tiles, two products with K = 64 against activations permuted to the joined order (the
+        # joins keep fewer values live than one of 128; int32 offsets into x, fewer registers than
+        # pointers). The fp32 sums take the rows' global factor at the end. The grid: (strips, row
+        # tiles), or with SPLIT > 1 (one row tile) (strips, parts of K) (split-K); SCALE_FIRST without
+        # a split (row tiles, strips), so that the programs side by side share one strip of weights
+        # (read once from memory) while the activations stay in L2.
         pdl.start(PDL)
         BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = (tl.program_id(1) * BLOCK_M if SPLIT == 1 else 0) + tl.arange(0, BLOCK_M)
+        ROWS_FIRST: tl.constexpr = SCALE_FIRST and SPLIT == 1
+        strip, tile = (tl.program_id(1), tl.program_id(0)) if ROWS_FIRST else (tl.program_id(0), tl.program_id(1))
+        cols = strip * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = (tile * BLOCK_M if SPLIT == 1 else 0) + tl.arange(0, BLOCK_M)
         col_ok = cols < n
         m_ok = m < rows
         j = tl.arange(0, 16)
         w_rows = w_ptr + cols[:, None].to(tl.int64) * words + j[None, :]
         s_rows = s_ptr + cols[:, None].to(tl.int64) * stride_s
         x_rows = x_ptr + m[None, :].to(tl.int64) * stride_x
+        x_off = m[None, :] * stride_x   # SCALE_FIRST's (x past 2^31 values: not on its 64 rows)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         blocks = tl.cdiv(k, 128)
         per = tl.cdiv(blocks, SPLIT)
@@ -159,19 +183,36 @@ if triton is not None:
             k0 = blk * 128
             P = tl.load(w_rows + k0 // 8, mask=col_ok[:, None], other=0)
             w0, w1, w2, w3, w4, w5, w6, w7 = decode_runs(P, ASM, BF16)
-            k_run = k0 + 16 * j                        # the block's runs (columns 8 and up: none)
-            s_ok = col_ok[:, None] & ((j < 8) & (k_run < k))[None, :]
-            S = scale_of(s_rows, s_ok, k_run[None, :], MX, GROUP)   # [BLOCK_N, 16] fp32
-            S = S.to(tl.bfloat16) if ASM else S        # exact (E4M3, powers of two); the interpreter: fp32
-            acc = run_part(acc, w0, S, 0, x_rows, m_ok, k0, k, BLOCK_M)
-            acc = run_part(acc, w1, S, 1, x_rows, m_ok, k0, k, BLOCK_M)
-            acc = run_part(acc, w2, S, 2, x_rows, m_ok, k0, k, BLOCK_M)
-            acc = run_part(acc, w3, S, 3, x_rows, m_ok, k0, k, BLOCK_M)
-            acc = run_part(acc, w4, S, 4, x_rows, m_ok, k0, k, BLOCK_M)
-            acc = run_part(acc, w5, S, 5, x_rows, m_ok, k0, k, BLOCK_M)
-            acc = run_part(acc, w6, S, 6, x_rows, m_ok, k0, k, BLOCK_M)
-            acc = run_part(acc, w7, S, 7, x_rows, m_ok, k0, k, BLOCK_M)
-        unit = 16384.0 if ASM and not BF16 else 1.0   # the fp16 PTX's 2^-14
+            if SCALE_FIRST:   # the scaled runs side by side, 4 a product (`_joined_order`)
+                dt = x_ptr.dtype.element_ty
+                unit = 16384.0 if ASM and not BF16 else 1.0   # the fp16 PTX's 2^-14
+                W = tl.join(tl.join(scaled(w0, 0, s_rows, col_ok, k0, k, unit, MX, GROUP, dt),
+                                    scaled(w1, 1, s_rows, col_ok, k0, k, unit, MX, GROUP, dt)),
+                            tl.join(scaled(w2, 2, s_rows, col_ok, k0, k, unit, MX, GROUP, dt),
+                                    scaled(w3, 3, s_rows, col_ok, k0, k, unit, MX, GROUP, dt)))
+                kk = k0 + tl.arange(0, 64)   # x: permuted to match (`matmul`), zeros past K
+                xb = tl.load(x_ptr + (x_off + kk[:, None]), mask=m_ok[None, :], other=0.0)
+                acc = tl.dot(tl.reshape(W, [BLOCK_N, 64]), xb, acc)
+                W = tl.join(tl.join(scaled(w4, 4, s_rows, col_ok, k0, k, unit, MX, GROUP, dt),
+                                    scaled(w5, 5, s_rows, col_ok, k0, k, unit, MX, GROUP, dt)),
+                            tl.join(scaled(w6, 6, s_rows, col_ok, k0, k, unit, MX, GROUP, dt),
+                                    scaled(w7, 7, s_rows, col_ok, k0, k, unit, MX, GROUP, dt)))
+                xb = tl.load(x_ptr + (x_off + 64 + kk[:, None]), mask=m_ok[None, :], other=0.0)
+                acc = tl.dot(tl.reshape(W, [BLOCK_N, 64]), xb, acc)
+            else:
+                k_run = k0 + 16 * j                        # the block's runs (columns 8 and up: none)
+                s_ok = col_ok[:, None] & ((j < 8) & (k_run < k))[None, :]
+                S = scale_of(s_rows, s_ok, k_run[None, :], MX, GROUP)   # [BLOCK_N, 16] fp32
+                S = S.to(tl.bfloat16) if ASM else S        # exact (E4M3, powers of two); the interpreter: fp32
+                acc = run_part(acc, w0, S, 0, x_rows, m_ok, k0, k, BLOCK_M)
+                acc = run_part(acc, w1, S, 1, x_rows, m_ok, k0, k, BLOCK_M)
+                acc = run_part(acc, w2, S, 2, x_rows, m_ok, k0, k, BLOCK_M)
+                acc = run_part(acc, w3, S, 3, x_rows, m_ok, k0, k, BLOCK_M)
+                acc = run_part(acc, w4, S, 4, x_rows, m_ok, k0, k, BLOCK_M)
+                acc = run_part(acc, w5, S, 5, x_rows, m_ok, k0, k, BLOCK_M)
+                acc = run_part(acc, w6, S, 6, x_rows, m_ok, k0, k, BLOCK_M)
+                acc = run_part(acc, w7, S, 7, x_rows, m_ok, k0, k, BLOCK_M)
+        unit = 16384.0 if ASM and not BF16 and not SCALE_FIRST else 1.0   # the fp16 PTX's 2^-14, if still there
         acc = acc * (tl.load(r_ptr + cols, mask=col_ok, other=0.0) * unit)[:, None]
         splitk.reduce_and_finish(acc, acc, ws_ptr, cnt_ptr, n, out_ptr, b_ptr, cols, col_ok, m, rows, stride_o, SPLIT,
                                  HAS_BIAS, False)
@@ -196,35 +237,49 @@ if triton is not None:
 
 
 def tiles_for(rows: int, n: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages, SPLIT): for 5-16 rows the fastest on Llama-3-8B's shapes at 8
-    rows on an H100 (`benchmarks/quant_gemv.py --sweep`, BENCHMARKS.md session 35): narrow strips and
-    K in 4 parts under 8192 outputs, 64-output strips and 2 parts up to 32768, no split beyond (an LM
-    head's strips fill the GPU, and its parts would outgrow splitk's workspace); wider tiles for more
-    rows."""
+    """(BLOCK_M, BLOCK_N, warps, stages, SPLIT): the fastest on Llama-3-8B's shapes (`benchmarks/
+    quant_gemv.py --sweep`, BENCHMARKS.md sessions 35-36). 5-16 rows (scales after the products): narrow
+    strips and K in 4 parts under 8192 outputs, 64-output strips and 2 parts up to 32768, no split
+    beyond (an LM head's strips fill the GPU). 17-64 rows (scales first): one row tile, K in 4 parts
+    where splitk's standing workspace holds them, else 2, else none. More rows (not sent here by
+    quantization/fp4.py, which dequantizes for cuBLAS): wider tiles."""
     if rows <= 16:
         return (16, 32, 2, 3, 4) if n < 8192 else (16, 64, 4, 3, 2 if n <= 32768 else 1)
-    return 64, 64, 4, 2, 1
+    if rows <= 64:
+        block_m, block_n, warps = (32, 32, 2) if rows <= 32 else (64, 64, 4)
+        split = next(s for s in (4, 2, 1) if s == 1 or s * block_m * 2 * n <= splitk.MIN_FLOATS)
+        return block_m, block_n, warps, 3, split
+    return 128, 64, 4, 3, 1
 
 
 def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor,
-           bias: torch.Tensor | None, kind: str, k: int, tiles: tuple[int, int, int, int, int] | None = None
-           ) -> torch.Tensor:
-    """x [M, K] (bf16 / fp16) @ the FP4 weight^T -> [M, N] in x's dtype, on the tensor cores."""
+           bias: torch.Tensor | None, kind: str, k: int, tiles: tuple[int, int, int, int, int] | None = None,
+           scale_first: bool | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16) @ the FP4 weight^T -> [M, N] in x's dtype, on the tensor cores;
+    scale_first (default: past 16 rows) scales the weights before their products (see the kernel)."""
     rows, n = x.shape[0], words.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     block_m, block_n, warps, stages, split = tiles or tiles_for(rows, n)
+    scale_first = rows > 16 if scale_first is None else scale_first
+    if scale_first:   # the inputs of each block of 128 in the kernel's joined order, zeros up to whole blocks
+        padded = words.shape[1] * 8
+        order = _JOINED_ON.get(x.device)
+        if order is None:
+            order = _JOINED_ON[x.device] = _JOINED.to(x.device)
+        x = F.pad(x, (0, padded - k)).view(rows, padded // BLOCK, BLOCK)[:, :, order].view(rows, padded)
     split = min(split, cdiv(k, BLOCK)) if rows <= block_m else 1
-    grid = (cdiv(n, block_n), split if split > 1 else cdiv(rows, block_m))
+    grid = (cdiv(n, block_n), split) if split > 1 else (cdiv(n, block_n), cdiv(rows, block_m))
+    grid = (grid[1], grid[0]) if scale_first and split == 1 else grid
     # (no split: no workspace, which an LM head's outputs would outgrow)
     ws, counters = splitk.buffers(x.device, split * block_m * 2 * n, grid[0]) if split > 1 else (out, out)
     fp4_matmul_kernel[grid](
         x, words, scales, row_scale, bias if bias is not None else row_scale, out, ws, counters, rows, n, k,
         words.shape[1], x.stride(0), scales.stride(0), out.stride(0), MX=kind == "mxfp4", GROUP=GROUP[kind],
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, ASM=not INTERPRETED,
-        num_warps=warps, num_stages=stages, **pdl.launch_args(x))
+        SCALE_FIRST=scale_first, num_warps=warps, num_stages=stages, **pdl.launch_args(x))
     return out
 
 
