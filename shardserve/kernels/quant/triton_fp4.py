@@ -45,7 +45,7 @@ RUN = 16
 BLOCK = 8 * RUN   # inputs a block: 16 words a row
 # The input at each column of the scale-first kernel's joined tiles (4 runs, 64 inputs, a product):
 # column 64 h + 4 w + 2 a + b holds input w of run 4 h + 2 b + a (tl.join nests the innermost first).
-_JOINED_ON: dict[torch.device, torch.Tensor] = {}   # _JOINED per device (made before any graph capture)
+_JOINED_ON: dict[torch.device, torch.Tensor] = {}   # _JOINED per device (made eagerly: captures warm up first)
 _JOINED = torch.tensor([16 * (4 * (c // 64) + 2 * (c & 1) + ((c >> 1) & 1)) + (c % 64) // 4 for c in range(BLOCK)])
 
 
@@ -153,8 +153,8 @@ if triton is not None:
                           stride_s, stride_o, MX: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                           SCALE_FIRST: tl.constexpr, PDL: tl.constexpr):
-        # Per block of 128 inputs: the 8 runs decoded at once. Else SCALE_FIRST: each run's product
-        # (K = 16) scaled by its scales spread over the rows. SCALE_FIRST: each run's weights times
+        # Per block of 128 inputs: the 8 runs decoded at once. Without SCALE_FIRST: each run's
+        # product (K = 16) scaled by its scales spread over the rows. SCALE_FIRST: each run's weights times
         # their scale (exact in the activations' dtype), runs joined four by four into [BLOCK_N, 64]
         # tiles, two products with K = 64 against activations permuted to the joined order (the
         # joins keep fewer values live than one of 128; int32 offsets into x, fewer registers than
@@ -183,7 +183,7 @@ if triton is not None:
             k0 = blk * 128
             P = tl.load(w_rows + k0 // 8, mask=col_ok[:, None], other=0)
             w0, w1, w2, w3, w4, w5, w6, w7 = decode_runs(P, ASM, BF16)
-            if SCALE_FIRST:   # the scaled runs side by side, 4 a product (`_joined_order`)
+            if SCALE_FIRST:   # the scaled runs side by side, 4 a product (the order: `_JOINED`)
                 dt = x_ptr.dtype.element_ty
                 unit = 16384.0 if ASM and not BF16 else 1.0   # the fp16 PTX's 2^-14
                 W = tl.join(tl.join(scaled(w0, 0, s_rows, col_ok, k0, k, unit, MX, GROUP, dt),
