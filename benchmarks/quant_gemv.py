@@ -223,6 +223,9 @@ def best_configs(decode: list[dict]) -> dict[str, list]:
 # (BLOCK_M, BLOCK_N, warps, stages) of the tensor-core W4A16 kernel on prefill row counts
 INT4_DOT_PREFILL = [(16, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3),
                     (64, 128, 8, 3), (128, 128, 4, 3)]
+# the same with split-K parts, for 17-64 rows (one row tile)
+INT4_DOT_MID = [(32, 32, 4, 2, 4), (32, 32, 4, 2, 2), (32, 64, 4, 2, 4), (64, 32, 4, 2, 4), (64, 32, 4, 1, 4),
+                (64, 64, 4, 1, 4)]
 # (BLOCK_M, BLOCK_N, warps, stages, split) of the FP4 matmul (weights scaled first) on prefill row counts
 FP4_DOT_PREFILL = [(64, 64, 4, 3, 1), (64, 64, 4, 3, 2), (64, 64, 4, 3, 4), (32, 64, 4, 3, 4), (128, 64, 4, 3, 1),
                    (128, 64, 4, 3, 2), (128, 128, 8, 3, 1), (256, 128, 8, 3, 1), (32, 32, 2, 3, 4), (64, 32, 4, 3, 4)]
@@ -261,7 +264,12 @@ def run_prefill(rows_list: list[int], sweep: bool = False, shapes: tuple[str, ..
             for t in [None] + (FP4_DOT_PREFILL if sweep else []):
                 variants[f"fp4 dot {t or 'default'}"] = ("fp4", lambda w, t=t: triton_fp4.matmul(
                     x, *w, None, "nvfp4", k, tiles=t))
-            for t in INT4_DOT_PREFILL if sweep else INT4_DOT_PREFILL[:1]:
+            for t in INT4_DOT_MID if sweep and rows <= 64 else []:
+                variants[f"int4 dot {t}"] = ("int4", lambda w, t=t: triton_w4a16.matmul_dot(
+                    x, *w, k, GROUP, RUN, tiles=t))
+                variants[f"int4 g32 dot {t}"] = ("g32", lambda w, t=t: triton_w4a16.matmul_dot(
+                    x, *w, k, 32, 32, tiles=t))
+            for t in INT4_DOT_PREFILL if sweep and rows > 64 else INT4_DOT_PREFILL[:1]:
                 variants[f"int4 dot {t}"] = ("int4", lambda w, t=t: triton_w4a16.matmul_dot(
                     x, *w, k, GROUP, RUN, tiles=t))
                 variants[f"int4 g32 dot {t}"] = ("g32", lambda w, t=t: triton_w4a16.matmul_dot(

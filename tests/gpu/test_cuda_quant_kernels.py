@@ -121,6 +121,26 @@ def test_w4a16_kernels_match_dequantized_reference(rows, n, k, group, gated, bia
     assert torch.allclose(w, full, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [17, 32, 40, 64])
+@pytest.mark.parametrize("n,k,group,bias", [(6144, 4096, 128, False), (4096, 14336, 128, True),
+                                            (28672, 4096, 32, False), (1000, 904, 8 * 113, True)])
+def test_w4a16_dot_17_to_64_rows_split_k(rows, n, k, group, bias):
+    """The W4A16 matmul's tiles past 16 rows (one row tile, K in parts: split-K) and a forced split
+    of a 16-row tile over several row tiles, against the dequantized reference; twice each (split-K's
+    counters back at zero)."""
+    from shardserve.kernels.quant import triton_w4a16
+    torch.manual_seed(rows + k)
+    g, run = int4_layout.kernel_group(group, k)
+    words, scales, zeros = _int4_weight(n, k, group, run)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    want = reference.matmul(x.float(), reference.int4_weight(words, scales, zeros, k, group, run, torch.float32),
+                            b.float() if b is not None else None)
+    for tiles in (None, (64, 32, 4, 1, 2), (16, 64, 4, 2, 4)):
+        for _ in range(2):
+            _close(triton_w4a16.matmul_dot(x, words, scales, zeros, k, g, run, b, tiles=tiles), want, rows, n)
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
                     reason="E4M3 tensors need compute capability 8.9+")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])

@@ -28,6 +28,8 @@ from shardserve.kernels.quant import splitk, tuned
 from shardserve.utils import cdiv
 
 FMA_ROWS = 4   # rows up to this: the FMA kernel
+# matmul_dot's tiles past 16 rows (BLOCK_M, BLOCK_N, warps, stages, split-K parts), by the rows they take
+DOT_TILES = {32: (32, 32, 4, 2, 4), 64: (64, 32, 4, 1, 4)}
 
 try:
     import triton
@@ -114,13 +116,15 @@ if triton is not None:
         splitk.finish(y, y_up, out_ptr, b_ptr, cols, col_ok, r, rows, stride_o, HAS_BIAS, GATED)
 
     @triton.jit
-    def matmul_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, n, k, words, stride_x, stride_o,
-                          GROUP: tl.constexpr, RUN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    def matmul_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, words, stride_x,
+                          stride_o, GROUP: tl.constexpr, RUN: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+        # Grid: (strips, row tiles), or with SPLIT > 1 (one row tile) (strips, parts of K): split-K,
+        # kernels/quant/splitk.py.
         pdl.start(PDL)
         BLOCK: tl.constexpr = 8 * RUN
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m = (tl.program_id(1) * BLOCK_M if SPLIT == 1 else 0) + tl.arange(0, BLOCK_M)
         col_ok = cols < n
         m_ok = m < rows
         j = tl.arange(0, RUN)
@@ -128,8 +132,13 @@ if triton is not None:
         x_rows = x_ptr + m[None, :].to(tl.int64) * stride_x
         dt = x_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        P = tl.load(w_rows + j[None, :], mask=col_ok[:, None], other=0)
-        for k0 in range(0, k, BLOCK):
+        blocks = tl.cdiv(k, BLOCK)
+        per = tl.cdiv(blocks, SPLIT)
+        first = tl.program_id(1) * per if SPLIT > 1 else 0
+        first_ok = (j * 0 + first < blocks)[None, :]   # a part may start past K's blocks: nothing to load
+        P = tl.load(w_rows + first * (BLOCK // 8) + j[None, :], mask=col_ok[:, None] & first_ok, other=0)
+        for blk in range(first, tl.minimum(first + per, blocks)):
+            k0 = blk * BLOCK
             nxt = (k0 + BLOCK) // 8 + j
             P_next = tl.load(w_rows + nxt[None, :], mask=col_ok[:, None] & (nxt < words)[None, :], other=0)
             for i in tl.static_range(8):
@@ -138,11 +147,8 @@ if triton is not None:
                 w = dequant_run(P, i, s_ptr, z_ptr, k0, k, n, cols, col_ok, GROUP, RUN).to(dt)
                 acc = tl.dot(w, x, acc)
             P = P_next
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-        ok = col_ok[:, None] & m_ok[None, :]
-        tl.store(out_ptr + m[None, :].to(tl.int64) * stride_o + cols[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=ok)
+        splitk.reduce_and_finish(acc, acc, ws_ptr, cnt_ptr, n, out_ptr, b_ptr, cols, col_ok, m, rows, stride_o, SPLIT,
+                                 HAS_BIAS, False)
 
     @triton.jit
     def dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, n, k, words, GROUP: tl.constexpr, RUN: tl.constexpr,
@@ -186,24 +192,32 @@ def gemv_fma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     return out
 
 
-def _dot_tiles(x: torch.Tensor, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) for the tensor-core kernel."""
-    found = tuned.lookup("int4_dot", n, k, False, x.shape[0], x.device)
+def _dot_tiles(x: torch.Tensor, n: int, k: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, warps, stages[, SPLIT]) for the tensor-core kernel: tuned for this GPU and
+    shape, else 16 rows a tile up to 16 rows (the eight runs of x a step are pipelined through shared
+    memory), DOT_TILES past that."""
+    found = tuned.lookup("int4_dot", n, k, False, x.shape[0], x.device) if x.is_cuda else None
     if found:
         return tuple(found)
-    return 16, 64, 4, 2   # 16 rows a tile: the eight runs of x a step are pipelined through shared memory
+    rows = x.shape[0]
+    return (16, 64, 4, 2) if rows <= 16 else DOT_TILES[32 if rows <= 32 else 64]
 
 
 def matmul_dot(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int, group: int,
-               run: int, bias: torch.Tensor | None = None,
-               tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [rows, K] @ W^T (+ bias) on the tensor cores, W the kernel-layout weight [N, ...]."""
+               run: int, bias: torch.Tensor | None = None, tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+    """x [rows, K] @ W^T (+ bias) on the tensor cores, W the kernel-layout weight [N, ...]; tiles
+    (BLOCK_M, BLOCK_N, warps, stages[, SPLIT parts of K, for rows <= BLOCK_M])."""
     rows, n = x.shape[0], words.shape[0]
-    block_m, block_n, warps, stages = tiles or _dot_tiles(x, n, k)
+    block_m, block_n, warps, stages, *parts = tiles or _dot_tiles(x, n, k)
+    split = min(parts[0], cdiv(k, 8 * run)) if parts and rows <= block_m else 1
+    while split > 1 and split * block_m * 2 * n > splitk.MIN_FLOATS:   # the standing workspace holds the parts
+        split //= 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    matmul_dot_kernel[(cdiv(n, block_n), cdiv(rows, block_m))](
-        x, words, scales, zeros, bias if bias is not None else scales, out, rows, n, k, words.shape[1],
-        x.stride(0), out.stride(0), GROUP=group, RUN=run, BLOCK_M=block_m, BLOCK_N=block_n,
+    grid = (cdiv(n, block_n), split if split > 1 else cdiv(rows, block_m))
+    ws, counters = splitk.buffers(x.device, split * block_m * 2 * n, grid[0]) if split > 1 else (out, out)
+    matmul_dot_kernel[grid](
+        x, words, scales, zeros, bias if bias is not None else scales, out, ws, counters, rows, n, k, words.shape[1],
+        x.stride(0), out.stride(0), GROUP=group, RUN=run, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split,
         HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages, **pdl.launch_args(x))
     return out
 
