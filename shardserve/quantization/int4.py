@@ -65,7 +65,7 @@ from shardserve.quantization.stored import left_out, left_out_patterns
 
 PACK = 8                                  # 4-bit values per int32 word
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # nibble i of an AWQ word holds output 8c + AWQ_ORDER[i]
-DOT_MAX_ROWS = 16                         # more rows: dequantize into bf16, then cuBLAS
+DOT_MAX_ROWS = 64                         # more rows: dequantize into bf16, then cuBLAS (BENCHMARKS.md, session 36)
 
 
 def unpack_int4(packed: torch.Tensor, dim: int, interleaved: bool = False, bits: int = 4) -> torch.Tensor:

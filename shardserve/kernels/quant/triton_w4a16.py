@@ -13,9 +13,10 @@ lies in one group, so those constants are loaded once per run of RUN inputs.
   compiler pipelines only loads that feed a dot, so this keeps two blocks in flight); fp32 FMAs on
   CUDA cores, no tensor-core tile padded from one row to 16. The gated form computes
   silu(x Wg^T) * (x Wu^T) for a stacked gate_up weight, as kernels/gemv/triton_gemv.py does.
-- `matmul_dot` (5-16 rows): output tiles over a 2-D grid, the weights rounded to bf16/fp16 as the
-  reference rounds them, then the tensor cores (16 rows a tile: a step's eight runs of activations
-  fill shared memory beyond that).
+- `matmul_dot` (5-64 rows): output tiles over a 2-D grid, the weights rounded to bf16/fp16 as the
+  reference rounds them, then the tensor cores (16 rows a tile up to 16 rows; 17-64 rows one tile
+  of 64 with one pipeline stage, a step's eight runs of activations filling shared memory, and K in
+  parts: split-K, kernels/quant/splitk.py).
 - `dequantize`: the whole weight into bf16/fp16, for cuBLAS on large row counts.
 Each kernel begins with `pdl.start(PDL)` (kernels/pdl.py). Tile settings: kernels/quant/tuned.py.
 """
@@ -28,8 +29,9 @@ from shardserve.kernels.quant import splitk, tuned
 from shardserve.utils import cdiv
 
 FMA_ROWS = 4   # rows up to this: the FMA kernel
-# matmul_dot's tiles past 16 rows (BLOCK_M, BLOCK_N, warps, stages, split-K parts), by the rows they take
-DOT_TILES = {32: (32, 32, 4, 2, 4), 64: (64, 32, 4, 1, 4)}
+# matmul_dot's tiles for 17-64 rows (BLOCK_M, BLOCK_N, warps, stages, split-K parts): the fastest over
+# Llama-3-8B's four layers at 32 and 64 rows on an H200, groups of 128 and of 32 (BENCHMARKS.md, session 36)
+DOT_TILES_TO_64 = (64, 64, 4, 1, 4)
 
 try:
     import triton
@@ -195,12 +197,12 @@ def gemv_fma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
 def _dot_tiles(x: torch.Tensor, n: int, k: int) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, warps, stages[, SPLIT]) for the tensor-core kernel: tuned for this GPU and
     shape, else 16 rows a tile up to 16 rows (the eight runs of x a step are pipelined through shared
-    memory), DOT_TILES past that."""
+    memory), DOT_TILES_TO_64 past that (one pipeline stage, one row tile, split-K)."""
     found = tuned.lookup("int4_dot", n, k, False, x.shape[0], x.device) if x.is_cuda else None
     if found:
         return tuple(found)
     rows = x.shape[0]
-    return (16, 64, 4, 2) if rows <= 16 else DOT_TILES[32 if rows <= 32 else 64]
+    return (16, 64, 4, 2) if rows <= 16 else DOT_TILES_TO_64
 
 
 def matmul_dot(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int, group: int,
