@@ -5,13 +5,14 @@ calls that rotate over enough weight copies to miss the L2 cache, for bf16 (cuBL
 GEMV), FP8 (`torch._scaled_mm` with its per-token activation quantization, the FP8 GEMV's loops:
 "runs", "runs8" and, for comparison, session 15's best "dot16" and "fma" settings) and INT4 W4A16
 (the tensor-core GEMV of triton_w4a16_gemv.py with its "mma" and "mmak" loops, the FMA GEMV, the
-tensor-core kernel for 4-16 rows), with the achieved weight bandwidth. `--sweep` also tries the
-kernels' tile settings; `--warm` only compiles them (run one process per shape and row count side
-by side to fill Triton's cache before a timed sweep). Prefill (64-8192 rows): the tensor-core
-W4A16 kernel against dequantize-then-cuBLAS, FP8 `_scaled_mm` and bf16 cuBLAS.
+tensor-core kernel for 4-16 rows) and FP4 (its GEMV, its matmul's two forms), with the achieved
+weight bandwidth. `--sweep` also tries the kernels' tile settings; `--warm` only compiles them (run
+one process per shape and row count side by side to fill Triton's cache before a timed sweep).
+Prefill and 17-64 rows (`--prefill-rows`, default 64-4096; `--prefill-shapes`): the INT4 and FP4
+tensor-core kernels against dequantize-then-cuBLAS, FP8 `_scaled_mm` and bf16 cuBLAS.
 
     python3 benchmarks/quant_gemv.py [--sweep [--write-configs]] [--json out.json] [--shapes qkv,o]
-        [--only runs8,mmak] [--warm]
+        [--only runs8,mmak] [--warm] [--prefill-rows 32,64 --prefill-shapes qkv,o,gate_up,down]
 """
 from __future__ import annotations
 
@@ -264,15 +265,10 @@ def run_prefill(rows_list: list[int], sweep: bool = False, shapes: tuple[str, ..
             for t in [None] + (FP4_DOT_PREFILL if sweep else []):
                 variants[f"fp4 dot {t or 'default'}"] = ("fp4", lambda w, t=t: triton_fp4.matmul(
                     x, *w, None, "nvfp4", k, tiles=t))
-            for t in INT4_DOT_MID if sweep and rows <= 64 else []:
-                variants[f"int4 dot {t}"] = ("int4", lambda w, t=t: triton_w4a16.matmul_dot(
+            for t in [None] + ((INT4_DOT_MID if rows <= 64 else INT4_DOT_PREFILL) if sweep else []):
+                variants[f"int4 dot {t or 'default'}"] = ("int4", lambda w, t=t: triton_w4a16.matmul_dot(
                     x, *w, k, GROUP, RUN, tiles=t))
-                variants[f"int4 g32 dot {t}"] = ("g32", lambda w, t=t: triton_w4a16.matmul_dot(
-                    x, *w, k, 32, 32, tiles=t))
-            for t in INT4_DOT_PREFILL if sweep and rows > 64 else INT4_DOT_PREFILL[:1]:
-                variants[f"int4 dot {t}"] = ("int4", lambda w, t=t: triton_w4a16.matmul_dot(
-                    x, *w, k, GROUP, RUN, tiles=t))
-                variants[f"int4 g32 dot {t}"] = ("g32", lambda w, t=t: triton_w4a16.matmul_dot(
+                variants[f"int4 g32 dot {t or 'default'}"] = ("g32", lambda w, t=t: triton_w4a16.matmul_dot(
                     x, *w, k, 32, 32, tiles=t))
             for label, (fmt, fn) in variants.items():
                 if only and not any(part in label for part in only):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from shardserve.kernels.quant import int4_layout, reference
+from tests.quantization.test_fp4_kernels import split_k_counters_zero
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -123,11 +124,12 @@ def test_w4a16_kernels_match_dequantized_reference(rows, n, k, group, gated, bia
 
 @pytest.mark.parametrize("rows", [17, 32, 40, 64])
 @pytest.mark.parametrize("n,k,group,bias", [(6144, 4096, 128, False), (4096, 14336, 128, True),
-                                            (28672, 4096, 32, False), (1000, 904, 8 * 113, True)])
+                                            (4096, 2048, 32, False), (28672, 4096, 32, False),
+                                            (1000, 904, 8 * 113, True)])
 def test_w4a16_dot_17_to_64_rows_split_k(rows, n, k, group, bias):
-    """The W4A16 matmul's tiles past 16 rows (one row tile, K in parts: split-K) and a forced split
-    of a 16-row tile over several row tiles, against the dequantized reference; twice each (split-K's
-    counters back at zero)."""
+    """The W4A16 matmul's tiles past 16 rows (one row tile, K in parts: split-K; 28672 outputs: no
+    split, the workspace cap; K of one block: none) and 16-row tiles over several row tiles, against
+    the dequantized reference; split-K's counters back at zero after each call."""
     from shardserve.kernels.quant import triton_w4a16
     torch.manual_seed(rows + k)
     g, run = int4_layout.kernel_group(group, k)
@@ -137,8 +139,8 @@ def test_w4a16_dot_17_to_64_rows_split_k(rows, n, k, group, bias):
     want = reference.matmul(x.float(), reference.int4_weight(words, scales, zeros, k, group, run, torch.float32),
                             b.float() if b is not None else None)
     for tiles in (None, (64, 32, 4, 1, 2), (16, 64, 4, 2, 4)):
-        for _ in range(2):
-            _close(triton_w4a16.matmul_dot(x, words, scales, zeros, k, g, run, b, tiles=tiles), want, rows, n)
+        _close(triton_w4a16.matmul_dot(x, words, scales, zeros, k, g, run, b, tiles=tiles), want, rows, n)
+        assert split_k_counters_zero(x.device)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
@@ -157,8 +159,8 @@ def test_fp8_runs_gemv_matches_dequantized_reference(rows, n, k, gated, bias):
                             b.float() if b is not None else None, gated)
     for tiles in (None, ("runs", 16, 128, 1, 3, 3), ("runs", 64, 64, 4, 3, 2), ("runs8", 32, 64, 2, 3, 1),
                   ("runs8", 16, 64, 1, 4, 2), ("runs8", 16, 128, 1, 3, 2)):
-        for _ in range(2):
-            _close(triton_fp8_gemv.gemv(x, w, scale, b, gated, tiles=tiles), want, rows, n)
+        _close(triton_fp8_gemv.gemv(x, w, scale, b, gated, tiles=tiles), want, rows, n)
+        assert split_k_counters_zero(x.device)   # (else the next call's strips never finish)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
@@ -176,8 +178,8 @@ def test_w4a16_gemv_matches_dequantized_reference(rows, n, k, group, gated, bias
     want = reference.matmul(x.float(), full, b.float() if b is not None else None, gated)
     for tiles in (None, ("mma", 16, 64, 3, 1, 3), ("mma", 64, 32, 2, 4, 3), ("fma", 8, 2), ("mmak", 16, 64, 1, 2, 3),
                   ("mmak", 32, 32, 3, 4, 3)):
-        for _ in range(2):
-            _close(triton_w4a16_gemv.gemv(x, words, scales, zeros, k, g, run, b, gated, tiles=tiles), want, rows, n)
+        _close(triton_w4a16_gemv.gemv(x, words, scales, zeros, k, g, run, b, gated, tiles=tiles), want, rows, n)
+        assert split_k_counters_zero(x.device)   # (else the next call's strips never finish)
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -245,8 +247,8 @@ def test_fp8_block_kernels_match_dequantized_reference(rows, n, k, gated, bias):
     if rows <= triton_fp8_block.RUNS_ROWS:
         tiles += [("runs", 16, 128, 1, 3, 3), ("runs", 64, 64, 4, 3, 2)]
     for t in tiles:
-        for _ in range(2):
-            _close(triton_fp8_block.matmul(x, w, scales, scale_row, 128, b, gated, tiles=t), want, rows, n)
+        _close(triton_fp8_block.matmul(x, w, scales, scale_row, 128, b, gated, tiles=t), want, rows, n)
+        assert split_k_counters_zero(x.device)   # (else the next call's strips never finish)
     if k % 128 == 0 and total % 128 == 0 and rows > triton_fp8_block.MAX_ROWS:   # prefill: cuBLAS, W8A8
         assert triton_fp8_block.scaled_mm_works(0), "H100 / H200 with CUDA 12.9+ run the block-scaled _scaled_mm"
         got = triton_fp8_block.scaled_mm(x, w, grid, b)
@@ -287,8 +289,8 @@ def test_fp4_matmul(n, k, kind, rows):
     settings = ([(None, None), ((16, 32, 2, 3, 4), None), ((16, 64, 4, 3, 1), None), ((16, 64, 4, 3, 2), True)]
                 if rows <= 16 else [(None, None), ((128, 128, 8, 3, 1), None), (None, False)])
     for tiles, first in settings:
-        for _ in range(2):   # split-K's counters back at zero after each call
-            _close(triton_fp4.matmul(x, words, scales, row_scale, bias, kind, k, tiles, first), want, rows, n)
+        _close(triton_fp4.matmul(x, words, scales, row_scale, bias, kind, k, tiles, first), want, rows, n)
+        assert split_k_counters_zero(x.device)
     if rows == 1:
         got = triton_fp4.dequantize(words, scales, row_scale, kind, k, torch.bfloat16)
         assert torch.equal(got, weight.cuda().bfloat16())
@@ -311,8 +313,8 @@ def test_fp4_gemv(rows, kind, n, k, gated, bias):
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     want = reference.matmul(x.float(), weight.cuda(), b.float() if b is not None else None, gated)
     for tiles in (None, (16, 2, 1, 3), (16, 4, 3, 2), (32, 8, 2, 3)):
-        for _ in range(2):
-            _close(triton_fp4_gemv.gemv(x, words, scales, row_scale, kind, k, b, gated, tiles=tiles), want, rows, n)
+        _close(triton_fp4_gemv.gemv(x, words, scales, row_scale, kind, k, b, gated, tiles=tiles), want, rows, n)
+        assert split_k_counters_zero(x.device)   # (else the next call's strips never finish)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -37,6 +37,15 @@ def fp4_case(kind: str, n: int, k: int, gen: torch.Generator):
     return packed, scales, row_scale, weight
 
 
+def split_k_counters_zero(device: torch.device) -> bool:
+    """Every split-K counter of `device` back at zero (a call that left one set would make the next
+    call's strip never finish: its output would keep whatever the memory held)."""
+    from shardserve.kernels.quant import splitk
+    index = device.index if device.type != "cuda" or device.index is not None else torch.cuda.current_device()
+    held = splitk._BUFFERS.get(index)
+    return held is None or not held[1].count_nonzero().item()
+
+
 def test_repack_round_trip():
     from shardserve.kernels.quant import triton_fp4
     packed = torch.randint(0, 256, (24, 200), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -132,6 +141,7 @@ def check_kernels() -> None:
                 got = triton_fp4.matmul(x, words, scales, row_scale, bias, kind, k, tiles, first).float()
                 err = ((got - want).norm() / want.norm()).item()
                 assert err < 2e-3, (kind, n, k, rows, tiles, first, err)
+                assert split_k_counters_zero(x.device)
 
 
 def check_exact_decoding() -> None:

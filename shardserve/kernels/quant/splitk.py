@@ -60,7 +60,7 @@ if triton is not None:
             sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
             y = (sg * y_up.to(dt).to(tl.float32)).to(dt)
         ok = col_ok[:, None] & (r < rows)[None, :]
-        tl.store(out_ptr + r[None, :] * stride_o + cols[:, None], y, mask=ok)
+        tl.store(out_ptr + r[None, :].to(tl.int64) * stride_o + cols[:, None], y, mask=ok)   # (rows x N past 2^31)
 
     @triton.jit
     def reduce_and_finish(y, y_up, ws_ptr, cnt_ptr, n, out_ptr, b_ptr, cols, col_ok, r, rows, stride_o,

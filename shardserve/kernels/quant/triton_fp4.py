@@ -45,7 +45,7 @@ RUN = 16
 BLOCK = 8 * RUN   # inputs a block: 16 words a row
 # The input at each column of the scale-first kernel's joined tiles (4 runs, 64 inputs, a product):
 # column 64 h + 4 w + 2 a + b holds input w of run 4 h + 2 b + a (tl.join nests the innermost first).
-_JOINED_ON: dict[torch.device, torch.Tensor] = {}   # _JOINED per device (made eagerly: captures warm up first)
+_JOINED_ON: dict[torch.device, torch.Tensor] = {}   # _JOINED per device, made at the first call (a capture's warm-up)
 _JOINED = torch.tensor([16 * (4 * (c // 64) + 2 * (c & 1) + ((c >> 1) & 1)) + (c % 64) // 4 for c in range(BLOCK)])
 
 
@@ -174,7 +174,7 @@ if triton is not None:
         w_rows = w_ptr + cols[:, None].to(tl.int64) * words + j[None, :]
         s_rows = s_ptr + cols[:, None].to(tl.int64) * stride_s
         x_rows = x_ptr + m[None, :].to(tl.int64) * stride_x
-        x_off = m[None, :] * stride_x   # SCALE_FIRST's (x past 2^31 values: not on its 64 rows)
+        x_off = m[None, :] * stride_x   # SCALE_FIRST's int32 offsets (`matmul` keeps x under 2^31 values)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         blocks = tl.cdiv(k, 128)
         per = tl.cdiv(blocks, SPLIT)
@@ -263,7 +263,10 @@ def matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, row_scale
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     block_m, block_n, warps, stages, split = tiles or tiles_for(rows, n)
-    scale_first = rows > 16 if scale_first is None else scale_first
+    small = rows * words.shape[1] * 8 < 2 ** 31   # the scale-first kernel's int32 offsets into x
+    scale_first = 16 < rows and small if scale_first is None else scale_first
+    if scale_first and not small:
+        raise ValueError(f"the scale-first FP4 matmul takes fewer than 2^31 activations, not {rows} x {k}")
     if scale_first:   # the inputs of each block of 128 in the kernel's joined order, zeros up to whole blocks
         padded = words.shape[1] * 8
         order = _JOINED_ON.get(x.device)
