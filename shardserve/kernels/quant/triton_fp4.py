@@ -149,6 +149,21 @@ if triton is not None:
         return (w.to(tl.float32) * (scale_of(s_rows, s_ok, k0 + 16 * i, MX, GROUP) * unit)).to(dt)
 
     @triton.jit
+    def scaled_four(acc, wa, wb, wc, wd, i: tl.constexpr, s_rows, col_ok, x_ptr, x_off, m_ok, k0, k, unit,
+                    MX: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+        """acc plus runs i..i+3 (wa..wd) scaled and joined into one [BLOCK_N, 64] operand (column
+        4 w + 2 a + b: run i + 2 b + a, input w: `_JOINED`) times the activations x, permuted to that
+        order by `matmul`, at inputs k0 + 16 i .. + 64 (zeros past K)."""
+        dt = x_ptr.dtype.element_ty
+        W = tl.join(tl.join(scaled(wa, i, s_rows, col_ok, k0, k, unit, MX, GROUP, dt),
+                            scaled(wb, i + 1, s_rows, col_ok, k0, k, unit, MX, GROUP, dt)),
+                    tl.join(scaled(wc, i + 2, s_rows, col_ok, k0, k, unit, MX, GROUP, dt),
+                            scaled(wd, i + 3, s_rows, col_ok, k0, k, unit, MX, GROUP, dt)))
+        kk = k0 + tl.arange(0, 64)
+        xb = tl.load(x_ptr + (x_off + 16 * i + kk[:, None]), mask=m_ok[None, :], other=0.0)
+        return tl.dot(tl.reshape(W, [BLOCK_N, 64]), xb, acc)
+
+    @triton.jit
     def fp4_matmul_kernel(x_ptr, w_ptr, s_ptr, r_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, rows, n, k, words, stride_x,
                           stride_s, stride_o, MX: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
@@ -183,22 +198,12 @@ if triton is not None:
             k0 = blk * 128
             P = tl.load(w_rows + k0 // 8, mask=col_ok[:, None], other=0)
             w0, w1, w2, w3, w4, w5, w6, w7 = decode_runs(P, ASM, BF16)
-            if SCALE_FIRST:   # the scaled runs side by side, 4 a product (the order: `_JOINED`)
-                dt = x_ptr.dtype.element_ty
+            if SCALE_FIRST:   # the scaled runs side by side, 4 a product
                 unit = 16384.0 if ASM and not BF16 else 1.0   # the fp16 PTX's 2^-14
-                W = tl.join(tl.join(scaled(w0, 0, s_rows, col_ok, k0, k, unit, MX, GROUP, dt),
-                                    scaled(w1, 1, s_rows, col_ok, k0, k, unit, MX, GROUP, dt)),
-                            tl.join(scaled(w2, 2, s_rows, col_ok, k0, k, unit, MX, GROUP, dt),
-                                    scaled(w3, 3, s_rows, col_ok, k0, k, unit, MX, GROUP, dt)))
-                kk = k0 + tl.arange(0, 64)   # x: permuted to match (`matmul`), zeros past K
-                xb = tl.load(x_ptr + (x_off + kk[:, None]), mask=m_ok[None, :], other=0.0)
-                acc = tl.dot(tl.reshape(W, [BLOCK_N, 64]), xb, acc)
-                W = tl.join(tl.join(scaled(w4, 4, s_rows, col_ok, k0, k, unit, MX, GROUP, dt),
-                                    scaled(w5, 5, s_rows, col_ok, k0, k, unit, MX, GROUP, dt)),
-                            tl.join(scaled(w6, 6, s_rows, col_ok, k0, k, unit, MX, GROUP, dt),
-                                    scaled(w7, 7, s_rows, col_ok, k0, k, unit, MX, GROUP, dt)))
-                xb = tl.load(x_ptr + (x_off + 64 + kk[:, None]), mask=m_ok[None, :], other=0.0)
-                acc = tl.dot(tl.reshape(W, [BLOCK_N, 64]), xb, acc)
+                acc = scaled_four(acc, w0, w1, w2, w3, 0, s_rows, col_ok, x_ptr, x_off, m_ok, k0, k, unit, MX, GROUP,
+                                  BLOCK_N)
+                acc = scaled_four(acc, w4, w5, w6, w7, 4, s_rows, col_ok, x_ptr, x_off, m_ok, k0, k, unit, MX, GROUP,
+                                  BLOCK_N)
             else:
                 k_run = k0 + 16 * j                        # the block's runs (columns 8 and up: none)
                 s_ok = col_ok[:, None] & ((j < 8) & (k_run < k))[None, :]
