@@ -11,6 +11,7 @@ import torch
 from shardserve.config import EngineConfig
 from shardserve.distributed.parallel_state import set_pp_partition
 from shardserve.distributed.setup import destroy_distributed, init_distributed
+from shardserve.layers.moe import FusedMoE
 from shardserve.worker.model_runner import ModelRunner, PendingOutput
 from shardserve.worker.profiler import StepProfiler
 from shardserve.worker.step_io import ModelRunnerOutput, SchedulerOutput
@@ -68,7 +69,6 @@ class Worker:
     def weight_bytes(self, experts_only: bool = False) -> int:
         """Bytes of this rank's parameters as held (each tensor once: "Model loading took ..."); with
         experts_only, those of its routed experts (the FusedMoE layers)."""
-        from shardserve.layers.moe import FusedMoE
         model = self.model_runner.model
         modules = [m for m in model.modules() if isinstance(m, FusedMoE)] if experts_only else [model]
         return sum({p.data_ptr(): p.numel() * p.element_size() for m in modules for p in m.parameters()}.values())

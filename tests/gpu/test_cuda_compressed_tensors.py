@@ -169,7 +169,7 @@ def test_fp4_switch_over_tp2_and_in_fp32(tmp_path, monkeypatch, layout):
     4-bit kernels on both GPUs, against HF as closely as one GPU; in fp32 the layers are dequantized
     instead (the kernels take 16-bit activations only), and track HF in fp32 closely."""
     if layout == "tp2" and torch.cuda.device_count() < 2:
-        pytest.skip("TP=2 needs 2 GPUs (this machine has one)")
+        pytest.skip(f"TP=2 needs 2 GPUs; this machine has {torch.cuda.device_count()}")
     from tests.quantization.checkpoints import hf_with_weights
     from tests.quantization.test_fp4 import _values
     monkeypatch.setenv("SHARDSERVE_FP4_KERNELS", "1")

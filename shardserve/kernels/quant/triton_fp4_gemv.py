@@ -119,7 +119,7 @@ if triton is not None:
                 y_up = block_sum(y_up, w_up, s_up, X, it, blk, k, live, lanes, E, MX, GROUP, BF16)
         pdl.release(PDL)
         y = fold_rows(y, r_ptr, cols, col_ok, ROWS, BF16)
-        y_up = fold_rows(y_up, r_ptr, n + cols, col_ok, ROWS, BF16)
+        y_up = fold_rows(y_up, r_ptr, n + cols, col_ok, ROWS, BF16) if GATED else y   # (row_scale has n rows then)
         r = tl.arange(0, ROWS)
         splitk.reduce_and_finish(y, y_up, ws_ptr, cnt_ptr, n, out_ptr, b_ptr, cols, col_ok, r, rows, stride_o,
                                  SPLIT, HAS_BIAS, GATED)
